@@ -1,0 +1,39 @@
+# chunkattn: `make serve` runs the service, `make test` runs the whole suite. Both install what is missing.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: install test test-fast lint format serve bench clean
+
+$(STAMP): requirements/dev.txt requirements/constraints.txt client/pyproject.toml server/pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --disable-pip-version-check -c requirements/constraints.txt \
+		-r requirements/dev.txt -e client -e server
+	touch $(STAMP)
+
+install: $(STAMP)  ## create .venv if missing and install both packages (editable) with the dev tools
+
+test: install  ## the whole suite
+	$(BIN)/python -m pytest
+
+test-fast: install  ## the suite without tests marked slow
+	$(BIN)/python -m pytest -m "not slow"
+
+lint: install  ## ruff and mypy
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+format: install
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+serve: install  ## run the server in the foreground (a CPU demo model unless told otherwise)
+	$(BIN)/chunkattn-server $(ARGS)
+
+bench: install  ## benchmarks/engine.py: ours against the SDPA baselines, on this machine
+	$(BIN)/python benchmarks/engine.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis

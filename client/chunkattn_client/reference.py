@@ -1,0 +1,168 @@
+"""Float64 numpy reference for chunked-local attention, written straight from the predicate.
+
+It is deliberately naive (a dense [queries, keys] mask, no paging, no chunk split) so that it can be
+trusted by reading it, and a client can use it to verify what a server returns.
+
+The predicate, for a layer of chunk size C: the query at absolute position i sees the key at absolute
+position j iff ``j <= i and (C == 0 or j // C == i // C)``. C == 0 is a global (plain causal) layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from chunkattn_client.batch import BatchEntry
+
+__all__ = ["ReferenceModel", "chunked_attention", "visible"]
+
+FloatArray = npt.NDArray[np.float64]
+
+
+def visible(q_pos: npt.ArrayLike, k_pos: npt.ArrayLike, chunk_size: int) -> npt.NDArray[np.bool_]:
+    """The mask [len(q_pos), len(k_pos)]: True where the query may attend to the key."""
+    i = np.asarray(q_pos, dtype=np.int64)[:, None]
+    j = np.asarray(k_pos, dtype=np.int64)[None, :]
+    mask = j <= i
+    if chunk_size:
+        mask &= (j // chunk_size) == (i // chunk_size)
+    return mask
+
+
+def chunked_attention(
+    q: npt.ArrayLike,
+    k: npt.ArrayLike,
+    v: npt.ArrayLike,
+    q_positions: npt.ArrayLike,
+    *,
+    chunk_size: int,
+    scale: float | None = None,
+    alibi_slopes: npt.ArrayLike | None = None,
+) -> FloatArray:
+    """Attention of queries over a sequence's keys under the chunked-local predicate, in float64.
+
+    Args:
+        q: [n, num_heads, head_size] queries, any float dtype.
+        k, v: [S, num_kv_heads, head_size] the sequence's keys and values at positions 0..S-1.
+        q_positions: [n] absolute positions of the queries (each < S).
+        chunk_size: C; 0 for a global causal layer.
+        scale: softmax scale; default 1 / sqrt(head_size).
+        alibi_slopes: optional [num_heads] slopes; adds ``slope * (j - i)`` to each score.
+
+    Returns:
+        [n, num_heads, head_size] float64.
+    """
+    q64 = np.asarray(q, dtype=np.float64)
+    k64 = np.asarray(k, dtype=np.float64)
+    v64 = np.asarray(v, dtype=np.float64)
+    qp = np.asarray(q_positions, dtype=np.int64)
+    n, num_heads, head_size = q64.shape
+    seq_len, num_kv_heads, _ = k64.shape
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if qp.shape != (n,) or (n and (qp.min() < 0 or qp.max() >= seq_len)):
+        raise ValueError(f"q_positions must be {n} positions in [0, {seq_len}), got {qp.tolist()}")
+    group = num_heads // num_kv_heads
+    scale = 1.0 / np.sqrt(head_size) if scale is None else scale
+
+    kh = np.repeat(k64, group, axis=1)  # [S, H, D]: query head h reads KV head h // group
+    vh = np.repeat(v64, group, axis=1)
+    scores = np.einsum("nhd,shd->hns", q64, kh) * scale  # [H, n, S]
+    kp = np.arange(seq_len)
+    if alibi_slopes is not None:
+        slopes = np.asarray(alibi_slopes, dtype=np.float64).reshape(num_heads, 1, 1)
+        scores = scores + slopes * (kp[None, None, :] - qp[None, :, None])
+    mask = visible(qp, kp, chunk_size)
+    scores = np.where(mask[None], scores, -np.inf)
+    scores -= scores.max(axis=-1, keepdims=True)
+    weights = np.exp(scores)
+    weights /= weights.sum(axis=-1, keepdims=True)
+    out: FloatArray = np.einsum("hns,shd->nhd", weights, vh)
+    return out
+
+
+class ReferenceModel:
+    """Keeps every sequence's full K/V history per layer and answers calls as the server should.
+
+    Follows the server's call semantics: one call is one layer and one batch; tensors are packed in the
+    order of ``entries``; a KV-sharing layer (``kv_sources[layer]`` set) attends over its source layer's
+    keys and takes no k/v of its own.
+    """
+
+    def __init__(
+        self,
+        chunk_sizes: Sequence[int],
+        *,
+        kv_sources: Sequence[int | None] | None = None,
+        scales: Sequence[float | None] | None = None,
+        alibi_slopes: Sequence[npt.ArrayLike | None] | None = None,
+    ) -> None:
+        self.chunk_sizes = list(chunk_sizes)
+        n = len(self.chunk_sizes)
+        self.kv_sources = list(kv_sources) if kv_sources is not None else [None] * n
+        self.scales = list(scales) if scales is not None else [None] * n
+        self.alibi_slopes = list(alibi_slopes) if alibi_slopes is not None else [None] * n
+        # (seq_id, layer) -> (k [S, Hkv, D], v [S, Hkv, D]) float64 history.
+        self._kv: dict[tuple[str, int], tuple[FloatArray, FloatArray]] = {}
+
+    def length(self, seq_id: str, layer: int) -> int:
+        """Tokens the sequence has in ``layer`` (its source's, for a KV-sharing layer)."""
+        kv = self._kv.get((seq_id, layer))
+        return 0 if kv is None else kv[0].shape[0]
+
+    def attend(
+        self,
+        layer: int,
+        entries: Sequence[BatchEntry],
+        q: npt.ArrayLike,
+        k: npt.ArrayLike | None = None,
+        v: npt.ArrayLike | None = None,
+    ) -> FloatArray:
+        """Expected output [T, num_heads, head_size] float64 of one call; records the new k/v."""
+        q64 = np.asarray(q, dtype=np.float64)
+        source = self.kv_sources[layer]
+        owner = layer if source is None else source
+        outs = []
+        row = 0
+        for e in entries:
+            rows = slice(row, row + e.num_tokens)
+            row += e.num_tokens
+            if source is None:
+                if self.length(e.seq_id, layer) != e.position:
+                    raise ValueError(
+                        f"sequence {e.seq_id!r} has {self.length(e.seq_id, layer)} tokens in layer {layer},"
+                        f" not {e.position}"
+                    )
+                if k is None or v is None:
+                    raise ValueError(f"layer {layer} writes its own KV: k and v are required")
+                self._append(e.seq_id, layer, np.asarray(k)[rows], np.asarray(v)[rows])
+            hist_k, hist_v = self._kv[(e.seq_id, owner)]
+            positions = np.arange(e.position, e.position + e.num_tokens)
+            outs.append(
+                chunked_attention(
+                    q64[rows],
+                    hist_k[: e.position + e.num_tokens],
+                    hist_v[: e.position + e.num_tokens],
+                    positions,
+                    chunk_size=self.chunk_sizes[layer],
+                    scale=self.scales[layer],
+                    alibi_slopes=self.alibi_slopes[layer],
+                )
+            )
+        return np.concatenate(outs, axis=0)
+
+    def release(self, seq_id: str) -> None:
+        """Forget a sequence in every layer."""
+        for key in [key for key in self._kv if key[0] == seq_id]:
+            del self._kv[key]
+
+    def _append(self, seq_id: str, layer: int, k: npt.ArrayLike, v: npt.ArrayLike) -> None:
+        k64 = np.asarray(k, dtype=np.float64)
+        v64 = np.asarray(v, dtype=np.float64)
+        old = self._kv.get((seq_id, layer))
+        if old is not None:
+            k64 = np.concatenate([old[0], k64])
+            v64 = np.concatenate([old[1], v64])
+        self._kv[(seq_id, layer)] = (k64, v64)

@@ -1,0 +1,218 @@
+"""The torch backend: chunked-local attention piece by piece with scaled-dot-product attention.
+
+Each piece (one sequence's queries inside one chunk) is split by where its keys live:
+- cache keys before the piece's first query, which every query sees (no mask). They are read as strided
+  views of runs of consecutive blocks, no copy; runs too short to be worth a kernel launch are gathered
+  together into a reused buffer;
+- the call's own new keys, causal (a square lower-triangular mask).
+Each part yields (output, log-sum-exp) and the parts are merged exactly, so the work is S*C for a
+sequence of length S, never S*S, and nothing is masked that did not need a mask.
+
+On the CPU the parts run on ``aten._scaled_dot_product_flash_attention_for_cpu`` (SDPA's CPU flash
+kernel, which returns the log-sum-exp). Elsewhere, and for ALiBi (whose bias would lose too much
+precision in bf16), they run on a float32 reference-style path that bounds memory by query blocks.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from chunkattn_server.attention.backends.base import AttentionBatch
+from chunkattn_server.attention.plan import Piece
+
+Part = tuple[torch.Tensor, torch.Tensor]  # (output [nq, H, D], log-sum-exp [nq, H] float32)
+
+_cpu_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+class TorchBackend:
+    """Attention with torch ops; runs wherever torch does.
+
+    impl: "auto" uses the CPU flash kernel on the CPU and the float32 path elsewhere; "math" forces the
+        float32 path (it is what CUDA uses until the Triton backend lands, and tests pin it with this).
+    min_view_tokens: cache runs shorter than this are gathered rather than read as views.
+    max_views: more long runs than this and the whole context is gathered in one copy.
+    """
+
+    name = "torch"
+
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        impl: Literal["auto", "math"] = "auto",
+        min_view_tokens: int = 64,
+        max_views: int = 8,
+    ) -> None:
+        self.device = device
+        self.flash = impl == "auto" and device.type == "cpu"
+        self.min_view_tokens = min_view_tokens
+        self.max_views = max_views
+        # Reused gather buffers (flat); a fresh allocation costs more than the copy on the CPU.
+        self._buf_k = torch.empty(0, device=device)
+        self._buf_v = torch.empty(0, device=device)
+
+    def attend(self, batch: AttentionBatch, out: torch.Tensor) -> None:
+        for piece in batch.pieces:
+            parts = self._cache_parts(batch, piece)
+            first_new = piece.row + piece.cache_end - piece.position
+            last = piece.row + piece.num_queries
+            if first_new < last:
+                q = batch.q[piece.row : last]
+                k = batch.k[first_new:last].transpose(0, 1)
+                v = batch.v[first_new:last].transpose(0, 1)
+                keys = [(piece.cache_end, last - first_new)]
+                parts.append(self._part(batch, q, k, v, piece.position, keys, causal=True))
+            out[piece.row : last] = _merge(parts)
+
+    # -- the cache part ------------------------------------------------------------------------------
+
+    def _cache_parts(self, batch: AttentionBatch, piece: Piece) -> list[Part]:
+        """Parts for keys [key_start, cache_end) read from the paged cache; all visible to every query."""
+        if piece.cache_end <= piece.key_start:
+            return []
+        q = batch.q[piece.row : piece.row + piece.num_queries]
+        bs = batch.k_pages.shape[2]
+        runs = _runs(piece.blocks)  # (index of first block in piece.blocks, number of blocks)
+        token_end = piece.cache_end - piece.key_start
+
+        def tokens(start: int, count: int) -> int:
+            return min((start + count) * bs, token_end) - start * bs
+
+        long = [r for r in runs if tokens(*r) >= self.min_view_tokens]
+        if len(long) > self.max_views:
+            long = []
+        parts = []
+        for start, count in long:
+            block = piece.blocks[start]
+            n = tokens(start, count)
+            k = batch.k_pages[:, block : block + count].flatten(1, 2)[:, :n]
+            v = batch.v_pages[:, block : block + count].flatten(1, 2)[:, :n]
+            parts.append(self._part(batch, q, k, v, piece.position, [(piece.key_start + start * bs, n)]))
+        taken = set(long)
+        short = [r for r in runs if r not in taken]
+        if short:
+            ids = [piece.blocks[i] for start, count in short for i in range(start, start + count)]
+            n = sum(tokens(*r) for r in short)
+            k, v = self._gather(batch, ids)
+            keys = [(piece.key_start + s * bs, tokens(s, c)) for s, c in short]
+            parts.append(self._part(batch, q, k[:, :n], v[:, :n], piece.position, keys))
+        return parts
+
+    def _gather(self, batch: AttentionBatch, blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the given blocks, [num_kv_heads, len(blocks) * block_size, head_size]."""
+        pages_k, pages_v = batch.k_pages, batch.v_pages
+        heads, _, bs, dim = pages_k.shape
+        size = heads * len(blocks) * bs * dim
+        if self._buf_k.numel() < size or self._buf_k.dtype != pages_k.dtype:
+            self._buf_k = torch.empty(size, dtype=pages_k.dtype, device=self.device)
+            self._buf_v = torch.empty(size, dtype=pages_k.dtype, device=self.device)
+        shape = (heads, len(blocks), bs, dim)
+        index = torch.tensor(blocks, dtype=torch.int64, device=self.device)
+        k = torch.index_select(pages_k, 1, index, out=self._buf_k[:size].view(shape))
+        v = torch.index_select(pages_v, 1, index, out=self._buf_v[:size].view(shape))
+        return k.flatten(1, 2), v.flatten(1, 2)
+
+    # -- one part ------------------------------------------------------------------------------------
+
+    def _part(
+        self,
+        batch: AttentionBatch,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        q_start: int,
+        k_ranges: list[tuple[int, int]],
+        *,
+        causal: bool = False,
+    ) -> Part:
+        """Attention of q [nq, H, D] (positions q_start...) over k, v [Hkv, S, D].
+
+        k_ranges: the keys' positions, as (first position, count) runs that add up to S.
+
+        causal=False: every query sees every key. causal=True: the keys are the queries' own tokens
+        (S == nq) and query t sees keys 0..t.
+        """
+        if self.flash and batch.alibi_slopes is None:
+            return _flash_causal(q, k, v, batch.scale) if causal else _flash_full(q, k, v, batch.scale)
+        q_pos = torch.arange(q_start, q_start + q.shape[0], device=self.device)
+        k_pos = torch.cat([torch.arange(a, a + n, device=self.device) for a, n in k_ranges])
+        return _math(q, k, v, q_pos, k_pos, batch.scale, batch.alibi_slopes, causal)
+
+
+def _runs(blocks: tuple[int, ...]) -> list[tuple[int, int]]:
+    """Maximal runs of consecutive block ids: (index of the run's first entry, run length)."""
+    runs: list[tuple[int, int]] = []
+    start = 0
+    for i in range(1, len(blocks) + 1):
+        if i == len(blocks) or blocks[i] != blocks[i - 1] + 1:
+            runs.append((start, i - start))
+            start = i
+    return runs
+
+
+def _flash_full(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> Part:
+    """No mask: the query heads of one KV head become rows of one problem, so K/V are read once."""
+    nq, heads, dim = q.shape
+    kv_heads = k.shape[0]
+    group = heads // kv_heads
+    # [nq, H, D] -> [1, Hkv, nq * G, D]: rows (token, head-in-group) per KV head.
+    qg = q.view(nq, kv_heads, group, dim).transpose(0, 1).reshape(1, kv_heads, nq * group, dim)
+    o, lse = _cpu_flash(qg, k.unsqueeze(0), v.unsqueeze(0), scale=scale)
+    o = o.view(kv_heads, nq, group, dim).transpose(0, 1).reshape(nq, heads, dim)
+    lse = lse.view(kv_heads, nq, group).transpose(0, 1).reshape(nq, heads)
+    return o, lse
+
+
+def _flash_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> Part:
+    """Square causal; the kernel maps query head h to KV head h // G itself (native GQA)."""
+    # Contiguous copies: strided q/k/v slow the CPU kernel down (2-3x in bf16), the copies are O(nq).
+    qh = q.transpose(0, 1).contiguous().unsqueeze(0)  # [1, H, nq, D]
+    o, lse = _cpu_flash(qh, k.contiguous().unsqueeze(0), v.contiguous().unsqueeze(0), is_causal=True, scale=scale)
+    return o[0].transpose(0, 1), lse[0].transpose(0, 1)
+
+
+def _math(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    scale: float,
+    slopes: torch.Tensor | None,
+    causal: bool,
+) -> Part:
+    """Float32 attention with an explicit bias/mask, in blocks of queries so scores stay <= 64 MiB."""
+    nq, heads, dim = q.shape
+    kv_heads, s, _ = k.shape
+    group = heads // kv_heads
+    k32, v32 = k.float(), v.float()
+    rows = max(1, (1 << 24) // max(1, heads * s))
+    outs, lses = [], []
+    for r0 in range(0, nq, rows):
+        qb = q[r0 : r0 + rows].float().view(-1, kv_heads, group, dim)
+        qp = q_pos[r0 : r0 + rows]
+        scores = torch.einsum("nhgd,hsd->hgns", qb, k32) * scale  # [Hkv, G, n, S]
+        rel = (k_pos.view(1, -1) - qp.view(-1, 1)).float()  # [n, S]: j - i
+        if slopes is not None:
+            scores = scores + slopes.view(kv_heads, group, 1, 1) * rel
+        if causal:
+            scores = scores.masked_fill(rel > 0, float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)  # [Hkv, G, n]
+        probs = torch.exp(scores - lse.unsqueeze(-1))
+        outs.append(torch.einsum("hgns,hsd->nhgd", probs, v32).reshape(-1, heads, dim))
+        lses.append(lse.permute(2, 0, 1).reshape(-1, heads))
+    return torch.cat(outs).to(q.dtype), torch.cat(lses)
+
+
+def _merge(parts: list[Part]) -> torch.Tensor:
+    """Exact softmax merge of parts over disjoint key sets, weighting each by exp(lse - max lse)."""
+    if len(parts) == 1:
+        return parts[0][0]
+    lse = torch.stack([p[1] for p in parts])  # [P, nq, H]
+    weights = torch.exp(lse - lse.amax(dim=0, keepdim=True))
+    weights = weights / weights.sum(dim=0, keepdim=True)
+    outs = torch.stack([o.float() for o, _ in parts])  # [P, nq, H, D]
+    return (weights.unsqueeze(-1) * outs).sum(dim=0).to(parts[0][0].dtype)

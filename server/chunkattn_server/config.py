@@ -1,0 +1,208 @@
+"""Frozen, validated configuration: the model's attention shape, the KV pool, the device.
+
+Everything here is checked once at start-up with a message that says what is wrong and what is
+expected; the engine then trusts it. No torch here: the config is plain data.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from chunkattn_server.errors import ConfigError
+
+DTYPES = ("float32", "float16", "bfloat16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One attention layer.
+
+    chunk_size: C; the query at position i sees key j iff j <= i and j // C == i // C. 0 = global causal.
+    kv_source: index of another layer whose KV cache this layer reads (KV sharing, as vLLM's
+        kv_sharing_target_layer_name); such a layer writes no K/V of its own.
+    scale: softmax scale; None means 1 / sqrt(head_size).
+    alibi_slopes: optional per-query-head slopes; slope * (j - i) is added to each score.
+    """
+
+    chunk_size: int = 0
+    kv_source: int | None = None
+    scale: float | None = None
+    alibi_slopes: tuple[float, ...] | None = None
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    """Layers that share one block table per sequence (same chunk size), as vLLM's hybrid allocator does.
+
+    ``layers`` write K/V; layer ``layers[r]`` keeps its pages in storage slot r. ``sharers`` read the
+    cache of one of ``layers`` and write nothing.
+    """
+
+    index: int
+    chunk_size: int
+    layers: tuple[int, ...]
+    sharers: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The attention shape the server serves: heads, head size and every layer's spec."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    layers: tuple[LayerSpec, ...]
+
+    def __post_init__(self) -> None:
+        for name in ("num_heads", "num_kv_heads", "head_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if not self.layers:
+            raise ConfigError("the model needs at least one layer")
+        for i, spec in enumerate(self.layers):
+            self._check_layer(i, spec)
+
+    def _check_layer(self, i: int, spec: LayerSpec) -> None:
+        if spec.chunk_size < 0:
+            raise ConfigError(f"layer {i}: chunk_size must be >= 0 (0 = global), got {spec.chunk_size}")
+        if spec.scale is not None and not (math.isfinite(spec.scale) and spec.scale > 0):
+            raise ConfigError(f"layer {i}: scale must be a positive finite number, got {spec.scale}")
+        if spec.alibi_slopes is not None and len(spec.alibi_slopes) != self.num_heads:
+            raise ConfigError(
+                f"layer {i}: alibi_slopes needs one slope per query head ({self.num_heads}),"
+                f" got {len(spec.alibi_slopes)}"
+            )
+        src = spec.kv_source
+        if src is None:
+            return
+        if not 0 <= src < len(self.layers) or src == i:
+            raise ConfigError(f"layer {i}: kv_source must be another layer in [0, {len(self.layers)}), got {src}")
+        source = self.layers[src]
+        if source.kv_source is not None:
+            raise ConfigError(
+                f"layer {i}: kv_source {src} is itself a KV-sharing layer; point at the layer that writes the"
+                f" cache ({source.kv_source})"
+            )
+        if source.chunk_size != spec.chunk_size:
+            raise ConfigError(
+                f"layer {i}: a KV-sharing layer must have its source's chunk size"
+                f" ({source.chunk_size}), got {spec.chunk_size}"
+            )
+
+    @classmethod
+    def interleaved(
+        cls,
+        *,
+        num_layers: int,
+        chunk_size: int,
+        global_every: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_size: int,
+    ) -> ModelShape:
+        """Llama 4's layout: every ``global_every``-th layer (3, 7, 11, ... for 4) is global, the rest chunked.
+
+        ``global_every=0`` makes every layer chunked.
+        """
+        if num_layers <= 0:
+            raise ConfigError(f"num_layers must be positive, got {num_layers}")
+        if global_every < 0:
+            raise ConfigError(f"global_every must be >= 0, got {global_every}")
+        layers = tuple(
+            LayerSpec(chunk_size=0 if global_every and (i + 1) % global_every == 0 else chunk_size)
+            for i in range(num_layers)
+        )
+        return cls(num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size, layers=layers)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The KV pool: fixed-size blocks, sized by a block count or a memory budget (bytes of K and V pages).
+
+    dtype "auto" is bfloat16 on CUDA and float32 on the CPU.
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    memory_bytes: int | None = 1 << 30
+    dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ConfigError(f"block_size must be positive, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            raise ConfigError(f"num_blocks must be positive, got {self.num_blocks}")
+        if self.num_blocks is None and (self.memory_bytes is None or self.memory_bytes <= 0):
+            raise ConfigError(f"give num_blocks or a positive memory_bytes, got {self.memory_bytes!r}")
+        if self.dtype not in ("auto", *DTYPES):
+            raise ConfigError(f"cache dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs. ``device``: "auto" (CUDA when available, else CPU), "cpu" or "cuda[:N]"."""
+
+    model: ModelShape
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        bs = self.cache.block_size
+        for i, spec in enumerate(self.model.layers):
+            if spec.chunk_size % bs:
+                raise ConfigError(
+                    f"layer {i}: chunk_size {spec.chunk_size} is not a multiple of block_size {bs};"
+                    f" use a chunk size that is, or a block size that divides {spec.chunk_size}"
+                )
+        base = self.device.split(":", 1)[0]
+        if base not in DEVICES or (base != "cuda" and ":" in self.device):
+            raise ConfigError(f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}")
+
+    @cached_property
+    def kv_groups(self) -> tuple[KVGroup, ...]:
+        """The KV groups, each of ``group_size`` writing layers.
+
+        Layers of one chunk size are split into groups of equal size (the gcd of the per-chunk-size
+        layer counts), so that every group uses all of a block's storage slots and no memory is idle:
+        vLLM's hybrid allocator does the same. E.g. Llama-4-Scout (36 chunked, 12 global layers) gives
+        three chunked groups and one global group of 12 layers each.
+        """
+        by_chunk: dict[int, list[int]] = {}
+        for i, spec in enumerate(self.model.layers):
+            if spec.kv_source is None:
+                by_chunk.setdefault(spec.chunk_size, []).append(i)
+        size = math.gcd(*(len(layers) for layers in by_chunk.values()))
+        groups: list[KVGroup] = []
+        for chunk_size, layers in by_chunk.items():
+            for start in range(0, len(layers), size):
+                members = tuple(layers[start : start + size])
+                sharers = tuple(
+                    i
+                    for i, spec in enumerate(self.model.layers)
+                    if spec.kv_source is not None and spec.kv_source in members
+                )
+                groups.append(KVGroup(len(groups), chunk_size, members, sharers))
+        return tuple(groups)
+
+    @property
+    def group_size(self) -> int:
+        """Writing layers per KV group = storage slots per block."""
+        return len(self.kv_groups[0].layers)
+
+
+def demo_model() -> ModelShape:
+    """What ``chunkattn-server`` serves with no arguments: 4 layers as Llama 4 interleaves them (3 chunked
+    with C = 1024, then 1 global), 8 query and 2 KV heads of size 64."""
+    return ModelShape.interleaved(
+        num_layers=4, chunk_size=1024, global_every=4, num_heads=8, num_kv_heads=2, head_size=64
+    )

@@ -1,0 +1,438 @@
+"""The engine: the one owner of the device, the KV pool and every sequence's state.
+
+``Engine.attend(layer, entries, q, k, v)`` serves one call: one layer, one batch of sequences (prefill
+pieces of any length and single-token decodes, mixed). It checks the whole request against the model and
+the sequences' state first, reserves every block the call needs or none, then writes K/V, runs the
+backend and frees the blocks no layer needs any more. A request that cannot be served raises an
+``EngineError`` and changes nothing.
+
+The engine is not thread-safe: exactly one worker calls it (the service's engine thread).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from chunkattn_client.batch import BatchEntry
+from chunkattn_server.attention import plan
+from chunkattn_server.attention.backends import AttentionBatch, Backend, TorchBackend
+from chunkattn_server.config import EngineConfig, KVGroup, LayerSpec
+from chunkattn_server.errors import (
+    ConfigError,
+    InvalidBatch,
+    InvalidTensor,
+    OutOfBlocks,
+    PositionMismatch,
+    UnknownLayer,
+    UnknownSequence,
+)
+from chunkattn_server.kv.block_pool import BlockPool
+from chunkattn_server.kv.cache import KVCache
+from chunkattn_server.kv.sequences import Retention, SequenceState, chunk_start
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The pool and the sequences at a glance (what the info RPC and metrics report)."""
+
+    num_blocks: int
+    free_blocks: int
+    used_blocks: int
+    block_size: int
+    bytes_per_block: int
+    num_sequences: int
+
+
+@dataclass(frozen=True)
+class SequenceInfo:
+    """A copy of one sequence's state: tokens per layer and, per KV group, {logical block: physical block}."""
+
+    seq_id: str
+    lengths: tuple[int, ...]
+    tables: tuple[dict[int, int], ...]
+    last_used: float
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(len(t) for t in self.tables)
+
+
+def resolve_device(name: str) -> torch.device:
+    """ "auto" -> CUDA when available, else CPU. Asking for CUDA without one is a start-up error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {name!r} was asked for but torch sees no CUDA device; use --device cpu")
+    return device
+
+
+class Engine:
+    """Paged KV cache + chunked-local attention for one model shape, on one device."""
+
+    def __init__(self, config: EngineConfig, *, backend: Backend | None = None) -> None:
+        self.config = config
+        model = config.model
+        self.device = resolve_device(config.device)
+        dtype_name = config.cache.dtype
+        if dtype_name == "auto":
+            dtype_name = "bfloat16" if self.device.type == "cuda" else "float32"
+        self.dtype = DTYPES[dtype_name]
+        self.block_size = config.cache.block_size
+        self.groups = config.kv_groups
+        # Per layer: its KV group and storage slot (a KV-sharing layer's are its source's).
+        self._group_of: list[KVGroup] = []
+        self._slot_of: list[int] = []
+        for i, spec in enumerate(model.layers):
+            owner = i if spec.kv_source is None else spec.kv_source
+            group = next(g for g in self.groups if owner in g.layers)
+            self._group_of.append(group)
+            self._slot_of.append(group.layers.index(owner))
+
+        self.bytes_per_block = KVCache.bytes_per_block(
+            num_slots=config.group_size,
+            block_size=self.block_size,
+            num_kv_heads=model.num_kv_heads,
+            head_size=model.head_size,
+            itemsize=self.dtype.itemsize,
+        )
+        num_blocks = config.cache.num_blocks
+        if num_blocks is None:
+            assert config.cache.memory_bytes is not None  # CacheConfig guarantees one of the two
+            num_blocks = config.cache.memory_bytes // self.bytes_per_block
+            if num_blocks < 1:
+                raise ConfigError(
+                    f"a KV memory budget of {config.cache.memory_bytes} bytes holds no block of"
+                    f" {self.bytes_per_block} bytes; raise the budget or lower block_size"
+                )
+        self.pool = BlockPool(num_blocks)
+        self.cache = KVCache(
+            num_slots=config.group_size,
+            num_blocks=num_blocks,
+            block_size=self.block_size,
+            num_kv_heads=model.num_kv_heads,
+            head_size=model.head_size,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.backend: Backend = backend if backend is not None else TorchBackend(self.device)
+        self._retention = Retention(config)
+        self._seqs: dict[str, SequenceState] = {}
+        self._scales = [spec.scale or 1.0 / math.sqrt(model.head_size) for spec in model.layers]
+        self._slopes = [
+            None
+            if spec.alibi_slopes is None
+            else torch.tensor(spec.alibi_slopes, dtype=torch.float32, device=self.device)
+            for spec in model.layers
+        ]
+
+    # -- the data plane ------------------------------------------------------------------------------
+
+    def attend(
+        self,
+        layer: int,
+        entries: Sequence[BatchEntry],
+        q: torch.Tensor,
+        k: torch.Tensor | None = None,
+        v: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Append the batch's K/V to the layer's cache and return chunked-local attention of q over it.
+
+        Args:
+            layer: the layer index.
+            entries: one per sequence, in the order the tensors pack them; a sequence unknown to the
+                engine is created when its entry starts at position 0.
+            q: [T, num_heads, head_size] float32 / float16 / bfloat16, T = sum of num_tokens.
+            k, v: [T, num_kv_heads, head_size], q's dtype; None for a KV-sharing layer.
+
+        Returns:
+            [T, num_heads, head_size] in q's dtype, on the engine's device.
+
+        Raises:
+            InvalidArgument (UnknownLayer, InvalidBatch, InvalidTensor), UnknownSequence,
+            PositionMismatch, OutOfBlocks. Nothing has changed when one is raised.
+        """
+        spec = self._layer_spec(layer)
+        total = _check_entries(entries)
+        self._check_tensors(layer, spec, total, q, k, v)
+        states = [self._seqs.get(e.seq_id) for e in entries]
+        self._check_positions(layer, spec, entries, states)
+        group = self._group_of[layer]
+        writes = self._plan_writes(layer, spec, entries, states)
+        needed = sum(len(missing) for _, missing in writes)
+        if not self.pool.can_allocate(needed):
+            raise OutOfBlocks(
+                f"layer {layer}: the batch needs {needed} new KV blocks of {self.block_size} tokens and the"
+                f" pool has {self.pool.num_free} free of {self.pool.num_blocks}. Release finished sequences,"
+                " retry later, send a smaller batch, or start the server with a larger pool"
+            )
+
+        created: list[str] = []
+        taken: list[tuple[dict[int, int], int]] = []
+        try:
+            live: list[SequenceState] = []
+            for e, state in zip(entries, states, strict=True):
+                if state is None:
+                    state = self._new_state(e.seq_id)
+                    self._seqs[e.seq_id] = state
+                    created.append(e.seq_id)
+                live.append(state)
+            for state, (_, missing) in zip(live, writes, strict=True):
+                table = state.tables[group.index]
+                if missing:
+                    for logical, physical in zip(
+                        missing, self.pool.allocate(len(missing), after=table.get(missing[0] - 1)), strict=True
+                    ):
+                        table[logical] = physical
+                        taken.append((table, logical))
+            out = self._compute(layer, spec, entries, live, writes, q, k, v)
+        except BaseException:
+            self.pool.free(table.pop(logical) for table, logical in taken)
+            for seq_id in created:
+                del self._seqs[seq_id]
+            raise
+
+        now = time.monotonic()
+        for e, state in zip(entries, live, strict=True):
+            old = state.lengths[layer]
+            state.lengths[layer] = e.position + e.num_tokens
+            state.last_used = now
+            if chunk_start(old, spec.chunk_size) != chunk_start(state.lengths[layer], spec.chunk_size):
+                table = state.tables[group.index]
+                self.pool.free([table.pop(b) for b in self._retention.unneeded(state, group)])
+        return out.to(q.dtype)
+
+    def _compute(
+        self,
+        layer: int,
+        spec: LayerSpec,
+        entries: Sequence[BatchEntry],
+        states: list[SequenceState],
+        writes: list[tuple[int, list[int]]],
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Write the call's K/V into the cache and run the backend; returns [T, H, D] in the cache dtype."""
+        group, slot, bs = self._group_of[layer], self._slot_of[layer], self.block_size
+        tables = [s.tables[group.index] for s in states]
+        if k is None or v is None:
+            # KV sharing: the new tokens' K/V come back from the source's cache.
+            slots = np.concatenate(
+                [_slots(t, e.position, e.position + e.num_tokens, bs) for t, e in zip(tables, entries, strict=True)]
+            )
+            kc, vc = self.cache.read(slot, torch.from_numpy(slots).to(self.device))
+        else:
+            kc = k.to(device=self.device, dtype=self.dtype)
+            vc = v.to(device=self.device, dtype=self.dtype)
+            rows, slots_list, row = [], [], 0
+            for table, e, (start, _) in zip(tables, entries, writes, strict=True):
+                end = e.position + e.num_tokens
+                if start < end:
+                    rows.append(np.arange(row + start - e.position, row + e.num_tokens))
+                    slots_list.append(_slots(table, start, end, bs))
+                row += e.num_tokens
+            if rows:
+                index = torch.from_numpy(np.concatenate(rows)).to(self.device)
+                full = index.numel() == kc.shape[0]
+                self.cache.write(
+                    slot,
+                    torch.from_numpy(np.concatenate(slots_list)).to(self.device),
+                    kc if full else kc.index_select(0, index),
+                    vc if full else vc.index_select(0, index),
+                )
+        pieces = plan.split(
+            [(e.position, e.num_tokens) for e in entries],
+            spec.chunk_size,
+            bs,
+            lambda i, b: tables[i][b],
+        )
+        batch = AttentionBatch(
+            q=q.to(device=self.device, dtype=self.dtype),
+            k=kc,
+            v=vc,
+            k_pages=self.cache.k[slot],
+            v_pages=self.cache.v[slot],
+            pieces=pieces,
+            scale=self._scales[layer],
+            alibi_slopes=self._slopes[layer],
+        )
+        out = torch.empty(q.shape, dtype=self.dtype, device=self.device)
+        self.backend.attend(batch, out)
+        return out
+
+    def _plan_writes(
+        self, layer: int, spec: LayerSpec, entries: Sequence[BatchEntry], states: list[SequenceState | None]
+    ) -> list[tuple[int, list[int]]]:
+        """Per entry: the first position to store, and the logical blocks to allocate for it.
+
+        Only positions some layer will read again are stored: a 100,000-token prefill of a layer with
+        C = 8192 stores (and allocates) its last chunk, not the whole prompt. A KV-sharing layer stores
+        nothing.
+        """
+        group = self._group_of[layer]
+        bs = self.block_size
+        writes: list[tuple[int, list[int]]] = []
+        for e, state in zip(entries, states, strict=True):
+            state = state or self._new_state(e.seq_id)
+            end = e.position + e.num_tokens
+            if spec.kv_source is not None:
+                writes.append((end, []))
+                continue
+            start = max(e.position, self._retention.keep_from(state, layer, end))
+            if e.num_tokens == 1:
+                start = e.position  # a decode reads its own key from the cache (see plan.split)
+            table = state.tables[group.index]
+            missing = [b for b in range(start // bs, -(-end // bs)) if b not in table]
+            writes.append((start, missing))
+        return writes
+
+    # -- the control plane ---------------------------------------------------------------------------
+
+    def release(self, seq_ids: Iterable[str], *, missing_ok: bool = False) -> int:
+        """Drop sequences and return their blocks; returns how many existed.
+
+        An unknown id raises UnknownSequence (and releases nothing) unless ``missing_ok``.
+        """
+        ids = list(dict.fromkeys(seq_ids))
+        unknown = [s for s in ids if s not in self._seqs]
+        if unknown and not missing_ok:
+            raise UnknownSequence(f"cannot release unknown sequences {unknown}; nothing was released")
+        released = 0
+        for seq_id in ids:
+            state = self._seqs.pop(seq_id, None)
+            if state is not None:
+                self.pool.free(state.blocks())
+                released += 1
+        return released
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_blocks=self.pool.num_blocks,
+            free_blocks=self.pool.num_free,
+            used_blocks=self.pool.num_used,
+            block_size=self.block_size,
+            bytes_per_block=self.bytes_per_block,
+            num_sequences=len(self._seqs),
+        )
+
+    def sequence_ids(self) -> list[str]:
+        return list(self._seqs)
+
+    def sequence(self, seq_id: str) -> SequenceInfo:
+        """A copy of a sequence's state. Raises UnknownSequence."""
+        state = self._seqs.get(seq_id)
+        if state is None:
+            raise UnknownSequence(f"sequence {seq_id!r} does not exist")
+        return SequenceInfo(
+            seq_id=seq_id,
+            lengths=tuple(state.lengths),
+            tables=tuple(dict(sorted(t.items())) for t in state.tables),
+            last_used=state.last_used,
+        )
+
+    # -- checks: everything is checked before anything changes ----------------------------------------
+
+    def _new_state(self, seq_id: str) -> SequenceState:
+        return SequenceState(seq_id, [0] * self.config.model.num_layers, [{} for _ in self.groups])
+
+    def _layer_spec(self, layer: int) -> LayerSpec:
+        layers = self.config.model.layers
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < len(layers):
+            raise UnknownLayer(f"layer {layer!r} does not exist; the model has layers 0..{len(layers) - 1}")
+        return layers[layer]
+
+    def _check_tensors(
+        self,
+        layer: int,
+        spec: LayerSpec,
+        total: int,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+    ) -> None:
+        model = self.config.model
+        _check_tensor("q", q, (total, model.num_heads, model.head_size), "[tokens, num_heads, head_size]", None)
+        if spec.kv_source is not None:
+            if k is not None or v is not None:
+                raise InvalidTensor(
+                    f"layer {layer} reads layer {spec.kv_source}'s KV cache (KV sharing) and writes none:"
+                    " send q only, without k and v"
+                )
+            return
+        if k is None or v is None:
+            raise InvalidTensor(f"layer {layer} writes its own KV cache: k and v are required")
+        shape = (total, model.num_kv_heads, model.head_size)
+        _check_tensor("k", k, shape, "[tokens, num_kv_heads, head_size]", q.dtype)
+        _check_tensor("v", v, shape, "[tokens, num_kv_heads, head_size]", q.dtype)
+
+    def _check_positions(
+        self, layer: int, spec: LayerSpec, entries: Sequence[BatchEntry], states: list[SequenceState | None]
+    ) -> None:
+        for e, state in zip(entries, states, strict=True):
+            if state is None:
+                if e.position != 0:
+                    raise UnknownSequence(
+                        f"sequence {e.seq_id!r} does not exist; a new sequence starts at position 0,"
+                        f" got position {e.position}"
+                    )
+            elif e.position != state.lengths[layer]:
+                have = state.lengths[layer]
+                raise PositionMismatch(
+                    f"sequence {e.seq_id!r} has {have} tokens in layer {layer}, so its next position is"
+                    f" {have}; got position {e.position}"
+                )
+            source = spec.kv_source
+            if source is not None:
+                held = state.lengths[source] if state else 0
+                if e.position + e.num_tokens > held:
+                    raise PositionMismatch(
+                        f"layer {layer} reads layer {source}'s KV cache, which holds {held} tokens of sequence"
+                        f" {e.seq_id!r}; positions up to {e.position + e.num_tokens - 1} need layer {source}"
+                        " to be called first"
+                    )
+
+
+def _check_entries(entries: Sequence[BatchEntry]) -> int:
+    """Validate batch metadata on its own; returns the total number of tokens."""
+    if not entries:
+        raise InvalidBatch("the batch is empty; send at least one sequence")
+    seen: set[str] = set()
+    for i, e in enumerate(entries):
+        if not isinstance(e.seq_id, str) or not e.seq_id:
+            raise InvalidBatch(f"entry {i}: seq_id must be a non-empty string, got {e.seq_id!r}")
+        if isinstance(e.position, bool) or not isinstance(e.position, int) or e.position < 0:
+            raise InvalidBatch(f"entry {i} ({e.seq_id!r}): position must be an integer >= 0, got {e.position!r}")
+        if isinstance(e.num_tokens, bool) or not isinstance(e.num_tokens, int) or e.num_tokens < 1:
+            raise InvalidBatch(f"entry {i} ({e.seq_id!r}): num_tokens must be an integer >= 1, got {e.num_tokens!r}")
+        if e.seq_id in seen:
+            raise InvalidBatch(f"sequence {e.seq_id!r} appears twice in the batch; send each sequence once per call")
+        seen.add(e.seq_id)
+    return sum(e.num_tokens for e in entries)
+
+
+def _check_tensor(name: str, t: object, shape: tuple[int, ...], meaning: str, dtype: torch.dtype | None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise InvalidTensor(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in DTYPES.values():
+        raise InvalidTensor(f"{name} has dtype {t.dtype}; expected float32, float16 or bfloat16")
+    if dtype is not None and t.dtype != dtype:
+        raise InvalidTensor(f"{name} has dtype {t.dtype}; expected q's dtype {dtype}")
+    if tuple(t.shape) != shape:
+        raise InvalidTensor(f"{name} has shape {list(t.shape)}; expected {list(shape)} {meaning}")
+
+
+def _slots(table: dict[int, int], start: int, end: int, block_size: int) -> np.ndarray:
+    """Cache slots (physical block * block_size + offset) [end - start] int64 of positions start..end-1."""
+    first, last = start // block_size, (end - 1) // block_size
+    physical = np.fromiter((table[b] for b in range(first, last + 1)), dtype=np.int64, count=last - first + 1)
+    positions = np.arange(start, end, dtype=np.int64)
+    return physical[positions // block_size - first] * block_size + positions % block_size

@@ -1,0 +1,62 @@
+"""Domain errors and the one table that maps them to gRPC status codes.
+
+The engine raises these; nothing but ``status_code`` decides which status a client sees. Every message
+says what was wrong and what was expected. A raised request error means the request changed nothing.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class ConfigError(ValueError):
+    """The server's configuration is invalid (raised at start-up, never per request)."""
+
+
+class EngineError(Exception):
+    """A request the engine cannot serve; the engine's state is exactly as before the request."""
+
+
+class InvalidArgument(EngineError):
+    """The request itself is malformed, whatever the server's state."""
+
+
+class UnknownLayer(InvalidArgument):
+    """The layer index is not one of the model's layers."""
+
+
+class InvalidTensor(InvalidArgument):
+    """A tensor has the wrong shape, dtype or presence for the call."""
+
+
+class InvalidBatch(InvalidArgument):
+    """The batch metadata is malformed: empty, bad lengths, a sequence twice."""
+
+
+class UnknownSequence(EngineError):
+    """The sequence does not exist and the call does not start it (position > 0)."""
+
+
+class PositionMismatch(EngineError):
+    """The position disagrees with the sequence's state in that layer."""
+
+
+class OutOfBlocks(EngineError):
+    """The KV pool has too few free blocks for the call. A normal condition: retry later or release."""
+
+
+_STATUS: dict[type[BaseException], grpc.StatusCode] = {
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    UnknownSequence: grpc.StatusCode.NOT_FOUND,
+    PositionMismatch: grpc.StatusCode.FAILED_PRECONDITION,
+    OutOfBlocks: grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+
+
+def status_code(error: BaseException) -> grpc.StatusCode:
+    """The gRPC status for an error: its nearest class in the table, INTERNAL for anything unexpected."""
+    for cls in type(error).__mro__:
+        code = _STATUS.get(cls)
+        if code is not None:
+            return code
+    return grpc.StatusCode.INTERNAL

@@ -1,0 +1,127 @@
+"""An engine and the float64 reference side by side: every call runs on both and is compared."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from chunkattn_client import BatchEntry, ReferenceModel
+from chunkattn_server import CacheConfig, Engine, EngineConfig, LayerSpec, ModelShape
+from chunkattn_server.attention.backends import TorchBackend
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+# Small models that between them cover GQA, MQA, MHA, ALiBi, global layers and KV sharing.
+# Block size 4 everywhere, so chunks are 2-4 blocks and boundaries come often.
+MODELS: dict[str, ModelShape] = {
+    "gqa": ModelShape(
+        num_heads=8,
+        num_kv_heads=2,
+        head_size=16,
+        layers=(LayerSpec(8), LayerSpec(8), LayerSpec(0), LayerSpec(16), LayerSpec(16), LayerSpec(0)),
+    ),
+    "mqa": ModelShape(num_heads=4, num_kv_heads=1, head_size=8, layers=(LayerSpec(4), LayerSpec(0))),
+    "alibi": ModelShape(
+        num_heads=2,
+        num_kv_heads=2,
+        head_size=8,
+        layers=(
+            LayerSpec(8, alibi_slopes=(0.5, 0.125)),
+            LayerSpec(0, alibi_slopes=(0.25, 0.0625), scale=0.3),
+        ),
+    ),
+    "sharing": ModelShape(
+        num_heads=4,
+        num_kv_heads=2,
+        head_size=8,
+        layers=(LayerSpec(8), LayerSpec(8, kv_source=0), LayerSpec(0), LayerSpec(0, kv_source=2)),
+    ),
+}
+
+
+def tolerance_ok(out: np.ndarray, expected: np.ndarray, dtype: str) -> tuple[bool, float]:
+    """float32: max abs error <= 1e-5. bf16/fp16: <= 2e-2 relative to the output's scale (max |expected|)."""
+    err = float(np.abs(out - expected).max())
+    if dtype == "float32":
+        return err <= 1e-5, err
+    scale = max(float(np.abs(expected).max()), 1e-6)
+    return err <= 2e-2 * scale, err / scale
+
+
+@dataclass
+class Harness:
+    """Runs calls on an engine and on the reference, with reproducible random q/k/v."""
+
+    engine: Engine
+    reference: ReferenceModel
+    dtype: str
+    seed: int = 0
+
+    @classmethod
+    def build(
+        cls,
+        model: ModelShape,
+        *,
+        dtype: str = "float32",
+        num_blocks: int = 512,
+        block_size: int = 4,
+        impl: str = "auto",
+        min_view_tokens: int = 64,
+        max_views: int = 8,
+    ) -> Harness:
+        config = EngineConfig(
+            model, CacheConfig(block_size=block_size, num_blocks=num_blocks, dtype=dtype), device="cpu"
+        )
+        backend = TorchBackend(torch.device("cpu"), impl=impl, min_view_tokens=min_view_tokens, max_views=max_views)  # type: ignore[arg-type]
+        reference = ReferenceModel(
+            [s.chunk_size for s in model.layers],
+            kv_sources=[s.kv_source for s in model.layers],
+            scales=[s.scale for s in model.layers],
+            alibi_slopes=[s.alibi_slopes for s in model.layers],
+        )
+        return cls(Engine(config, backend=backend), reference, dtype)
+
+    @property
+    def model(self) -> ModelShape:
+        return self.engine.config.model
+
+    def tensors(self, layer: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Random q [T, H, D] and k, v [T, Hkv, D] in the harness dtype (k, v None for a KV-sharing layer)."""
+        self.seed += 1
+        g = torch.Generator().manual_seed(self.seed)
+        m = self.model
+        dt = DTYPES[self.dtype]
+        q = torch.randn(tokens, m.num_heads, m.head_size, generator=g).to(dt)
+        if m.layers[layer].kv_source is not None:
+            return q, None, None
+        k = torch.randn(tokens, m.num_kv_heads, m.head_size, generator=g).to(dt)
+        v = torch.randn(tokens, m.num_kv_heads, m.head_size, generator=g).to(dt)
+        return q, k, v
+
+    def call(self, layer: int, entries: Sequence[BatchEntry]) -> torch.Tensor:
+        """One call on both; asserts the engine matches the reference within the dtype's tolerance."""
+        q, k, v = self.tensors(layer, sum(e.num_tokens for e in entries))
+        out = self.engine.attend(layer, entries, q, k, v)
+        assert out.dtype == q.dtype
+        assert out.shape == q.shape
+        expected = self.reference.attend(layer, entries, q.double().numpy(), _np(k), _np(v))
+        ok, err = tolerance_ok(out.double().numpy(), expected, self.dtype)
+        assert ok, f"layer {layer}, entries {list(entries)}: error {err:.3g} ({self.dtype})"
+        return out
+
+    def step(self, entries: Sequence[BatchEntry]) -> None:
+        """The same batch through every layer in order, as a model runner does."""
+        for layer in range(self.model.num_layers):
+            self.call(layer, entries)
+
+    def release(self, *seq_ids: str) -> None:
+        self.engine.release(seq_ids)
+        for s in seq_ids:
+            self.reference.release(s)
+
+
+def _np(t: torch.Tensor | None) -> np.ndarray | None:
+    return None if t is None else t.double().numpy()
