@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -125,3 +126,13 @@ class Harness:
 
 def _np(t: torch.Tensor | None) -> np.ndarray | None:
     return None if t is None else t.double().numpy()
+
+
+def snapshot(engine: Engine) -> Any:
+    """Everything a request could change: lengths and block tables of every sequence, the pool."""
+    seqs = {s: engine.sequence(s) for s in engine.sequence_ids()}
+    return (
+        {s: (i.lengths, i.tables) for s, i in seqs.items()},
+        engine.stats(),
+        sorted(b for b in range(engine.pool.num_blocks) if engine.pool.is_free(b)),
+    )
