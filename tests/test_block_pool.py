@@ -12,6 +12,20 @@ from chunkattn_server.kv.block_pool import BlockPool
 SIZE = 24
 
 
+def _largest_free_extent(pool: BlockPool) -> range:
+    """The longest run of free ids (the lowest, on a tie), found the slow way."""
+    best = range(0)
+    start = None
+    for b in range(pool.num_blocks + 1):
+        if b < pool.num_blocks and pool.is_free(b):
+            start = b if start is None else start
+        elif start is not None:
+            if b - start > len(best):
+                best = range(start, b)
+            start = None
+    return best
+
+
 class PoolMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
@@ -27,14 +41,14 @@ class PoolMachine(RuleBasedStateMachine):
                 self.pool.allocate(n, after=after)
             assert self.pool.num_free == free_before
             return
-        expected_first = after + 1 if after is not None and n and self.pool.is_free(after + 1) else None
-        lowest = min((b for b in range(SIZE) if self.pool.is_free(b)), default=None)
+        continues_at = after + 1 if after is not None and n > 0 and self.pool.is_free(after + 1) else None
+        largest = _largest_free_extent(self.pool)
         blocks = self.pool.allocate(n, after=after)
         assert len(blocks) == n
-        if expected_first is not None:
-            assert blocks[0] == expected_first
+        if continues_at is not None:
+            assert blocks[0] == continues_at  # a growing sequence continues its run
         elif n:
-            assert blocks[0] == lowest
+            assert blocks[0] in largest  # a new run goes where it has the most room
         self.owners.append(blocks)
 
     @precondition(lambda self: self.owners)
@@ -68,11 +82,13 @@ TestPool = PoolMachine.TestCase
 TestPool.settings = TestPool.settings.__class__(TestPool.settings, max_examples=150, stateful_step_count=40)
 
 
-def test_a_new_run_starts_at_the_lowest_free_block_and_continues_in_place() -> None:
-    pool = BlockPool(10)
-    assert pool.allocate(3) == [0, 1, 2]
-    assert pool.allocate(2) == [3, 4]
-    pool.free([1])
-    assert pool.allocate(2, after=4) == [5, 6]  # continues its run
-    assert pool.allocate(2, after=6) == [7, 8]
-    assert pool.allocate(2, after=8) == [9, 1]  # end of the pool: then the lowest free id
+def test_runs_continue_in_place_and_new_runs_start_mid_extent() -> None:
+    pool = BlockPool(100)
+    first = pool.allocate(4)
+    assert first == [48, 49, 50, 51]  # the middle of the one free extent [0, 100)
+    assert pool.allocate(2, after=51) == [52, 53]  # continues its run
+    second = pool.allocate(4)  # a new run: the middle of the largest extent left, [0, 48)
+    assert second == [22, 23, 24, 25]
+    assert pool.allocate(3, after=53) == [54, 55, 56]  # room to grow in place
+    pool.free([*first, 52, 53, 54, 55, 56])
+    assert pool.allocate(60) == [*range(33, 93)]  # [26, 100) merged back into one extent; centred in it

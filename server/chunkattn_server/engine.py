@@ -253,7 +253,7 @@ class Engine:
             [(e.position, e.num_tokens) for e in entries],
             spec.chunk_size,
             bs,
-            lambda i, b: tables[i][b],
+            lambda i, first, last: tuple([tables[i][b] for b in range(first, last)]),
         )
         batch = AttentionBatch(
             q=q.to(device=self.device, dtype=self.dtype),

@@ -44,13 +44,14 @@ def split(
     spans: Sequence[tuple[int, int]],
     chunk_size: int,
     block_size: int,
-    block_of: Callable[[int, int], int],
+    blocks_of: Callable[[int, int, int], tuple[int, ...]],
 ) -> list[Piece]:
     """Cut each (position, num_tokens) span at chunk boundaries.
 
     A single-token span (a decode) reads all its keys, its own included, from the cache; longer spans
     read the context before their first query from the cache and their new keys from the call's rows.
-    ``block_of(entry, logical_block)`` returns the physical block of that sequence's logical block.
+    ``blocks_of(entry, first, last)`` returns the physical blocks of that sequence's logical blocks
+    first..last-1.
     """
     pieces: list[Piece] = []
     row = 0
@@ -62,8 +63,7 @@ def split(
             stop = min(end, key_start + chunk_size) if chunk_size else end
             # A later piece starts at a chunk boundary (no context); a decode reads its own key too.
             cache_end = pos + 1 if pos == position and num_tokens == 1 else pos
-            first, last = key_start // block_size, -(-cache_end // block_size)
-            blocks = tuple(block_of(entry, b) for b in range(first, last))
+            blocks = blocks_of(entry, key_start // block_size, -(-cache_end // block_size))
             pieces.append(Piece(entry, row + pos - position, stop - pos, pos, key_start, cache_end, blocks))
             pos = stop
         row += num_tokens

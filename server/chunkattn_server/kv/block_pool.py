@@ -1,14 +1,18 @@
 """The KV block allocator: which of the pool's block ids are free. Plain Python, no torch.
 
 Callers ask before they act (``can_allocate`` then ``allocate``), so a request that cannot be served is
-refused before anything changes. Allocation prefers ids that continue a run (``after``) and otherwise
-the lowest free id, so a sequence's blocks tend to be contiguous and attention can read them as one
-strided view instead of gathering them.
+refused before anything changes.
+
+Placement keeps each sequence's blocks contiguous where it can, because attention reads a run of
+consecutive blocks as one strided view and must gather scattered ones (a copy):
+- a sequence that grows continues its run (``after``) while the next ids are free;
+- a new run starts in the middle of the largest free extent, so that runs started one after another
+  (sequences prefilled in turn) leave each other room to grow in place during decode. Packing runs
+  end to end instead would give every decode step's new block to a different place.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Iterable
 
 from chunkattn_server.errors import OutOfBlocks
@@ -22,8 +26,9 @@ class BlockPool:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
         self._free: set[int] = set(range(num_blocks))
-        # Min-heap of candidate free ids; may hold stale ids (taken through ``after``), skipped on pop.
-        self._heap: list[int] = list(range(num_blocks))
+        # Free extents [start, start + length), kept merged: start -> length, and end -> start.
+        self._extent: dict[int, int] = {0: num_blocks}
+        self._extent_at_end: dict[int, int] = {num_blocks: 0}
 
     @property
     def num_free(self) -> int:
@@ -40,7 +45,7 @@ class BlockPool:
         return 0 <= n <= len(self._free)
 
     def allocate(self, n: int, after: int | None = None) -> list[int]:
-        """Take n free ids: after+1, after+2, ... while those are free, then the lowest free ids.
+        """Take n free ids: after+1, after+2, ... while those are free, then new runs (see the module doc).
 
         Raises OutOfBlocks (and takes nothing) when fewer than n are free.
         """
@@ -52,17 +57,12 @@ class BlockPool:
                 " Release finished sequences, retry later, or start the server with a larger pool"
             )
         taken: list[int] = []
-        if after is not None:
-            nxt = after + 1
-            while len(taken) < n and nxt in self._free:
-                self._free.remove(nxt)
-                taken.append(nxt)
-                nxt += 1
+        if after is not None and after + 1 in self._extent:  # after is used, so a free after+1 starts an extent
+            taken += self._take(after + 1, after + 1, n)
         while len(taken) < n:
-            block = heapq.heappop(self._heap)
-            if block in self._free:
-                self._free.remove(block)
-                taken.append(block)
+            start, length = max(self._extent.items(), key=lambda e: (e[1], -e[0]))
+            want = min(n - len(taken), length)
+            taken += self._take(start, start + (length - want) // 2, want)
         return taken
 
     def free(self, blocks: Iterable[int]) -> None:
@@ -73,7 +73,27 @@ class BlockPool:
             raise ValueError(f"freeing blocks that are not in use (or twice): {sorted(bad) or blocks}")
         for b in blocks:
             self._free.add(b)
-            heapq.heappush(self._heap, b)
-        if len(self._heap) > 2 * self.num_blocks:
-            # Drop stale entries so the heap stays O(num_blocks).
-            self._heap = sorted(self._free)
+            start, end = b, b + 1
+            if b in self._extent_at_end:  # merge with the extent that ends at b
+                start = self._extent_at_end.pop(b)
+                del self._extent[start]
+            if end in self._extent:  # merge with the extent that starts at b + 1
+                end += self._extent.pop(end)
+                del self._extent_at_end[end]
+            self._extent[start] = end - start
+            self._extent_at_end[end] = start
+
+    def _take(self, start: int, first: int, n: int) -> list[int]:
+        """Take up to n ids from ``first`` on, inside the free extent that starts at ``start``."""
+        end = start + self._extent.pop(start)
+        del self._extent_at_end[end]
+        stop = min(end, first + n)
+        if start < first:
+            self._extent[start] = first - start
+            self._extent_at_end[first] = start
+        if stop < end:
+            self._extent[stop] = end - stop
+            self._extent_at_end[end] = stop
+        ids = list(range(first, stop))
+        self._free.difference_update(ids)
+        return ids

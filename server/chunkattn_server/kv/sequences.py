@@ -46,16 +46,17 @@ class Retention:
     def __init__(self, config: EngineConfig) -> None:
         self.block_size = config.cache.block_size
         self._layers = config.model.layers
-        self._groups = config.kv_groups
+        self._sharers_of = [
+            [s for s, spec in enumerate(self._layers) if spec.kv_source == layer] for layer in range(len(self._layers))
+        ]
 
     def keep_from(self, state: SequenceState, layer: int, new_length: int) -> int:
         """First position a writing layer must store when it grows to ``new_length``: its own chunk's
         start, or earlier where one of its sharers still needs older keys."""
         c = self._layers[layer].chunk_size
         start = chunk_start(new_length, c)
-        for s, spec in enumerate(self._layers):
-            if spec.kv_source == layer:
-                start = min(start, chunk_start(state.lengths[s], c))
+        for s in self._sharers_of[layer]:
+            start = min(start, chunk_start(state.lengths[s], c))
         return start
 
     def needed_blocks(self, state: SequenceState, group: KVGroup) -> list[tuple[int, int]]:

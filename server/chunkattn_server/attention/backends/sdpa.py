@@ -15,8 +15,10 @@ precision in bf16), they run on a float32 reference-style path that bounds memor
 
 from __future__ import annotations
 
+import itertools
 from typing import Literal
 
+import numpy as np
 import torch
 
 from chunkattn_server.attention.backends.base import AttentionBatch
@@ -44,7 +46,7 @@ class TorchBackend:
         *,
         impl: Literal["auto", "math"] = "auto",
         min_view_tokens: int = 64,
-        max_views: int = 8,
+        max_views: int = 32,
     ) -> None:
         self.device = device
         self.flash = impl == "auto" and device.type == "cpu"
@@ -55,8 +57,10 @@ class TorchBackend:
         self._buf_v = torch.empty(0, device=device)
 
     def attend(self, batch: AttentionBatch, out: torch.Tensor) -> None:
+        # [Hkv, num_blocks * block_size, D] views: a run of blocks is then one slice.
+        pages = batch.k_pages.flatten(1, 2), batch.v_pages.flatten(1, 2)
         for piece in batch.pieces:
-            parts = self._cache_parts(batch, piece)
+            parts = self._cache_parts(batch, pages, piece)
             first_new = piece.row + piece.cache_end - piece.position
             last = piece.row + piece.num_queries
             if first_new < last:
@@ -69,7 +73,7 @@ class TorchBackend:
 
     # -- the cache part ------------------------------------------------------------------------------
 
-    def _cache_parts(self, batch: AttentionBatch, piece: Piece) -> list[Part]:
+    def _cache_parts(self, batch: AttentionBatch, pages: tuple[torch.Tensor, torch.Tensor], piece: Piece) -> list[Part]:
         """Parts for keys [key_start, cache_end) read from the paged cache; all visible to every query."""
         if piece.cache_end <= piece.key_start:
             return []
@@ -86,10 +90,9 @@ class TorchBackend:
             long = []
         parts = []
         for start, count in long:
-            block = piece.blocks[start]
+            first = piece.blocks[start] * bs
             n = tokens(start, count)
-            k = batch.k_pages[:, block : block + count].flatten(1, 2)[:, :n]
-            v = batch.v_pages[:, block : block + count].flatten(1, 2)[:, :n]
+            k, v = pages[0][:, first : first + n], pages[1][:, first : first + n]
             parts.append(self._part(batch, q, k, v, piece.position, [(piece.key_start + start * bs, n)]))
         taken = set(long)
         short = [r for r in runs if r not in taken]
@@ -144,13 +147,11 @@ class TorchBackend:
 
 def _runs(blocks: tuple[int, ...]) -> list[tuple[int, int]]:
     """Maximal runs of consecutive block ids: (index of the run's first entry, run length)."""
-    runs: list[tuple[int, int]] = []
-    start = 0
-    for i in range(1, len(blocks) + 1):
-        if i == len(blocks) or blocks[i] != blocks[i - 1] + 1:
-            runs.append((start, i - start))
-            start = i
-    return runs
+    if not blocks or blocks == tuple(range(blocks[0], blocks[0] + len(blocks))):
+        return [(0, len(blocks))] if blocks else []  # the common case, without numpy's call overhead
+    ids = np.asarray(blocks, dtype=np.int64)
+    starts = [0, *(np.flatnonzero(np.diff(ids) != 1) + 1).tolist(), len(blocks)]
+    return [(a, b - a) for a, b in itertools.pairwise(starts) if b > a]
 
 
 def _flash_full(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> Part:
@@ -158,6 +159,9 @@ def _flash_full(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float)
     nq, heads, dim = q.shape
     kv_heads = k.shape[0]
     group = heads // kv_heads
+    if nq == 1:  # a decode: the grouped layout is a plain view (the hot path; every op here costs ~5 us)
+        o, lse = _cpu_flash(q.view(1, kv_heads, group, dim), k.unsqueeze(0), v.unsqueeze(0), scale=scale)
+        return o.reshape(1, heads, dim), lse.reshape(1, heads)
     # [nq, H, D] -> [1, Hkv, nq * G, D]: rows (token, head-in-group) per KV head.
     qg = q.view(nq, kv_heads, group, dim).transpose(0, 1).reshape(1, kv_heads, nq * group, dim)
     o, lse = _cpu_flash(qg, k.unsqueeze(0), v.unsqueeze(0), scale=scale)
