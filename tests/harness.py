@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from chunkattn_client import BatchEntry, ReferenceModel
@@ -59,6 +60,7 @@ class Harness:
     engine: Engine
     reference: ReferenceModel
     dtype: str
+    cache_dtype: str
     seed: int = 0
 
     @classmethod
@@ -67,15 +69,16 @@ class Harness:
         model: ModelShape,
         *,
         dtype: str = "float32",
+        cache_dtype: str | None = None,
         num_blocks: int = 512,
         block_size: int = 4,
         impl: str = "auto",
         min_view_tokens: int = 64,
         max_views: int = 8,
     ) -> Harness:
-        config = EngineConfig(
-            model, CacheConfig(block_size=block_size, num_blocks=num_blocks, dtype=dtype), device="cpu"
-        )
+        cache_dtype = cache_dtype or dtype
+        cache = CacheConfig(block_size=block_size, num_blocks=num_blocks, dtype=cache_dtype)
+        config = EngineConfig(model, cache, device="cpu")
         backend = TorchBackend(torch.device("cpu"), impl=impl, min_view_tokens=min_view_tokens, max_views=max_views)  # type: ignore[arg-type]
         reference = ReferenceModel(
             [s.chunk_size for s in model.layers],
@@ -83,7 +86,7 @@ class Harness:
             scales=[s.scale for s in model.layers],
             alibi_slopes=[s.alibi_slopes for s in model.layers],
         )
-        return cls(Engine(config, backend=backend), reference, dtype)
+        return cls(Engine(config, backend=backend), reference, dtype, cache_dtype)
 
     @property
     def model(self) -> ModelShape:
@@ -108,10 +111,16 @@ class Harness:
         out = self.engine.attend(layer, entries, q, k, v)
         assert out.dtype == q.dtype
         assert out.shape == q.shape
-        expected = self.reference.attend(layer, entries, q.double().numpy(), _np(k), _np(v))
-        ok, err = tolerance_ok(out.double().numpy(), expected, self.dtype)
+        # The engine computes in the cache's dtype: the reference sees the inputs rounded to it.
+        kr, vr = (None, None) if k is None or v is None else (self._rounded(k), self._rounded(v))
+        expected = self.reference.attend(layer, entries, self._rounded(q), kr, vr)
+        worst = self.dtype if self.cache_dtype == "float32" else self.cache_dtype
+        ok, err = tolerance_ok(out.double().numpy(), expected, worst)
         assert ok, f"layer {layer}, entries {list(entries)}: error {err:.3g} ({self.dtype})"
         return out
+
+    def _rounded(self, t: torch.Tensor) -> npt.NDArray[np.float64]:
+        return t.to(DTYPES[self.cache_dtype]).double().numpy()
 
     def step(self, entries: Sequence[BatchEntry]) -> None:
         """The same batch through every layer in order, as a model runner does."""
@@ -122,10 +131,6 @@ class Harness:
         self.engine.release(seq_ids)
         for s in seq_ids:
             self.reference.release(s)
-
-
-def _np(t: torch.Tensor | None) -> np.ndarray | None:
-    return None if t is None else t.double().numpy()
 
 
 def snapshot(engine: Engine) -> Any:

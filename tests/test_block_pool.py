@@ -66,6 +66,10 @@ class PoolMachine(RuleBasedStateMachine):
             self.pool.free([*self.owners[0], self.owners[0][0]])
         with pytest.raises(ValueError, match="not in use"):
             self.pool.free([SIZE])
+        free_block = next((b for b in range(SIZE) if self.pool.is_free(b)), None)
+        if free_block is not None:
+            with pytest.raises(ValueError, match="not in use"):
+                self.pool.free([free_block])
         assert self.pool.num_free == before
 
     @invariant()
@@ -76,6 +80,19 @@ class PoolMachine(RuleBasedStateMachine):
         assert self.pool.num_used == len(owned)
         assert all(not self.pool.is_free(b) for b in owned)
         assert sum(self.pool.is_free(b) for b in range(SIZE)) == self.pool.num_free
+
+    @invariant()
+    def extents_are_the_maximal_free_runs(self) -> None:
+        runs: dict[int, int] = {}
+        start = None
+        for b in range(SIZE + 1):
+            if b < SIZE and self.pool.is_free(b):
+                start = b if start is None else start
+            elif start is not None:
+                runs[start] = b - start
+                start = None
+        assert self.pool._extent == runs
+        assert self.pool._extent_at_end == {s + n: s for s, n in runs.items()}
 
 
 TestPool = PoolMachine.TestCase

@@ -72,6 +72,11 @@ BAD: dict[str, tuple[Callable[[Engine], object], type[EngineError], str]] = {
         "num_tokens must be an integer >= 1",
     ),
     "negative position": (lambda e: e.attend(0, [BatchEntry("z", -1, 1)], _q(1), _kv(1), _kv(1)), InvalidBatch, ">= 0"),
+    "not a BatchEntry": (
+        lambda e: e.attend(0, [BatchEntry("b", 3, 1), ("a", 10, 1)], _q(2), _kv(2), _kv(2)),  # type: ignore[list-item]
+        InvalidBatch,
+        "entry 1 is a tuple; expected a BatchEntry",
+    ),
     "empty id": (lambda e: e.attend(0, [BatchEntry("", 0, 1)], _q(1), _kv(1), _kv(1)), InvalidBatch, "non-empty"),
     "duplicate sequence": (
         lambda e: e.attend(0, [BatchEntry("b", 3, 1), BatchEntry("b", 3, 1)], _q(2), _kv(2), _kv(2)),
@@ -189,16 +194,26 @@ class _Exploding:
 
 def test_failure_inside_the_call_rolls_back() -> None:
     h = Harness.build(MODEL, num_blocks=64)
+    twin = Harness.build(MODEL, num_blocks=64)
     _history(h)
+    _history(twin)
     before = snapshot(h.engine)
     backend = h.engine.backend
     h.engine.backend = _Exploding()
     with pytest.raises(RuntimeError, match="fell over"):
-        # New sequence + growth into new blocks: both must be undone.
+        # New sequence + growth into new blocks (K/V already written): all must be undone.
         h.engine.attend(0, [BatchEntry("b", 3, 9), BatchEntry("new", 0, 5)], _q(14), _kv(14), _kv(14))
     assert snapshot(h.engine) == before
     h.engine.backend = backend
-    h.step([BatchEntry("b", 3, 9), BatchEntry("new", 0, 5)])  # and the engine still works
+    for ours, theirs in zip(_continue(h), _continue(twin), strict=True):
+        assert torch.equal(ours, theirs)
+
+
+def test_a_generator_of_entries_is_read_once_and_served() -> None:
+    h = Harness.build(MODEL, num_blocks=64)
+    out = h.engine.attend(0, (BatchEntry(s, 0, 2) for s in ("x", "y")), _q(4), _kv(4), _kv(4))  # type: ignore[arg-type]
+    assert out.shape == (4, H, D)
+    assert h.engine.sequence("y").lengths[0] == 2
 
 
 def test_release_unknown_is_refused_unless_missing_ok() -> None:

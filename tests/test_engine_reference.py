@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from chunkattn_client import BatchEntry
+from chunkattn_server import LayerSpec, ModelShape
 from tests.harness import MODELS, Harness
 
 DTYPE_NAMES = ["float32", "float16", "bfloat16"]
@@ -50,8 +54,8 @@ def test_one_call_crosses_chunk_boundaries(dtype: str, boundaries: int) -> None:
     """A prefill that starts mid-chunk and crosses 0-3 chunk boundaries in one call (C = 8)."""
     h = Harness.build(MODELS["gqa"], dtype=dtype)
     h.step([BatchEntry("s", 0, 5)])
-    # From position 5, reaching into chunk `boundaries` (chunks of 8 in layers 0-1, 16 in 3-4).
-    h.step([BatchEntry("s", 5, 8 * boundaries + 1)])
+    # From position 5 to 8 * boundaries + 6: into chunk `boundaries` of the C = 8 layers.
+    h.step([BatchEntry("s", 5, 8 * boundaries + 2)])
 
 
 @pytest.mark.parametrize("dtype", DTYPE_NAMES)
@@ -81,14 +85,61 @@ def test_mixed_prefill_and_decode_in_one_batch() -> None:
 
 
 @pytest.mark.parametrize("impl", ["auto", "math"])
-def test_fragmented_pool_reads_through_gathers_and_merges(impl: str) -> None:
-    """Interleaved growth scatters each sequence's blocks; with tiny views and with none, results hold."""
-    for min_view_tokens, max_views in [(1, 64), (1, 2), (10**9, 8)]:
-        h = Harness.build(MODELS["gqa"], impl=impl, min_view_tokens=min_view_tokens, max_views=max_views)
-        lengths = {"a": 0, "b": 0, "c": 0}
-        for _ in range(12):
-            for s in lengths:  # one block (4 tokens) each in turn, so no two of a sequence's blocks touch
-                h.step([BatchEntry(s, lengths[s], 4)])
-                lengths[s] += 4
-        h.step([BatchEntry(s, n, 1) for s, n in lengths.items()])
-        h.step([BatchEntry(s, n + 1, 3) for s, n in lengths.items()])
+@pytest.mark.parametrize(
+    ("held_every", "min_view_tokens", "max_views"),
+    [
+        (2, 1, 64),  # every block its own run: many views, merged
+        (2, 1, 2),  # too many runs: all gathered in one copy
+        (5, 16, 8),  # runs of 4 blocks read as views, partial last runs gathered
+        (5, 10**9, 8),  # nothing long enough for a view: all gathered
+    ],
+)
+def test_fragmented_pool_reads_through_views_gathers_and_merges(
+    impl: str, held_every: int, min_view_tokens: int, max_views: int
+) -> None:
+    """Someone else holds every n-th block, so each sequence's blocks come in short runs."""
+    h = Harness.build(MODELS["gqa"], impl=impl, min_view_tokens=min_view_tokens, max_views=max_views)
+    pool = h.engine.pool
+    taken = pool.allocate(pool.num_free)
+    pool.free([b for i, b in enumerate(taken) if i % held_every])
+    lengths = {"a": 0, "b": 0, "c": 0}
+    for _ in range(4):
+        for s in lengths:
+            h.step([BatchEntry(s, lengths[s], 5)])
+            lengths[s] += 5
+    glob = next(g.index for g in h.engine.groups if g.chunk_size == 0)  # a global group keeps every block
+    for s in lengths:
+        blocks = sorted(h.engine.sequence(s).tables[glob].values())
+        assert any(b - a != 1 for a, b in itertools.pairwise(blocks)), "the pool did not fragment"
+    h.step([BatchEntry(s, n, 1) for s, n in lengths.items()])
+    h.step([BatchEntry(s, n + 1, 3) for s, n in lengths.items()])
+
+
+@pytest.mark.parametrize("cache_dtype", ["bfloat16", "float16"])
+def test_float32_inputs_into_a_half_precision_cache(cache_dtype: str) -> None:
+    """CUDA's default: the client sends fp32, the cache (and the compute) is bf16; the output is fp32."""
+    h = Harness.build(MODELS["gqa"], dtype="float32", cache_dtype=cache_dtype)
+    h.step([BatchEntry("a", 0, 21), BatchEntry("b", 0, 1)])
+    for i in range(10):
+        h.step([BatchEntry("a", 21 + i, 1), BatchEntry("b", 1 + i, 1)])
+
+
+def test_a_full_pool_keeps_serving_across_chunk_boundaries() -> None:
+    """A pool of exactly one chunk per sequence: the old chunk goes back before the next one is needed."""
+    model = ModelShape(num_heads=2, num_kv_heads=1, head_size=8, layers=(LayerSpec(16), LayerSpec(16)))
+    h = Harness.build(model, num_blocks=8)  # one group of 2 layers: 16 / 4 = 4 blocks a sequence, 2 sequences
+    h.step([BatchEntry("a", 0, 16), BatchEntry("b", 0, 16)])
+    for i in range(40):
+        h.step([BatchEntry("a", 16 + i, 1), BatchEntry("b", 16 + i, 1)])
+    assert h.engine.stats().used_blocks <= 8
+
+
+def test_inputs_that_require_grad_do_not_drag_the_cache_into_autograd() -> None:
+    h = Harness.build(MODELS["gqa"])
+    m = h.model
+    for pos, n in ((0, 9), (9, 1)):
+        q = torch.randn(n, m.num_heads, m.head_size, requires_grad=True)
+        k = torch.randn(n, m.num_kv_heads, m.head_size, requires_grad=True)
+        out = h.engine.attend(0, [BatchEntry("g", pos, n)], q, k, k)
+        assert not out.requires_grad
+    assert not any(t.requires_grad for t in (*h.engine.cache.k, *h.engine.cache.v))

@@ -108,7 +108,7 @@ class ReferenceModel:
         self._kv: dict[tuple[str, int], tuple[FloatArray, FloatArray]] = {}
 
     def length(self, seq_id: str, layer: int) -> int:
-        """Tokens the sequence has in ``layer`` (its source's, for a KV-sharing layer)."""
+        """Tokens of K/V the sequence has written in ``layer`` (0 for a KV-sharing layer, which writes none)."""
         kv = self._kv.get((seq_id, layer))
         return 0 if kv is None else kv[0].shape[0]
 
@@ -120,23 +120,29 @@ class ReferenceModel:
         k: npt.ArrayLike | None = None,
         v: npt.ArrayLike | None = None,
     ) -> FloatArray:
-        """Expected output [T, num_heads, head_size] float64 of one call; records the new k/v."""
+        """Expected output [T, num_heads, head_size] float64 of one call; records the new k/v.
+
+        Raises ValueError, recording nothing, when a writing layer's position is not the sequence's
+        length there, a KV-sharing layer's source has not reached the call's last position, or a
+        writing layer gets no k/v. (It does not track a sharer's own progress: the server does.)
+        """
         q64 = np.asarray(q, dtype=np.float64)
         source = self.kv_sources[layer]
         owner = layer if source is None else source
+        for e in entries:
+            have = self.length(e.seq_id, owner)
+            if source is None and have != e.position:
+                raise ValueError(f"sequence {e.seq_id!r} has {have} tokens in layer {layer}, not {e.position}")
+            if source is not None and have < e.position + e.num_tokens:
+                raise ValueError(f"layer {source} holds {have} tokens of {e.seq_id!r}; layer {layer} needs more")
+        if source is None and (k is None or v is None):
+            raise ValueError(f"layer {layer} writes its own KV: k and v are required")
         outs = []
         row = 0
         for e in entries:
             rows = slice(row, row + e.num_tokens)
             row += e.num_tokens
             if source is None:
-                if self.length(e.seq_id, layer) != e.position:
-                    raise ValueError(
-                        f"sequence {e.seq_id!r} has {self.length(e.seq_id, layer)} tokens in layer {layer},"
-                        f" not {e.position}"
-                    )
-                if k is None or v is None:
-                    raise ValueError(f"layer {layer} writes its own KV: k and v are required")
                 self._append(e.seq_id, layer, np.asarray(k)[rows], np.asarray(v)[rows])
             hist_k, hist_v = self._kv[(e.seq_id, owner)]
             positions = np.arange(e.position, e.position + e.num_tokens)

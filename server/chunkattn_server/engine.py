@@ -136,6 +136,7 @@ class Engine:
 
     # -- the data plane ------------------------------------------------------------------------------
 
+    @torch.no_grad()  # the cache must never join an autograd graph, whatever the caller's tensors
     def attend(
         self,
         layer: int,
@@ -161,6 +162,7 @@ class Engine:
             PositionMismatch, OutOfBlocks. Nothing has changed when one is raised.
         """
         spec = self._layer_spec(layer)
+        entries = tuple(entries)  # a generator would be used up by the checks
         total = _check_entries(entries)
         self._check_tensors(layer, spec, total, q, k, v)
         states = [self._seqs.get(e.seq_id) for e in entries]
@@ -193,7 +195,7 @@ class Engine:
                     ):
                         table[logical] = physical
                         taken.append((table, logical))
-            out = self._compute(layer, spec, entries, live, writes, q, k, v)
+            out = self._compute(layer, spec, entries, live, writes, q, k, v).to(q.dtype)
         except BaseException:
             self.pool.free(table.pop(logical) for table, logical in taken)
             for seq_id in created:
@@ -208,7 +210,7 @@ class Engine:
             if chunk_start(old, spec.chunk_size) != chunk_start(state.lengths[layer], spec.chunk_size):
                 table = state.tables[group.index]
                 self.pool.free([table.pop(b) for b in self._retention.unneeded(state, group)])
-        return out.to(q.dtype)
+        return out
 
     def _compute(
         self,
@@ -407,6 +409,10 @@ def _check_entries(entries: Sequence[BatchEntry]) -> int:
         raise InvalidBatch("the batch is empty; send at least one sequence")
     seen: set[str] = set()
     for i, e in enumerate(entries):
+        if not isinstance(e, BatchEntry):
+            raise InvalidBatch(
+                f"entry {i} is a {type(e).__name__}; expected a BatchEntry(seq_id, position, num_tokens)"
+            )
         if not isinstance(e.seq_id, str) or not e.seq_id:
             raise InvalidBatch(f"entry {i}: seq_id must be a non-empty string, got {e.seq_id!r}")
         if isinstance(e.position, bool) or not isinstance(e.position, int) or e.position < 0:
