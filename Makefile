@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test test-fast lint format serve bench clean
+.PHONY: install test test-fast lint format serve bench proto clean
 
 $(STAMP): requirements/dev.txt requirements/constraints.txt client/pyproject.toml server/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -37,3 +37,6 @@ bench: install  ## benchmarks/engine.py: ours against the SDPA baselines, on thi
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis
+
+proto: install  ## regenerate the checked-in stubs from proto/ (with mypy stubs)
+	$(BIN)/python scripts/gen_proto.py client

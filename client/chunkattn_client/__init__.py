@@ -1,12 +1,29 @@
 """chunkattn client: the thin side of chunkattn (numpy, grpcio, protobuf; never torch or triton).
 
-Today it holds the float64 reference that defines the service's semantics; the gRPC client and codecs
-arrive with the service.
+- ``ChunkAttnClient`` / ``AsyncChunkAttnClient``: the sync and asyncio gRPC clients (same methods).
+- ``ChunkAttnError``: every failure, with its gRPC status code.
+- ``BatchEntry``: one sequence's part of a call.
+- ``reference``: the float64 numpy reference of the semantics; ``codec``: tensors <-> messages.
 """
 
+from chunkattn_client.aio import AsyncAttendStream, AsyncChunkAttnClient
 from chunkattn_client.batch import BatchEntry
+from chunkattn_client.client import AttendStream, ChunkAttnClient, ChunkAttnError, LayerInfo, ServerInfo
 from chunkattn_client.reference import ReferenceModel, chunked_attention, visible
 
-__all__ = ["BatchEntry", "ReferenceModel", "__version__", "chunked_attention", "visible"]
+__all__ = [
+    "AsyncAttendStream",
+    "AsyncChunkAttnClient",
+    "AttendStream",
+    "BatchEntry",
+    "ChunkAttnClient",
+    "ChunkAttnError",
+    "LayerInfo",
+    "ReferenceModel",
+    "ServerInfo",
+    "__version__",
+    "chunked_attention",
+    "visible",
+]
 
 __version__ = "0.1.0"

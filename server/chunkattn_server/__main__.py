@@ -1,51 +1,142 @@
-"""``chunkattn-server``: builds the engine for the configured model and reports it.
+"""chunkattn-server: serve chunked-local attention over gRPC.
 
-The gRPC service (issue #3) is wired here next; until then this command allocates the KV pool for the
-demo model, prints what it would serve, and exits.
+With no arguments it serves a small demo model on the CPU: 4 layers as Llama 4 interleaves them
+(3 chunked with C = 1024, then 1 global), 8 query / 2 KV heads of size 64.
+
+Every flag can also come from the environment (CHUNKATTN_<FLAG>, e.g. CHUNKATTN_PORT=50052) or from a
+JSON file given with --config (keys are the flag names with underscores; "layers" may instead be a list
+of {"chunk_size", "kv_source", "scale", "alibi_slopes"} objects). Precedence: flags, environment, file.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
 import logging
+import os
 import sys
+from typing import Any
 
-from chunkattn_server.config import DEVICES, CacheConfig, EngineConfig, demo_model
-from chunkattn_server.engine import Engine
+from chunkattn_server.config import CacheConfig, EngineConfig, LayerSpec, ModelShape
 from chunkattn_server.errors import ConfigError
+from chunkattn_server.server import ServerConfig, serve
 
 log = logging.getLogger("chunkattn_server")
 
+PRESETS: dict[str, dict[str, Any]] = {
+    "demo": {"layers": 4, "chunk_size": 1024, "global_every": 4, "heads": 8, "kv_heads": 2, "head_size": 64},
+    "llama4-scout": {"layers": 48, "chunk_size": 8192, "global_every": 4, "heads": 40, "kv_heads": 8, "head_size": 128},
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="chunkattn-server", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add = p.add_argument
+    add("--config", metavar="FILE", help="JSON file with any of the options below")
+    g = p.add_argument_group("network")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
+    g.add_argument("--port", type=int, default=50051, help="gRPC port (default 50051; 0 picks a free one)")
+    g.add_argument("--metrics-port", type=int, default=9400, help="Prometheus /metrics port (default 9400; 0: off)")
+    g.add_argument("--max-message-mib", type=int, default=256, help="largest request/response in MiB (default 256)")
+    g.add_argument("--max-concurrent-rpcs", type=int, default=64, help="beyond this, RESOURCE_EXHAUSTED (default 64)")
+    g.add_argument("--idle-timeout-s", type=float, default=600.0, help="release sequences idle this long (0: never)")
+    g.add_argument("--grace-s", type=float, default=10.0, help="on SIGTERM, time for calls in flight (default 10)")
+    m = p.add_argument_group("model (the attention shape; must match the client's model)")
+    m.add_argument("--preset", choices=sorted(PRESETS), default="demo", help="start from a known shape (default demo)")
+    m.add_argument("--layers", type=int, help="number of attention layers")
+    m.add_argument("--chunk-size", type=int, help="C of the chunked layers")
+    m.add_argument("--global-every", type=int, help="every n-th layer is global (Llama 4: 4; 0: none)")
+    m.add_argument("--heads", type=int, help="query heads")
+    m.add_argument("--kv-heads", type=int, help="KV heads (heads must be a multiple)")
+    m.add_argument("--head-size", type=int, help="head size")
+    c = p.add_argument_group("KV cache and device")
+    c.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    c.add_argument("--kv-memory-mib", type=int, default=1024, help="KV pool budget in MiB (default 1024)")
+    c.add_argument("--num-blocks", type=int, help="KV pool size in blocks (overrides --kv-memory-mib)")
+    c.add_argument("--dtype", default="auto", help="cache dtype: auto (bf16 on CUDA, fp32 on CPU), float32, ...")
+    c.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
+    return p
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    """Flags over environment over config file over defaults."""
+    parser = build_parser()
+    first, _ = parser.parse_known_args(argv)
+    defaults: dict[str, Any] = {}
+    config_file = first.config or os.environ.get("CHUNKATTN_CONFIG")
+    if config_file:
+        with open(config_file) as f:
+            defaults.update(json.load(f))
+    for action in parser._actions:
+        env = os.environ.get("CHUNKATTN_" + action.dest.upper())
+        if env is not None and action.dest != "help":
+            defaults[action.dest] = action.type(env) if callable(action.type) else env
+    known = {a.dest for a in parser._actions}
+    unknown = sorted(set(defaults) - known - {"layers"})
+    if unknown:
+        parser.error(f"unknown options in the config file or environment: {unknown}")
+    parser.set_defaults(**defaults)
+    return parser.parse_args(argv)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    shape = dict(PRESETS[args.preset])
+    for key in ("chunk_size", "global_every", "heads", "kv_heads", "head_size"):
+        if getattr(args, key) is not None:
+            shape[key] = getattr(args, key)
+    if isinstance(args.layers, list):  # explicit per-layer specs from a config file
+        model = ModelShape(
+            num_heads=shape["heads"],
+            num_kv_heads=shape["kv_heads"],
+            head_size=shape["head_size"],
+            layers=tuple(
+                LayerSpec(
+                    chunk_size=spec.get("chunk_size", 0),
+                    kv_source=spec.get("kv_source"),
+                    scale=spec.get("scale"),
+                    alibi_slopes=tuple(spec["alibi_slopes"]) if spec.get("alibi_slopes") else None,
+                )
+                for spec in args.layers
+            ),
+        )
+    else:
+        model = ModelShape.interleaved(
+            num_layers=args.layers if args.layers is not None else shape["layers"],
+            chunk_size=shape["chunk_size"],
+            global_every=shape["global_every"],
+            num_heads=shape["heads"],
+            num_kv_heads=shape["kv_heads"],
+            head_size=shape["head_size"],
+        )
+    cache = CacheConfig(
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        memory_bytes=None if args.num_blocks else args.kv_memory_mib << 20,
+        dtype=args.dtype,
+    )
+    return EngineConfig(model, cache, device=args.device)
+
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="chunkattn-server", description=__doc__)
-    parser.add_argument("--device", default="auto", help=f"one of {', '.join(DEVICES)} or cuda:N (default: auto)")
-    parser.add_argument("--kv-memory-mib", type=int, default=1024, help="KV pool budget in MiB (default: 1024)")
-    args = parser.parse_args(argv)
+    args = parse(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        engine = Engine(
-            EngineConfig(demo_model(), CacheConfig(memory_bytes=args.kv_memory_mib << 20), device=args.device)
-        )
-    except ConfigError as e:
-        log.error("bad configuration: %s", e)
-        return 2
-    model = engine.config.model
-    stats = engine.stats()
-    log.info(
-        "engine ready on %s: %d layers (chunk sizes %s), %d heads / %d KV heads, head size %d, %s cache,"
-        " %d blocks of %d tokens",
-        engine.device,
-        model.num_layers,
-        [spec.chunk_size for spec in model.layers],
-        model.num_heads,
-        model.num_kv_heads,
-        model.head_size,
-        str(engine.dtype).removeprefix("torch."),
-        stats.num_blocks,
-        stats.block_size,
+    server = ServerConfig(
+        host=args.host,
+        port=args.port,
+        metrics_port=args.metrics_port,
+        max_message_bytes=args.max_message_mib << 20,
+        max_concurrent_rpcs=args.max_concurrent_rpcs,
+        idle_timeout_s=args.idle_timeout_s,
+        grace_s=args.grace_s,
     )
-    log.info("the gRPC service arrives with issue #3; nothing to listen on yet, exiting")
+    try:
+        asyncio.run(serve(engine_config(args), server))
+    except (ConfigError, OSError) as e:
+        log.error("cannot start: %s", e)
+        return 2
     return 0
 
 

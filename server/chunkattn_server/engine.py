@@ -316,6 +316,13 @@ class Engine:
                 released += 1
         return released
 
+    def evict_idle(self, max_idle_s: float, now: float | None = None) -> list[str]:
+        """Release every sequence untouched for more than ``max_idle_s`` seconds; returns their ids."""
+        now = time.monotonic() if now is None else now
+        idle = [s for s, state in self._seqs.items() if now - state.last_used > max_idle_s]
+        self.release(idle)
+        return idle
+
     def stats(self) -> EngineStats:
         return EngineStats(
             num_blocks=self.pool.num_blocks,

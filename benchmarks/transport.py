@@ -1,0 +1,481 @@
+"""Attend round trips against a plain gRPC echo of the same bytes, side by side in one run on this machine.
+
+What is measured: the real server (``python -m chunkattn_server``, its own process, 127.0.0.1 only) serving a
+model whose compute is tiny, so that the transport shows: 1 chunked layer with C = 16, 8 query / 8 KV heads
+of size 128, float32 on the CPU. Every Attend call prefills a new sequence at position 0 with T tokens, T
+chosen so that q + k + v is about the nominal request size, and ends it (end_of_sequence), so nothing
+accumulates on the server. "ours" is the public client, ``ChunkAttnClient.attend`` for unary and
+``ChunkAttnClient.stream().attend`` for stream: numpy arrays in, numpy array out, so it includes encoding
+q/k/v into the message, protobuf (de)serialisation on both sides, the server's decode, the attention and
+the encode of the output.
+
+The baseline, "echo", is a plain gRPC server in another process of its own (a ``grpc.aio`` server, the
+stack the real server runs on, with a generic handler and identity (de)serialisers) that receives the
+serialised AttendRequest bytes and answers with a precomputed bytes object as long as the serialised
+AttendResponse: the same bytes up and the same number of bytes down as Attend, and nothing else. Both
+channels use the same options (max message sizes).
+
+Payloads: 64 KiB, 1 MiB and 16 MiB requests, each unary (one RPC per call) and stream (one long-lived
+bidirectional stream per contender, each request awaited before the next is sent, as a model runner does).
+MB/s = (request bytes + response bytes) / seconds per round trip, 1 MB = 10^6 bytes. Each timed sample
+runs a batch of calls; the reported figure is the median over rounds that run every contender in turn
+(ours and echo, unary and stream), so drift hits all alike. Target: ours / echo >= 0.8 at 1 MiB and above;
+64 KiB is reported without a target (there the per-call fixed costs dominate).
+
+Before any timing, one Attend output (a 100-token sequence, so it crosses chunk boundaries) is compared
+against the float64 reference, unary and stream (float32 tolerance 1e-4), and the echo's answer length is
+checked; the run fails loudly otherwise.
+
+    python benchmarks/transport.py [--json PATH] [--repeats N] [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import os
+import platform
+import queue
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import asdict, dataclass
+from datetime import date
+from typing import Any
+
+import grpc
+import numpy as np
+import numpy.typing as npt
+
+from chunkattn_client import BatchEntry, chunked_attention, codec
+from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
+from chunkattn_client.client import ChunkAttnClient, attend_request, channel_options
+
+KIB = 1 << 10
+MIB = 1 << 20
+MAX_MESSAGE_MIB = 64  # 16 MiB requests and their ~5.3 MiB responses, with room
+ECHO_UNARY = "/echo.Echo/Unary"
+ECHO_STREAM = "/echo.Echo/Stream"
+ECHO_SET_REPLY = "/echo.Echo/SetReply"
+VERIFY_TOKENS = 100
+TOLERANCE = 1e-4
+START_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 20.0
+
+
+@dataclass(frozen=True)
+class Model:
+    """The served model: small compute, so the bytes on the wire dominate."""
+
+    chunk_size: int = 16
+    heads: int = 8
+    kv_heads: int = 8
+    head_size: int = 128
+    itemsize: int = 4  # float32
+
+    @property
+    def request_bytes_per_token(self) -> int:
+        return (self.heads + 2 * self.kv_heads) * self.head_size * self.itemsize
+
+    def server_args(self) -> list[str]:
+        return [
+            "--layers=1",
+            "--global-every=0",
+            f"--chunk-size={self.chunk_size}",
+            f"--heads={self.heads}",
+            f"--kv-heads={self.kv_heads}",
+            f"--head-size={self.head_size}",
+            "--dtype=float32",
+            "--device=cpu",
+            "--kv-memory-mib=64",
+        ]
+
+
+@dataclass(frozen=True)
+class Plan:
+    sizes: tuple[int, ...]  # nominal request sizes in bytes (q + k + v)
+    repeats: int  # timed rounds
+    sample_bytes: int  # request bytes per timed sample: calls = sample_bytes / request size, clamped
+    min_calls: int
+    max_calls: int
+
+
+FULL = Plan(sizes=(64 * KIB, MIB, 16 * MIB), repeats=7, sample_bytes=24 * MIB, min_calls=2, max_calls=300)
+SMOKE = Plan(sizes=(16 * KIB, 64 * KIB), repeats=2, sample_bytes=256 * KIB, min_calls=2, max_calls=10)
+
+
+def rounds(contenders: Mapping[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median seconds of each contender; each round runs them all in turn after one warm-up each."""
+    for fn in contenders.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(repeats):
+        for name, fn in contenders.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+# -- processes ---------------------------------------------------------------------------------------
+
+
+class Child:
+    """A server subprocess: started, awaited until it logs that it serves (the port is read from that
+    line), and always stopped with SIGTERM (then SIGKILL if it lingers)."""
+
+    def __init__(self, name: str, argv: list[str], ready: re.Pattern[str]) -> None:
+        self.name = name
+        self._ready = ready
+        self._lines: deque[str] = deque(maxlen=40)
+        self._port: queue.Queue[int] = queue.Queue()
+        self.proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,  # a Ctrl-C in the terminal reaches us, not the servers directly
+        )
+        self._reader = threading.Thread(target=self._read, name=f"{name}-stderr", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:  # keeps draining after "ready", so the pipe never fills
+            self._lines.append(line.rstrip())
+            m = self._ready.search(line)
+            if m:
+                self._port.put(int(m.group(1)))
+
+    def wait_ready(self, timeout_s: float) -> int:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with contextlib.suppress(queue.Empty):
+                return self._port.get(timeout=0.1)
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode} before serving:\n{self.log()}")
+        raise RuntimeError(f"{self.name} did not report serving within {timeout_s:.0f} s:\n{self.log()}")
+
+    def log(self) -> str:
+        return "\n".join(self._lines)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._reader.join(timeout=5)
+
+
+def start_server(model: Model) -> Child:
+    argv = [
+        sys.executable,
+        "-m",
+        "chunkattn_server",
+        "--host=127.0.0.1",
+        "--port=0",
+        "--metrics-port=0",
+        "--idle-timeout-s=0",
+        "--grace-s=2",
+        f"--max-message-mib={MAX_MESSAGE_MIB}",
+        *model.server_args(),
+    ]
+    return Child("chunkattn server", argv, re.compile(r"serving chunkattn\.v1\.ChunkAttn on 127\.0\.0\.1:(\d+)"))
+
+
+def start_echo() -> Child:
+    argv = [sys.executable, os.path.abspath(__file__), "--echo-server"]
+    return Child("echo server", argv, re.compile(r"echo serving on 127\.0\.0\.1:(\d+)"))
+
+
+# -- the echo server (runs in its own process: `transport.py --echo-server`) -------------------------
+
+
+def _identity(b: bytes) -> bytes:
+    return b
+
+
+async def _serve_echo() -> None:
+    reply = [b""]
+
+    async def unary(request: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
+        return reply[0]
+
+    async def stream(
+        requests: Any, context: grpc.aio.ServicerContext[bytes, bytes]
+    ) -> Any:  # AsyncIterator[bytes] -> AsyncIterator[bytes]
+        async for _ in requests:
+            yield reply[0]
+
+    async def set_reply(request: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
+        reply[0] = bytes(int.from_bytes(request, "little"))  # precomputed once per payload size
+        return b""
+
+    identity: dict[str, Any] = {"request_deserializer": _identity, "response_serializer": _identity}
+    handler = grpc.method_handlers_generic_handler(
+        "echo.Echo",
+        {
+            "Unary": grpc.unary_unary_rpc_method_handler(unary, **identity),
+            "Stream": grpc.stream_stream_rpc_method_handler(stream, **identity),
+            "SetReply": grpc.unary_unary_rpc_method_handler(set_reply, **identity),
+        },
+    )
+    server = grpc.aio.server(options=channel_options(MAX_MESSAGE_MIB * MIB, None))
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    print(f"echo serving on 127.0.0.1:{port}", file=sys.stderr, flush=True)
+    await stop.wait()
+    await server.stop(1)
+
+
+class EchoClient:
+    """The echo's client side: raw bytes over a channel with the same options as ChunkAttnClient's."""
+
+    def __init__(self, target: str) -> None:
+        self._channel = grpc.insecure_channel(target, options=channel_options(MAX_MESSAGE_MIB * MIB, None))
+        identity: dict[str, Any] = {"request_serializer": _identity, "response_deserializer": _identity}
+        self._unary = self._channel.unary_unary(ECHO_UNARY, **identity)
+        self._stream = self._channel.stream_stream(ECHO_STREAM, **identity)
+        self._set_reply = self._channel.unary_unary(ECHO_SET_REPLY, **identity)
+
+    def set_reply(self, nbytes: int) -> None:
+        self._set_reply(nbytes.to_bytes(8, "little"))
+
+    def call(self, payload: bytes) -> bytes:
+        return bytes(self._unary(payload))
+
+    def stream(self) -> EchoStream:
+        return EchoStream(self._stream)
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+class EchoStream:
+    """One long-lived bidirectional stream, fed as AttendStream is: a queue of requests, one answer each."""
+
+    def __init__(self, method: grpc.StreamStreamMultiCallable[bytes, bytes]) -> None:
+        self._requests: queue.Queue[bytes | None] = queue.Queue()
+        self._responses: Iterator[bytes] = method(iter(self._requests.get, None))
+
+    def call(self, payload: bytes) -> bytes:
+        self._requests.put(payload)
+        return next(self._responses)
+
+    def close(self) -> None:
+        self._requests.put(None)
+        for _ in self._responses:
+            pass
+
+
+# -- the benchmark -----------------------------------------------------------------------------------
+
+
+def _inputs(model: Model, tokens: int, seed: int) -> tuple[npt.NDArray[np.float32], ...]:
+    rng = np.random.default_rng(seed)
+    shapes = ((tokens, model.heads, model.head_size), *((tokens, model.kv_heads, model.head_size),) * 2)
+    return tuple(rng.standard_normal(s, dtype=np.float32) for s in shapes)
+
+
+def verify(client: ChunkAttnClient, model: Model) -> float:
+    """The first sequence, unary and stream, against the float64 reference; SystemExit when off."""
+    q, k, v = _inputs(model, VERIFY_TOKENS, seed=1)
+    want = chunked_attention(q, k, v, np.arange(VERIFY_TOKENS), chunk_size=model.chunk_size)
+    entries = [BatchEntry("verify-unary", 0, VERIFY_TOKENS)]
+    got_unary = client.attend(0, entries, q, k, v, end_of_sequence=["verify-unary"])
+    with client.stream() as s:
+        got_stream = s.attend(
+            0, [BatchEntry("verify-stream", 0, VERIFY_TOKENS)], q, k, v, end_of_sequence=["verify-stream"]
+        )
+    err = max(float(np.abs(got.astype(np.float64) - want).max()) for got in (got_unary, got_stream))
+    if not err <= TOLERANCE:
+        raise SystemExit(f"Attend output differs from the reference by {err} (tolerance {TOLERANCE})")
+    return err
+
+
+def bench_size(
+    client: ChunkAttnClient, echo: EchoClient, model: Model, nominal: int, plan: Plan, ids: Iterator[int]
+) -> dict[str, dict[str, Any]]:
+    tokens = max(1, round(nominal / model.request_bytes_per_token))
+    q, k, v = _inputs(model, tokens, seed=2)
+
+    def entries(sid: str) -> list[BatchEntry]:
+        return [BatchEntry(sid, 0, tokens)]
+
+    # Byte-identical payload for the echo: the serialised AttendRequest (ids are fixed width, so every
+    # call's request has this size). The echo answers with as many bytes as the serialised AttendResponse.
+    sample_id = f"s{next(ids):09d}"
+    request = attend_request(0, entries(sample_id), q, k, v, end_of_sequence=[sample_id]).SerializeToString()
+    out = client.attend(0, entries(sample_id), q, k, v, end_of_sequence=[sample_id])
+    response_bytes = pb.AttendResponse(output=codec.encode(out)).ByteSize()
+    echo.set_reply(response_bytes)
+    if len(echo.call(request)) != response_bytes:
+        raise SystemExit("the echo answered with the wrong number of bytes")
+    calls = max(plan.min_calls, min(plan.max_calls, plan.sample_bytes // len(request)))
+
+    def ours_unary() -> None:
+        for _ in range(calls):
+            sid = f"s{next(ids):09d}"
+            client.attend(0, entries(sid), q, k, v, end_of_sequence=[sid])
+
+    def echo_unary() -> None:
+        for _ in range(calls):
+            echo.call(request)
+
+    with client.stream() as ours_stream_rpc, contextlib.closing(echo.stream()) as echo_stream_rpc:
+
+        def ours_stream() -> None:
+            for _ in range(calls):
+                sid = f"s{next(ids):09d}"
+                ours_stream_rpc.attend(0, entries(sid), q, k, v, end_of_sequence=[sid])
+
+        def echo_stream() -> None:
+            for _ in range(calls):
+                echo_stream_rpc.call(request)
+
+        t = rounds(
+            {
+                "ours_unary": ours_unary,
+                "echo_unary": echo_unary,
+                "ours_stream": ours_stream,
+                "echo_stream": echo_stream,
+            },
+            plan.repeats,
+        )
+
+    moved = (len(request) + response_bytes) * calls / 1e6
+    common = {"tokens": tokens, "request_bytes": len(request), "response_bytes": response_bytes, "calls": calls}
+    return {
+        mode: {"ours_mbps": moved / t[f"ours_{mode}"], "echo_mbps": moved / t[f"echo_{mode}"], **common}
+        for mode in ("unary", "stream")
+    }
+
+
+def run(model: Model, plan: Plan) -> dict[str, Any]:
+    started = time.perf_counter()
+    children: list[Child] = []
+    try:
+        children.append(start_server(model))
+        children.append(start_echo())
+        ports = [c.wait_ready(START_TIMEOUT_S) for c in children]
+        max_bytes = MAX_MESSAGE_MIB * MIB
+        with (
+            ChunkAttnClient(f"127.0.0.1:{ports[0]}", max_message_bytes=max_bytes) as client,
+            contextlib.closing(EchoClient(f"127.0.0.1:{ports[1]}")) as echo,
+        ):
+            info = client.info()
+            if info.device != "cpu" or info.cache_dtype != "float32" or info.head_size != model.head_size:
+                raise SystemExit(f"the server does not serve the expected model: {info}")
+            err = verify(client, model)
+            ids = itertools.count()
+            per_size = {n: bench_size(client, echo, model, n, plan, ids) for n in plan.sizes}
+            if client.info().active_sequences:
+                raise SystemExit("sequences were left on the server: end_of_sequence did not release them")
+    finally:
+        for child in reversed(children):
+            child.stop()
+    return {
+        "date": date.today().isoformat(),
+        "machine": f"{_cpu_name()}, {os.cpu_count()} cores, Python {platform.python_version()},"
+        f" grpcio {grpc.__version__}",
+        "model": asdict(model),
+        "repeats": plan.repeats,
+        "verify_max_abs_err": err,
+        "unary": {str(n): r["unary"] for n, r in per_size.items()},
+        "stream": {str(n): r["stream"] for n, r in per_size.items()},
+        "duration_s": time.perf_counter() - started,
+    }
+
+
+# -- report ------------------------------------------------------------------------------------------
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _size(n: int) -> str:
+    return f"{n / MIB:.0f} MiB" if n >= MIB else f"{n / KIB:.0f} KiB"
+
+
+def report(result: dict[str, Any]) -> str:
+    """The human-readable table: MB/s of both, their ratio and the target's verdict."""
+    m = result["model"]
+    lines = [
+        f"chunkattn transport benchmark, {result['date']}, {result['machine']}",
+        "",
+        f"Attend (1 layer, C = {m['chunk_size']}, {m['heads']}/{m['kv_heads']} heads x {m['head_size']}, float32,"
+        f" a new sequence per call) against a plain gRPC echo of the same bytes; MB/s of request + response",
+        f"{'mode':<7} {'request':>8} {'tokens':>6} {'up/down bytes':>19} {'calls':>5}"
+        f" {'ours MB/s':>10} {'echo MB/s':>10} {'ours/echo':>13}",
+    ]
+    for mode in ("unary", "stream"):
+        for nominal, r in result[mode].items():
+            ratio = r["ours_mbps"] / r["echo_mbps"]
+            verdict = ("ok" if ratio >= 0.8 else "MISS") if int(nominal) >= MIB else "-"
+            lines.append(
+                f"{mode:<7} {_size(int(nominal)):>8} {r['tokens']:>6}"
+                f" {r['request_bytes']:>9}/{r['response_bytes']:<9} {r['calls']:>5}"
+                f" {r['ours_mbps']:>10.1f} {r['echo_mbps']:>10.1f} {ratio:>7.2f}x {verdict:>4}"
+            )
+    lines += [
+        "",
+        "target: ours/echo >= 0.8x at 1 MiB and above (64 KiB and below: no target);"
+        f" medians of {result['repeats']} rounds; verified against the reference"
+        f" (max abs err {result['verify_max_abs_err']:.1e})",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    parser.add_argument("--repeats", type=int, help=f"timed rounds per contender (default {FULL.repeats})")
+    parser.add_argument("--smoke", action="store_true", help="tiny payloads, few calls: checks the code paths")
+    parser.add_argument("--echo-server", action="store_true", help=argparse.SUPPRESS)  # the baseline's process
+    args = parser.parse_args(argv)
+    if args.echo_server:
+        asyncio.run(_serve_echo())
+        return 0
+    plan = SMOKE if args.smoke else FULL
+    if args.repeats is not None:
+        if args.repeats < 1:
+            parser.error("--repeats must be at least 1")
+        plan = Plan(plan.sizes, args.repeats, plan.sample_bytes, plan.min_calls, plan.max_calls)
+
+    result = run(Model(), plan)
+    print(report(result))
+    print(f"\n({result['duration_s']:.0f} s)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""The asyncio client: the same methods as ``ChunkAttnClient``, awaitable.
+
+async with AsyncChunkAttnClient("localhost:50051") as c:
+    out = await c.attend(0, [BatchEntry("s", 0, 100)], q, k, v)
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import grpc
+import numpy.typing as npt
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from chunkattn_client import codec
+from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
+from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2_grpc as pb_grpc
+from chunkattn_client.batch import BatchEntry
+from chunkattn_client.client import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    ChunkAttnError,
+    ServerInfo,
+    attend_request,
+    channel_options,
+    check_stream_response,
+)
+
+
+class AsyncChunkAttnClient:
+    """An asyncio client; see ``ChunkAttnClient`` for the arguments and each method's contract."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        keepalive_s: float | None = None,
+        root_certificates: bytes | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
+        options = channel_options(max_message_bytes, keepalive_s)
+        if root_certificates is not None:
+            creds = grpc.ssl_channel_credentials(root_certificates=root_certificates)
+            self._channel = grpc.aio.secure_channel(target, creds, options=options)
+        else:
+            self._channel = grpc.aio.insecure_channel(target, options=options)
+        self._stub = pb_grpc.ChunkAttnStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self.timeout_s = timeout_s
+
+    async def __aenter__(self) -> AsyncChunkAttnClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def info(self) -> ServerInfo:
+        try:
+            return ServerInfo.from_pb(await self._stub.Info(pb.InfoRequest(), timeout=self.timeout_s))
+        except grpc.RpcError as err:
+            raise ChunkAttnError.from_rpc(err) from None
+
+    async def health(self, service: str = "") -> str:
+        try:
+            r = await self._health.Check(health_pb2.HealthCheckRequest(service=service), timeout=self.timeout_s)
+        except grpc.RpcError as err:
+            raise ChunkAttnError.from_rpc(err) from None
+        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(r.status))
+
+    async def attend(
+        self,
+        layer: int,
+        entries: Sequence[BatchEntry],
+        q: Any,
+        k: Any = None,
+        v: Any = None,
+        *,
+        end_of_sequence: Sequence[str] = (),
+        dtype: str | None = None,
+    ) -> npt.NDArray[Any]:
+        request = attend_request(layer, entries, q, k, v, end_of_sequence=end_of_sequence, dtype=dtype)
+        try:
+            response = await self._stub.Attend(request, timeout=self.timeout_s)
+        except grpc.RpcError as err:
+            raise ChunkAttnError.from_rpc(err) from None
+        return codec.decode(response.output)
+
+    async def release(self, seq_ids: Sequence[str], *, missing_ok: bool = False) -> int:
+        request = pb.ReleaseRequest(seq_ids=list(seq_ids), missing_ok=missing_ok)
+        try:
+            r = await self._stub.Release(request, timeout=self.timeout_s)
+        except grpc.RpcError as err:
+            raise ChunkAttnError.from_rpc(err) from None
+        return int(r.released)
+
+    def stream(self) -> AsyncAttendStream:
+        return AsyncAttendStream(self._stub)
+
+
+class AsyncAttendStream:
+    """Calls over one AttendStream RPC, answered in order; ``async with`` closes it."""
+
+    def __init__(self, stub: pb_grpc.ChunkAttnAsyncStub) -> None:  # a type the stubs name, not a runtime class
+        self._requests: asyncio.Queue[pb.AttendRequest | None] = asyncio.Queue()
+        self._call = stub.AttendStream(self._feed())
+        self._responses: AsyncIterator[pb.AttendResponse] = self._call.__aiter__()
+        self._next_id = 0
+        self._lock = asyncio.Lock()
+
+    async def _feed(self) -> AsyncIterator[pb.AttendRequest]:
+        while (request := await self._requests.get()) is not None:
+            yield request
+
+    async def __aenter__(self) -> AsyncAttendStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._requests.put(None)
+        async for _ in self._responses:  # drain so the RPC ends cleanly
+            pass
+
+    async def attend(
+        self,
+        layer: int,
+        entries: Sequence[BatchEntry],
+        q: Any,
+        k: Any = None,
+        v: Any = None,
+        *,
+        end_of_sequence: Sequence[str] = (),
+        dtype: str | None = None,
+    ) -> npt.NDArray[Any]:
+        async with self._lock:
+            self._next_id += 1
+            rid = self._next_id
+            await self._requests.put(
+                attend_request(layer, entries, q, k, v, end_of_sequence=end_of_sequence, dtype=dtype, request_id=rid)
+            )
+            try:
+                response = await self._responses.__anext__()
+            except grpc.RpcError as err:
+                raise ChunkAttnError.from_rpc(err) from None
+            except StopAsyncIteration:
+                raise ChunkAttnError(grpc.StatusCode.UNAVAILABLE, "the stream ended") from None
+        return check_stream_response(response, rid)

@@ -1,0 +1,299 @@
+"""The synchronous client. ``aio.py`` has the same methods for asyncio.
+
+    with ChunkAttnClient("localhost:50051") as c:
+        out = c.attend(0, [BatchEntry("s", 0, 100)], q, k, v)   # numpy in, numpy out
+
+Every failure surfaces as ``ChunkAttnError`` carrying the gRPC status code and the server's message.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import grpc
+import numpy.typing as npt
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from chunkattn_client import codec
+from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
+from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2_grpc as pb_grpc
+from chunkattn_client.batch import BatchEntry
+
+# Large enough for a 4,096-token prefill of Llama-4-Scout's shape in bf16 (q, k, v: ~92 MiB) with room.
+DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
+
+
+class ChunkAttnError(Exception):
+    """A call failed. ``code`` is the grpc.StatusCode; ``message`` the server's explanation."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+    @classmethod
+    def from_rpc(cls, err: grpc.RpcError) -> ChunkAttnError:
+        # Failed calls raise grpc.Call objects (code(), details()); a bare RpcError has neither.
+        code = getattr(err, "code", lambda: None)()
+        details = getattr(err, "details", lambda: None)()
+        return cls(code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.UNKNOWN, details or str(err))
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    index: int
+    chunk_size: int
+    kv_group: int
+    kv_source: int | None
+    scale: float
+    alibi: bool
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """What Info returns: the model's shape and the server's state."""
+
+    version: str
+    backend: str
+    device: str
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    layers: tuple[LayerInfo, ...]
+    block_size: int
+    num_blocks: int
+    free_blocks: int
+    bytes_per_block: int
+    cache_dtype: str
+    dtypes: tuple[str, ...]
+    active_sequences: int
+    max_message_bytes: int
+
+    @classmethod
+    def from_pb(cls, r: pb.InfoResponse) -> ServerInfo:
+        return cls(
+            version=r.version,
+            backend=r.backend,
+            device=r.device,
+            num_heads=r.num_heads,
+            num_kv_heads=r.num_kv_heads,
+            head_size=r.head_size,
+            layers=tuple(
+                LayerInfo(
+                    index=x.index,
+                    chunk_size=x.chunk_size,
+                    kv_group=x.kv_group,
+                    kv_source=x.kv_source if x.HasField("kv_source") else None,
+                    scale=x.scale,
+                    alibi=x.alibi,
+                )
+                for x in r.layers
+            ),
+            block_size=r.block_size,
+            num_blocks=r.num_blocks,
+            free_blocks=r.free_blocks,
+            bytes_per_block=r.bytes_per_block,
+            cache_dtype=codec.dtype_name(r.cache_dtype),
+            dtypes=tuple(codec.dtype_name(d) for d in r.dtypes),
+            active_sequences=r.active_sequences,
+            max_message_bytes=r.max_message_bytes,
+        )
+
+
+def channel_options(max_message_bytes: int, keepalive_s: float | None) -> list[tuple[str, Any]]:
+    options: list[tuple[str, Any]] = [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
+    if keepalive_s:
+        options += [("grpc.keepalive_time_ms", int(keepalive_s * 1000)), ("grpc.keepalive_permit_without_calls", 1)]
+    return options
+
+
+def attend_request(
+    layer: int,
+    entries: Sequence[BatchEntry],
+    q: Any,
+    k: Any = None,
+    v: Any = None,
+    *,
+    end_of_sequence: Sequence[str] = (),
+    dtype: str | None = None,
+    request_id: int = 0,
+) -> pb.AttendRequest:
+    """The AttendRequest for one call (see ``ChunkAttnClient.attend``)."""
+    ending = set(end_of_sequence)
+    unknown = ending - {e.seq_id for e in entries}
+    if unknown:
+        raise ValueError(f"end_of_sequence names sequences not in the batch: {sorted(unknown)}")
+    return pb.AttendRequest(
+        layer=layer,
+        entries=[
+            pb.SequenceEntry(
+                seq_id=e.seq_id,
+                position=e.position,
+                num_tokens=e.num_tokens,
+                end_of_sequence=e.seq_id in ending,
+            )
+            for e in entries
+        ],
+        q=codec.encode(q, dtype),
+        k=None if k is None else codec.encode(k, dtype),
+        v=None if v is None else codec.encode(v, dtype),
+        request_id=request_id,
+    )
+
+
+class ChunkAttnClient:
+    """A blocking client. Thread-safe: gRPC channels may be shared between threads.
+
+    target: "host:port". root_certificates: PEM bytes to use TLS (None: plaintext). timeout_s: the
+    deadline of each call (None: none).
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        keepalive_s: float | None = None,
+        root_certificates: bytes | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
+        options = channel_options(max_message_bytes, keepalive_s)
+        if root_certificates is not None:
+            creds = grpc.ssl_channel_credentials(root_certificates=root_certificates)
+            self._channel = grpc.secure_channel(target, creds, options=options)
+        else:
+            self._channel = grpc.insecure_channel(target, options=options)
+        self._stub = pb_grpc.ChunkAttnStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self.timeout_s = timeout_s
+
+    def __enter__(self) -> ChunkAttnClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def info(self) -> ServerInfo:
+        try:
+            return ServerInfo.from_pb(self._stub.Info(pb.InfoRequest(), timeout=self.timeout_s))
+        except grpc.RpcError as err:
+            raise ChunkAttnError.from_rpc(err) from None
+
+    def health(self, service: str = "") -> str:
+        """The standard health status name: "SERVING", "NOT_SERVING", ... ("" = the whole server)."""
+        try:
+            r = self._health.Check(health_pb2.HealthCheckRequest(service=service), timeout=self.timeout_s)
+        except grpc.RpcError as err:
+            raise ChunkAttnError.from_rpc(err) from None
+        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(r.status))
+
+    def attend(
+        self,
+        layer: int,
+        entries: Sequence[BatchEntry],
+        q: Any,
+        k: Any = None,
+        v: Any = None,
+        *,
+        end_of_sequence: Sequence[str] = (),
+        dtype: str | None = None,
+    ) -> npt.NDArray[Any]:
+        """One layer, one batch. q [T, H, D], k/v [T, Hkv, D] (numpy float32/float16, uint16 words with
+        dtype="bfloat16", or torch tensors); k/v None for a KV-sharing layer. Sequences named in
+        ``end_of_sequence`` are released after the call. Returns [T, H, D] (uint16 words for bfloat16)."""
+        request = attend_request(layer, entries, q, k, v, end_of_sequence=end_of_sequence, dtype=dtype)
+        try:
+            response = self._stub.Attend(request, timeout=self.timeout_s)
+        except grpc.RpcError as err:
+            raise ChunkAttnError.from_rpc(err) from None
+        return codec.decode(response.output)
+
+    def release(self, seq_ids: Sequence[str], *, missing_ok: bool = False) -> int:
+        """Release sequences; returns how many existed."""
+        try:
+            r = self._stub.Release(
+                pb.ReleaseRequest(seq_ids=list(seq_ids), missing_ok=missing_ok), timeout=self.timeout_s
+            )
+        except grpc.RpcError as err:
+            raise ChunkAttnError.from_rpc(err) from None
+        return int(r.released)
+
+    def stream(self) -> AttendStream:
+        """A bidirectional stream for a long-lived model runner: one round trip per call, no new RPC."""
+        return AttendStream(self._stub)
+
+
+class AttendStream:
+    """Calls over one AttendStream RPC, answered in order. Use as a context manager.
+
+    A failed call raises ChunkAttnError and the stream stays usable; a broken stream raises too.
+    """
+
+    def __init__(self, stub: pb_grpc.ChunkAttnStub) -> None:
+        self._requests: queue.Queue[pb.AttendRequest | None] = queue.Queue()
+        self._responses: Iterator[pb.AttendResponse] = stub.AttendStream(iter(self._requests.get, None))
+        self._next_id = 0
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> AttendStream:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._requests.put(None)
+        for _ in self._responses:  # drain so the RPC ends cleanly
+            pass
+
+    def attend(
+        self,
+        layer: int,
+        entries: Sequence[BatchEntry],
+        q: Any,
+        k: Any = None,
+        v: Any = None,
+        *,
+        end_of_sequence: Sequence[str] = (),
+        dtype: str | None = None,
+    ) -> npt.NDArray[Any]:
+        """As ``ChunkAttnClient.attend``, over the stream."""
+        with self._lock:
+            self._next_id += 1
+            rid = self._next_id
+            self._requests.put(
+                attend_request(layer, entries, q, k, v, end_of_sequence=end_of_sequence, dtype=dtype, request_id=rid)
+            )
+            try:
+                response = next(self._responses)
+            except grpc.RpcError as err:
+                raise ChunkAttnError.from_rpc(err) from None
+            except StopIteration:
+                raise ChunkAttnError(grpc.StatusCode.UNAVAILABLE, "the stream ended") from None
+        return check_stream_response(response, rid)
+
+
+def check_stream_response(response: pb.AttendResponse, request_id: int) -> npt.NDArray[Any]:
+    """The output of a streamed response, or its failure as ChunkAttnError."""
+    if response.status.code:
+        code = _STATUS_BY_VALUE.get(response.status.code, grpc.StatusCode.UNKNOWN)
+        raise ChunkAttnError(code, response.status.message)
+    if response.request_id != request_id:
+        raise ChunkAttnError(grpc.StatusCode.INTERNAL, f"response {response.request_id} answers request {request_id}")
+    return codec.decode(response.output)
+
+
+_STATUS_BY_VALUE = {c.value[0]: c for c in grpc.StatusCode}

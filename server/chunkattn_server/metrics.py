@@ -1,0 +1,49 @@
+"""Every Prometheus metric the server exports, in one place (served on --metrics-port at /metrics)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class Metrics:
+    """The server's metrics, registered in their own registry (so tests and several servers never clash)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "chunkattn_requests_total", "Requests answered, by RPC and gRPC status code.", ["rpc", "code"], registry=r
+        )
+        self.queue_seconds = Histogram(
+            "chunkattn_queue_seconds",
+            "Time a request waited for the engine.",
+            ["rpc"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.compute_seconds = Histogram(
+            "chunkattn_compute_seconds",
+            "Time the engine spent on a request.",
+            ["rpc"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tokens = Counter(
+            "chunkattn_tokens_total",
+            "Tokens attended, by kind: decode (a single-token entry) or prefill (longer entries).",
+            ["kind"],
+            registry=r,
+        )
+        self.bytes_received = Counter("chunkattn_received_bytes_total", "Tensor bytes received (q, k, v).", registry=r)
+        self.bytes_sent = Counter("chunkattn_sent_bytes_total", "Tensor bytes sent (outputs).", registry=r)
+        self.kv_blocks_total = Gauge("chunkattn_kv_blocks", "KV blocks in the pool.", registry=r)
+        self.kv_blocks_used = Gauge("chunkattn_kv_blocks_used", "KV blocks held by sequences.", registry=r)
+        self.active_sequences = Gauge("chunkattn_active_sequences", "Sequences holding KV.", registry=r)
+        self.evicted = Counter(
+            "chunkattn_sequences_evicted_total", "Sequences released because they were idle too long.", registry=r
+        )
+        self.released = Counter(
+            "chunkattn_sequences_released_total", "Sequences released by Release or end_of_sequence.", registry=r
+        )

@@ -1,0 +1,119 @@
+"""Wiring: the gRPC server, standard health and reflection, the metrics endpoint, idle eviction, signals.
+
+Life cycle: allocate the KV pool (engine), start serving with health NOT_SERVING, flip to SERVING; on
+SIGTERM/SIGINT flip back to NOT_SERVING, refuse new calls (UNAVAILABLE), let in-flight calls finish
+within the grace period, stop the engine worker and return (exit 0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
+from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2_grpc as pb_grpc
+from chunkattn_server.config import EngineConfig
+from chunkattn_server.engine import Engine
+from chunkattn_server.metrics import Metrics
+from chunkattn_server.service import ChunkAttnService
+from chunkattn_server.worker import EngineWorker
+
+log = logging.getLogger("chunkattn_server")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ChunkAttn"].full_name
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Network and limits. metrics_port 0 disables /metrics; idle_timeout_s 0 disables eviction."""
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    metrics_port: int = 9400
+    max_message_bytes: int = 256 << 20
+    max_concurrent_rpcs: int = 64
+    idle_timeout_s: float = 600.0
+    grace_s: float = 10.0
+
+
+async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
+    """Run until SIGTERM/SIGINT, then shut down gracefully."""
+    engine = Engine(engine_config)  # allocates the KV pool: SERVING only after this
+    worker = EngineWorker(engine)
+    metrics = Metrics()
+    options = [
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+    ]
+    server = grpc.aio.server(options=options, maximum_concurrent_rpcs=config.max_concurrent_rpcs or None)
+    pb_grpc.add_ChunkAttnServicer_to_server(
+        ChunkAttnService(worker, metrics, max_message_bytes=config.max_message_bytes), server
+    )
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+    )
+    address = f"{config.host}:{config.port}"
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot listen on {address}")
+    if config.metrics_port:
+        start_http_server(config.metrics_port, addr=config.host, registry=metrics.registry)
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    stats = engine.stats()
+    log.info(
+        "serving %s on %s:%d (metrics %s) on %s: %d layers, %d KV blocks of %d tokens (%.1f MiB)",
+        SERVICE_NAME,
+        config.host,
+        port,
+        f"http://{config.host}:{config.metrics_port}/metrics" if config.metrics_port else "off",
+        engine.device,
+        engine_config.model.num_layers,
+        stats.num_blocks,
+        stats.block_size,
+        stats.num_blocks * stats.bytes_per_block / 2**20,
+    )
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    evictor = (
+        asyncio.create_task(_evict_idle(worker, metrics, config.idle_timeout_s)) if config.idle_timeout_s else None
+    )
+
+    await stop.wait()
+    log.info("draining: NOT_SERVING, refusing new calls, %.1f s for calls in flight", config.grace_s)
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    if evictor is not None:
+        evictor.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await evictor
+    await server.stop(config.grace_s)
+    worker.stop()
+    log.info("stopped")
+
+
+async def _evict_idle(worker: EngineWorker, metrics: Metrics, idle_timeout_s: float) -> None:
+    """Release sequences untouched for longer than idle_timeout_s, checking every quarter of it."""
+    period = max(0.05, min(idle_timeout_s / 4, 30.0))
+    while True:
+        await asyncio.sleep(period)
+        evicted, stats = await worker.run(lambda e: (e.evict_idle(idle_timeout_s), e.stats()))
+        if evicted:
+            metrics.evicted.inc(len(evicted))
+            metrics.kv_blocks_used.set(stats.used_blocks)
+            metrics.active_sequences.set(stats.num_sequences)
+            log.info("released %d idle sequences (idle > %.1f s)", len(evicted), idle_timeout_s)

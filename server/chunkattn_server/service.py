@@ -1,0 +1,192 @@
+"""The gRPC servicer: protobuf <-> domain objects, and nothing else.
+
+Each RPC reads as decode -> run on the engine worker -> encode. No tensor math here: the worker thread
+owns the engine. Errors become statuses through ``errors.status_code`` alone.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+import grpc
+import torch
+
+from chunkattn_client import codec
+from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
+from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2_grpc as pb_grpc
+from chunkattn_client.batch import BatchEntry
+from chunkattn_server import __version__
+from chunkattn_server.engine import DTYPES, Engine, EngineStats
+from chunkattn_server.errors import InvalidArgument, InvalidTensor, status_code
+from chunkattn_server.metrics import Metrics
+from chunkattn_server.worker import EngineWorker
+
+T = TypeVar("T")
+Context = grpc.aio.ServicerContext[Any, Any]
+
+# Request tensors are read-only views of the received bytes; the engine never writes into them.
+warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
+_TORCH = {pb.DTYPE_FLOAT32: torch.float32, pb.DTYPE_FLOAT16: torch.float16, pb.DTYPE_BFLOAT16: torch.bfloat16}
+_WIRE = {v: k for k, v in _TORCH.items()}
+
+
+def tensor_from_pb(name: str, t: pb.Tensor) -> torch.Tensor:
+    """A torch view of a Tensor message's bytes (no copy). InvalidTensor when dtype/shape/bytes disagree."""
+    try:
+        codec.decode(t)  # checks the dtype, the shape and the byte count
+    except codec.CodecError as e:
+        raise InvalidTensor(f"{name}: {e}") from None
+    shape = tuple(t.shape)
+    if not t.data:
+        return torch.empty(shape, dtype=_TORCH[t.dtype])
+    return torch.frombuffer(t.data, dtype=_TORCH[t.dtype]).view(shape)
+
+
+def tensor_to_pb(t: torch.Tensor) -> pb.Tensor:
+    raw = t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
+    return pb.Tensor(dtype=_WIRE[t.dtype], shape=list(t.shape), data=raw)
+
+
+class ChunkAttnService(pb_grpc.ChunkAttnServicer):
+    """Info, Attend, AttendStream and Release over one engine worker."""
+
+    def __init__(self, worker: EngineWorker, metrics: Metrics, *, max_message_bytes: int) -> None:
+        self._worker = worker
+        self._metrics = metrics
+        self._max_message_bytes = max_message_bytes
+        self._engine_info = _static_info(worker.engine, max_message_bytes)
+        metrics.kv_blocks_total.set(worker.engine.stats().num_blocks)
+
+    async def Info(self, request: pb.InfoRequest, context: Context) -> pb.InfoResponse:  # noqa: N802
+        stats = await self._run("Info", lambda e: e.stats())
+        self._observe_pool(stats)
+        response = pb.InfoResponse()
+        response.CopyFrom(self._engine_info)
+        response.free_blocks = stats.free_blocks
+        response.active_sequences = stats.num_sequences
+        self._count("Info", grpc.StatusCode.OK)
+        return response
+
+    async def Attend(self, request: pb.AttendRequest, context: Context) -> pb.AttendResponse:  # noqa: N802
+        try:
+            response = await self._attend(request)
+        except Exception as e:  # every failure becomes a status; nothing has changed on the engine
+            code = status_code(e)
+            self._count("Attend", code)
+            await context.abort(code, str(e))
+        self._count("Attend", grpc.StatusCode.OK)
+        return response
+
+    async def AttendStream(  # noqa: N802
+        self, request_iterator: AsyncIterator[pb.AttendRequest], context: Context
+    ) -> AsyncIterator[pb.AttendResponse]:
+        async for request in request_iterator:
+            try:
+                response = await self._attend(request)
+            except Exception as e:
+                code = status_code(e)
+                self._count("AttendStream", code)
+                yield pb.AttendResponse(
+                    request_id=request.request_id, status=pb.Status(code=code.value[0], message=str(e))
+                )
+                continue
+            self._count("AttendStream", grpc.StatusCode.OK)
+            yield response
+
+    async def Release(self, request: pb.ReleaseRequest, context: Context) -> pb.ReleaseResponse:  # noqa: N802
+        ids = list(request.seq_ids)
+        try:
+            released, stats = await self._run(
+                "Release", lambda e: (e.release(ids, missing_ok=request.missing_ok), e.stats())
+            )
+        except Exception as e:
+            code = status_code(e)
+            self._count("Release", code)
+            await context.abort(code, str(e))
+        self._metrics.released.inc(released)
+        self._observe_pool(stats)
+        self._count("Release", grpc.StatusCode.OK)
+        return pb.ReleaseResponse(released=released)
+
+    # -- helpers -------------------------------------------------------------------------------------
+
+    async def _attend(self, request: pb.AttendRequest) -> pb.AttendResponse:
+        entries = [BatchEntry(e.seq_id, e.position, e.num_tokens) for e in request.entries]
+        ending = [e.seq_id for e in request.entries if e.end_of_sequence]
+        if not request.HasField("q"):
+            raise InvalidTensor("q is missing; send q [tokens, num_heads, head_size]")
+        q = tensor_from_pb("q", request.q)
+        k = tensor_from_pb("k", request.k) if request.HasField("k") else None
+        v = tensor_from_pb("v", request.v) if request.HasField("v") else None
+        if (k is None) != (v is None):
+            raise InvalidTensor("send both k and v, or (for a KV-sharing layer) neither")
+        layer = request.layer
+
+        def job(engine: Engine) -> tuple[torch.Tensor, EngineStats]:
+            out = engine.attend(layer, entries, q, k, v)
+            if ending:
+                engine.release(ending)
+            return out, engine.stats()
+
+        out, stats = await self._run("Attend", job)
+        output = tensor_to_pb(out)
+        m = self._metrics
+        m.bytes_received.inc(sum(len(t.data) for t in (request.q, request.k, request.v)))
+        m.bytes_sent.inc(len(output.data))
+        decode = sum(1 for e in entries if e.num_tokens == 1)
+        m.tokens.labels("decode").inc(decode)
+        m.tokens.labels("prefill").inc(sum(e.num_tokens for e in entries if e.num_tokens > 1))
+        m.released.inc(len(ending))
+        self._observe_pool(stats)
+        return pb.AttendResponse(output=output, request_id=request.request_id)
+
+    async def _run(self, rpc: str, fn: Callable[[Engine], T]) -> T:
+        def observe(queue_s: float, compute_s: float) -> None:
+            self._metrics.queue_seconds.labels(rpc).observe(queue_s)
+            self._metrics.compute_seconds.labels(rpc).observe(compute_s)
+
+        return await self._worker.run(fn, observe)
+
+    def _observe_pool(self, stats: EngineStats) -> None:
+        self._metrics.kv_blocks_used.set(stats.used_blocks)
+        self._metrics.active_sequences.set(stats.num_sequences)
+
+    def _count(self, rpc: str, code: grpc.StatusCode) -> None:
+        self._metrics.requests.labels(rpc, code.name).inc()
+
+
+def _static_info(engine: Engine, max_message_bytes: int) -> pb.InfoResponse:
+    model = engine.config.model
+    group_of = {layer: g.index for g in engine.groups for layer in (*g.layers, *g.sharers)}
+    stats = engine.stats()
+    return pb.InfoResponse(
+        version=__version__,
+        backend=engine.backend.name,
+        device=str(engine.device),
+        num_heads=model.num_heads,
+        num_kv_heads=model.num_kv_heads,
+        head_size=model.head_size,
+        layers=[
+            pb.LayerInfo(
+                index=i,
+                chunk_size=spec.chunk_size,
+                kv_group=group_of[i],
+                kv_source=spec.kv_source,
+                scale=spec.scale or model.head_size**-0.5,
+                alibi=spec.alibi_slopes is not None,
+            )
+            for i, spec in enumerate(model.layers)
+        ],
+        block_size=stats.block_size,
+        num_blocks=stats.num_blocks,
+        bytes_per_block=stats.bytes_per_block,
+        cache_dtype=_WIRE[engine.dtype],
+        dtypes=[_WIRE[d] for d in DTYPES.values()],
+        max_message_bytes=max_message_bytes,
+    )
+
+
+__all__ = ["ChunkAttnService", "InvalidArgument", "tensor_from_pb", "tensor_to_pb"]

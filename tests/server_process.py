@@ -1,0 +1,70 @@
+"""A real chunkattn-server in a subprocess, on free loopback ports, for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from types import TracebackType
+
+# A small model with short chunks so tests cross boundaries: 4 layers (3 chunked with C = 16, 1 global).
+SMALL = [
+    "--layers", "4", "--chunk-size", "16", "--global-every", "4",
+    "--heads", "4", "--kv-heads", "2", "--head-size", "16", "--block-size", "4",
+]  # fmt: skip
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerProcess:
+    """``with ServerProcess(*flags) as server:`` starts, waits for "serving", and stops it with SIGTERM."""
+
+    def __init__(self, *flags: str, env: dict[str, str] | None = None, startup_s: float = 90.0) -> None:
+        self.port = free_port()
+        self.metrics_port = free_port()
+        self.target = f"127.0.0.1:{self.port}"
+        self.metrics_url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        self._log = tempfile.NamedTemporaryFile("w+", suffix=".log", prefix="chunkattn-server-")  # noqa: SIM115
+        cmd = [sys.executable, "-m", "chunkattn_server", "--port", str(self.port)]
+        cmd += ["--metrics-port", str(self.metrics_port), *flags]
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        deadline = time.monotonic() + startup_s
+        while "serving chunkattn.v1.ChunkAttn" not in self.log():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.proc.kill()
+                raise RuntimeError(f"server did not start (exit {self.proc.poll()}):\n{self.log()}")
+            time.sleep(0.1)
+
+    def log(self) -> str:
+        self._log.flush()
+        with open(self._log.name) as f:
+            return f.read()
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        """SIGTERM and wait; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise
+        return self.proc.returncode
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+        self._log.close()

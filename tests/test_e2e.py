@@ -1,0 +1,388 @@
+"""End to end: the real server in a subprocess, reached only through the client, checked against the reference."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from chunkattn_client import BatchEntry, ChunkAttnClient, ChunkAttnError, ReferenceModel, codec
+from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
+from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2_grpc as pb_grpc
+from tests.server_process import SMALL, ServerProcess
+
+H, HKV, D = 4, 2, 16
+CHUNKS = [16, 16, 16, 0]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    with ServerProcess(*SMALL, "--num-blocks", "4096", "--idle-timeout-s", "0") as s:
+        yield s
+
+
+@pytest.fixture
+def client(server: ServerProcess) -> Iterator[ChunkAttnClient]:
+    with ChunkAttnClient(server.target, timeout_s=60) as c:
+        yield c
+
+
+class Runner:
+    """Sends calls through the client (unary or stream) and checks them against the reference."""
+
+    def __init__(self, call: Any, dtype: str = "float32", seed: int = 0) -> None:
+        self.call = call
+        self.dtype = dtype
+        self.rng = np.random.default_rng(seed)
+        self.ref = ReferenceModel(CHUNKS)
+
+    def _tensor(self, *shape: int) -> tuple[np.ndarray, np.ndarray]:
+        """(what is sent, its float64 value): float32/float16 arrays, or bfloat16 words."""
+        x = self.rng.standard_normal(shape).astype(np.float32)
+        if self.dtype == "bfloat16":
+            words = codec.float32_to_bf16(x)
+            return words, codec.bf16_to_float32(words).astype(np.float64)
+        sent = x.astype(self.dtype)
+        return sent, sent.astype(np.float64)
+
+    def step(self, layer: int, entries: list[BatchEntry], **kw: Any) -> np.ndarray:
+        t = sum(e.num_tokens for e in entries)
+        (q, q64), (k, k64), (v, v64) = self._tensor(t, H, D), self._tensor(t, HKV, D), self._tensor(t, HKV, D)
+        dtype = "bfloat16" if self.dtype == "bfloat16" else None
+        out = self.call(layer, entries, q, k, v, dtype=dtype, **kw)
+        got = codec.bf16_to_float32(out) if self.dtype == "bfloat16" else out.astype(np.float64)
+        want = self.ref.attend(layer, entries, q64, k64, v64)
+        err = np.abs(got - want).max()
+        tol = 1e-5 if self.dtype == "float32" else 2e-2 * np.abs(want).max()
+        assert err <= tol, f"layer {layer}: error {err} > {tol}"
+        return np.asarray(out)
+
+    def model_step(self, entries: list[BatchEntry]) -> None:
+        for layer in range(len(CHUNKS)):
+            self.step(layer, entries)
+
+
+def _scrape(server: ServerProcess) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+# -- agreement with the reference ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("transport", ["unary", "stream"])
+def test_results_match_the_reference(client: ChunkAttnClient, dtype: str, transport: str) -> None:
+    """Prefill across two chunk boundaries, then decodes across the next, in every layer; two sequences."""
+    a, b = f"{transport}-{dtype}-a", f"{transport}-{dtype}-b"
+    if transport == "unary":
+        r = Runner(client.attend, dtype)
+        _session(r, a, b)
+    else:
+        with client.stream() as stream:
+            r = Runner(stream.attend, dtype)
+            _session(r, a, b)
+    client.release([a, b])
+
+
+def _session(r: Runner, a: str, b: str) -> None:
+    r.model_step([BatchEntry(a, 0, 40), BatchEntry(b, 0, 3)])
+    for i in range(10):  # a crosses 48
+        r.model_step([BatchEntry(a, 40 + i, 1), BatchEntry(b, 3 + i, 1)])
+
+
+def test_info_describes_the_model_and_the_pool(client: ChunkAttnClient) -> None:
+    info = client.info()
+    assert (info.num_heads, info.num_kv_heads, info.head_size, info.block_size) == (H, HKV, D, 4)
+    assert [layer.chunk_size for layer in info.layers] == CHUNKS
+    assert info.layers[3].kv_source is None
+    assert info.num_blocks == 4096
+    assert info.cache_dtype == "float32"
+    assert set(info.dtypes) == {"float32", "float16", "bfloat16"}
+    assert (info.backend, info.device) == ("torch", "cpu")
+    assert info.max_message_bytes == 256 << 20
+
+
+# -- standard services, metrics ---------------------------------------------------------------------
+
+
+def test_standard_health_and_reflection(server: ServerProcess) -> None:
+    with grpc.insecure_channel(server.target) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "chunkattn.v1.ChunkAttn"):
+            status = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status
+            assert status == health_pb2.HealthCheckResponse.SERVING
+        refl = reflection_pb2_grpc.ServerReflectionStub(channel)
+        responses = refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+        names = {s.name for r in responses for s in r.list_services_response.service}
+    assert {"chunkattn.v1.ChunkAttn", "grpc.health.v1.Health"} <= names
+
+
+def test_metrics_parse_and_count_what_was_sent(server: ServerProcess, client: ChunkAttnClient) -> None:
+    before = _scrape(server)
+    r = Runner(client.attend, seed=7)
+    r.step(0, [BatchEntry("m1", 0, 30), BatchEntry("m2", 0, 1)])
+    r.step(0, [BatchEntry("m1", 30, 1), BatchEntry("m2", 1, 1)])
+    with pytest.raises(ChunkAttnError):
+        client.attend(
+            0, [BatchEntry("m1", 0, 1)], np.zeros((1, H, D), np.float32), *([np.zeros((1, HKV, D), np.float32)] * 2)
+        )
+    client.release(["m1", "m2"])
+    after = _scrape(server)
+
+    def delta(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert delta("chunkattn_tokens_total", kind="prefill") == 30
+    assert delta("chunkattn_tokens_total", kind="decode") == 3
+    assert delta("chunkattn_requests_total", rpc="Attend", code="OK") == 2
+    assert delta("chunkattn_requests_total", rpc="Attend", code="FAILED_PRECONDITION") == 1
+    assert delta("chunkattn_requests_total", rpc="Release", code="OK") == 1
+    assert delta("chunkattn_received_bytes_total") == 4 * 33 * (H + 2 * HKV) * D
+    assert delta("chunkattn_sent_bytes_total") == 4 * 33 * H * D
+    assert delta("chunkattn_compute_seconds_count", rpc="Attend") == 3
+    assert after[("chunkattn_kv_blocks", ())] == 4096
+    assert after[("chunkattn_kv_blocks_used", ())] == 0
+
+
+# -- the error matrix: precise statuses, nothing changed --------------------------------------------
+
+
+def _raw(layer: int, entries: list[tuple[str, int, int]], q: Any, k: Any = None, v: Any = None) -> pb.AttendRequest:
+    return pb.AttendRequest(
+        layer=layer,
+        entries=[pb.SequenceEntry(seq_id=s, position=p, num_tokens=n) for s, p, n in entries],
+        q=q,
+        k=k,
+        v=v,
+    )
+
+
+def _t(*shape: int, dtype: Any = pb.DTYPE_FLOAT32, extra: int = 0) -> pb.Tensor:
+    n = int(np.prod(shape)) * 4 + extra
+    return pb.Tensor(dtype=dtype, shape=shape, data=b"\0" * n)
+
+
+def _ok(*, layer: int = 0, seqs: tuple[tuple[str, int, int], ...] = (("v", 3, 1),), **tensors: Any) -> pb.AttendRequest:
+    """A request that would be served, but for the tensors or metadata overridden by the caller."""
+    t = sum(n for _, _, n in seqs)
+    parts = {"q": _t(t, H, D), "k": _t(t, HKV, D), "v": _t(t, HKV, D)}
+    parts.update(tensors)
+    return _raw(layer, list(seqs), parts["q"], parts["k"], parts["v"])
+
+
+INVALID, NOT_FOUND = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND
+BAD: dict[str, tuple[Any, grpc.StatusCode, str]] = {
+    "unknown dtype enum": (_ok(q=_t(1, H, D, dtype=7)), INVALID, "unknown tensor dtype 7"),
+    "unspecified dtype": (_ok(q=_t(1, H, D, dtype=0)), INVALID, "unknown tensor dtype 0"),
+    "byte count": (_ok(q=_t(1, H, D, extra=2)), INVALID, "needs 256 bytes, got 258"),
+    "shape": (_ok(k=_t(1, H, D)), INVALID, "k has shape"),
+    "tokens disagree with metadata": (_ok(seqs=(("v", 3, 2),), q=_t(1, H, D)), INVALID, "expected [2, 4, 16]"),
+    "unknown layer": (_ok(layer=4), INVALID, "layers 0..3"),
+    "zero tokens": (_ok(seqs=(("v", 3, 0),)), INVALID, "num_tokens must be"),
+    "negative position": (_ok(seqs=(("n", -1, 1),)), INVALID, "position must be"),
+    "sequence twice": (_ok(seqs=(("v", 3, 1), ("v", 3, 1))), INVALID, "appears twice"),
+    "missing q": (_ok(q=None), INVALID, "q is missing"),
+    "k without v": (_ok(v=None), INVALID, "both k and v"),
+    "unknown sequence": (_ok(seqs=(("ghost", 5, 1),)), NOT_FOUND, "does not exist"),
+    "wrong position": (_ok(seqs=(("v", 2, 1),)), grpc.StatusCode.FAILED_PRECONDITION, "next position is 3"),
+    "message too large": (
+        _ok(q=pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[1], data=b"\0" * (257 << 20))),
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_request_gets_a_precise_status_and_changes_nothing(
+    server: ServerProcess, client: ChunkAttnClient, case: str
+) -> None:
+    """'v' (victim) and 'w' (witness) get identical inputs; the bad request hits only 'v'."""
+    request, code, message = BAD[case]
+    victim, witness = Runner(client.attend, seed=1), Runner(client.attend, seed=1)
+    victim_ids = [BatchEntry("v", 0, 3)]
+    out_v = victim.step(0, victim_ids)
+    out_w = witness.step(0, [BatchEntry("w", 0, 3)])
+    assert np.array_equal(out_v, out_w)
+    blocks_before = client.info().free_blocks
+    options = [("grpc.max_send_message_length", 300 << 20)]
+    with grpc.insecure_channel(server.target, options=options) as channel, pytest.raises(grpc.RpcError) as err:
+        pb_grpc.ChunkAttnStub(channel).Attend(request, timeout=60)
+    assert err.value.code() == code
+    assert message in (err.value.details() or "")
+    assert client.info().free_blocks == blocks_before
+    for pos in (3, 4, 5):
+        assert np.array_equal(victim.step(0, [BatchEntry("v", pos, 1)]), witness.step(0, [BatchEntry("w", pos, 1)]))
+    client.release(["v", "w"])
+
+
+def test_stream_reports_an_error_on_its_response_and_stays_usable(client: ChunkAttnClient) -> None:
+    with client.stream() as stream:
+        r = Runner(stream.attend, seed=3)
+        r.step(0, [BatchEntry("st", 0, 5)])
+        with pytest.raises(ChunkAttnError) as err:
+            stream.attend(
+                0,
+                [BatchEntry("st", 9, 1)],
+                np.zeros((1, H, D), np.float32),
+                np.zeros((1, HKV, D), np.float32),
+                np.zeros((1, HKV, D), np.float32),
+            )
+        assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        r.step(0, [BatchEntry("st", 5, 2)])
+    client.release(["st"])
+
+
+def test_kv_pool_full_is_resource_exhausted_with_nothing_allocated() -> None:
+    with (
+        ServerProcess(*SMALL, "--num-blocks", "16", "--idle-timeout-s", "0") as small,
+        ChunkAttnClient(small.target) as c,
+    ):
+        r = Runner(c.attend)
+        r.step(3, [BatchEntry("fits", 0, 20)])  # global layer: 5 blocks
+        free = c.info().free_blocks
+        with pytest.raises(ChunkAttnError) as err:
+            r.step(3, [BatchEntry("fits", 20, 1), BatchEntry("big", 0, 100)])
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "needs 26 new KV blocks" in err.value.message  # 1 for "fits" at 20, 25 for "big"
+        assert c.info().free_blocks == free
+        assert c.info().active_sequences == 1
+
+
+def test_kv_sharing_layer_refuses_k_and_v() -> None:
+    layers = [{"chunk_size": 16}, {"chunk_size": 16, "kv_source": 0}]
+    config = {"heads": H, "kv_heads": HKV, "head_size": D, "block_size": 4, "num_blocks": 256, "layers": layers}
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        json.dump(config, f)
+        f.flush()
+        with ServerProcess("--config", f.name) as s, ChunkAttnClient(s.target) as c:
+            assert [layer.kv_source for layer in c.info().layers] == [None, 0]
+            z = np.zeros((1, H, D), np.float32), np.zeros((1, HKV, D), np.float32)
+            c.attend(0, [BatchEntry("s", 0, 1)], z[0], z[1], z[1])
+            with pytest.raises(ChunkAttnError) as err:
+                c.attend(1, [BatchEntry("s", 0, 1)], z[0], z[1], z[1])
+            assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert "KV sharing" in err.value.message
+            c.attend(1, [BatchEntry("s", 0, 1)], z[0])  # q only: served
+
+
+# -- release, end of sequence, idle eviction --------------------------------------------------------
+
+
+def test_release_and_end_of_sequence_return_every_block(client: ChunkAttnClient) -> None:
+    total = client.info().num_blocks
+    r = Runner(client.attend, seed=5)
+    r.model_step([BatchEntry("r1", 0, 21), BatchEntry("r2", 0, 7)])
+    assert client.info().free_blocks < total
+    assert client.release(["r1"]) == 1
+    with pytest.raises(ChunkAttnError) as err:
+        client.release(["r1"])
+    assert err.value.code == grpc.StatusCode.NOT_FOUND
+    assert client.release(["r1"], missing_ok=True) == 0
+    r.step(0, [BatchEntry("r2", 7, 1)], end_of_sequence=["r2"])
+    assert client.info().free_blocks == total
+    with pytest.raises(ChunkAttnError) as err:
+        r.step(0, [BatchEntry("r2", 8, 1)])
+    assert err.value.code == grpc.StatusCode.NOT_FOUND
+
+
+def test_idle_sequences_are_evicted() -> None:
+    with ServerProcess(*SMALL, "--num-blocks", "256", "--idle-timeout-s", "1") as s, ChunkAttnClient(s.target) as c:
+        Runner(c.attend).step(0, [BatchEntry("idle", 0, 5)])
+        assert c.info().active_sequences == 1
+        deadline = time.monotonic() + 10
+        while c.info().active_sequences and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert c.info().active_sequences == 0
+        assert c.info().free_blocks == 256
+        assert _scrape(s)[("chunkattn_sequences_evicted_total", ())] == 1
+        with pytest.raises(ChunkAttnError) as err:
+            c.attend(
+                0,
+                [BatchEntry("idle", 5, 1)],
+                np.zeros((1, H, D), np.float32),
+                *([np.zeros((1, HKV, D), np.float32)] * 2),
+            )
+        assert err.value.code == grpc.StatusCode.NOT_FOUND
+
+
+# -- shutdown, concurrency ---------------------------------------------------------------------------
+
+
+def test_graceful_shutdown_finishes_the_call_in_flight() -> None:
+    big = ["--layers", "1", "--global-every", "1", "--heads", "8", "--kv-heads", "8", "--head-size", "64"]
+    with ServerProcess(*big, "--num-blocks", "4096", "--grace-s", "30") as s, ChunkAttnClient(s.target) as c:
+        n = 6000  # a global prefill of this size takes a while on the CPU
+        q = np.random.default_rng(0).standard_normal((n, 8, 64)).astype(np.float32)
+        result: dict[str, Any] = {}
+
+        def call() -> None:
+            try:
+                result["out"] = c.attend(0, [BatchEntry("long", 0, n)], q, q, q)
+            except ChunkAttnError as e:
+                result["err"] = e
+
+        thread = threading.Thread(target=call)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while _scrape(s).get(("chunkattn_queue_seconds_count", (("rpc", "Attend"),)), 0) < 1:
+            assert time.monotonic() < deadline, "the call never reached the engine"
+            time.sleep(0.01)
+        s.proc.send_signal(15)  # SIGTERM while the call computes
+        time.sleep(0.3)
+        with pytest.raises(ChunkAttnError) as err:
+            c.info()
+        assert err.value.code == grpc.StatusCode.UNAVAILABLE
+        thread.join(60)
+        assert "err" not in result, result.get("err")
+        assert result["out"].shape == (n, 8, 64)
+        assert s.proc.wait(30) == 0
+        assert "stopped" in s.log()
+
+
+@pytest.mark.parametrize("transport", ["unary", "stream"])
+def test_sixteen_concurrent_clients_each_get_their_own_right_answers(server: ServerProcess, transport: str) -> None:
+    failures: list[BaseException] = []
+
+    def one(i: int) -> None:
+        try:
+            with ChunkAttnClient(server.target, timeout_s=120) as c:
+                seq = f"c{transport}{i}"
+                if transport == "unary":
+                    _client_session(Runner(c.attend, seed=100 + i), seq)
+                else:
+                    with c.stream() as stream:
+                        _client_session(Runner(stream.attend, seed=100 + i), seq)
+                c.release([seq])
+        except BaseException as e:
+            failures.append(e)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not failures, failures[:3]
+
+
+def _client_session(r: Runner, seq: str) -> None:
+    r.model_step([BatchEntry(seq, 0, 18)])
+    for i in range(4):
+        r.model_step([BatchEntry(seq, 18 + i, 1)])

@@ -1,0 +1,33 @@
+"""benchmarks/transport.py runs end to end at tiny payloads (real server and echo as subprocesses)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_transport_benchmark_smoke_run_writes_the_documented_json(tmp_path: Path) -> None:
+    out = tmp_path / "transport.json"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "transport.py"), "--smoke", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "ours/echo" in result.stdout
+    data = json.loads(out.read_text())
+    assert {"date", "machine"} <= set(data)
+    for mode in ("unary", "stream"):
+        sizes = data[mode]
+        assert sizes, f"no payload sizes under {mode!r}"
+        for nbytes, r in sizes.items():
+            assert int(nbytes) > 0
+            assert {"ours_mbps", "echo_mbps"} <= set(r)
+            assert r["ours_mbps"] > 0
+            assert r["echo_mbps"] > 0
+    assert set(data["unary"]) == set(data["stream"])
