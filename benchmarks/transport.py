@@ -1,12 +1,12 @@
 """Attend round trips against a plain gRPC echo of the same bytes, side by side in one run on this machine.
 
 What is measured: the real server (``python -m chunkattn_server``, its own process, 127.0.0.1 only) serving a
-model whose compute is tiny, so that the transport shows: 1 chunked layer with C = 16, 8 query / 8 KV heads
-of size 128, float32 on the CPU. Every Attend call prefills a new sequence at position 0 with T tokens, T
-chosen so that q + k + v is about the nominal request size, and ends it (end_of_sequence), so nothing
-accumulates on the server. "ours" is the public client, ``ChunkAttnClient.attend`` for unary and
-``ChunkAttnClient.stream().attend`` for stream: numpy arrays in, numpy array out, so it includes encoding
-q/k/v into the message, protobuf (de)serialisation on both sides, the server's decode, the attention and
+model whose compute is tiny, so that the transport shows: 1 chunked layer with C = 16, 64 query / 64 KV
+heads of size 128 (96 KiB of q/k/v per token), float32 on the CPU. Every Attend call prefills a new
+sequence at position 0 with T tokens, T chosen so that q + k + v is about the nominal request size, and
+ends it (end_of_sequence), so nothing accumulates on the server. "ours" is the public client,
+``ChunkAttnClient.attend`` for unary and ``ChunkAttnClient.stream().attend`` for stream: numpy arrays in, numpy
+array out, so it includes encoding q/k/v into the message (``chunkattn_client.wire``), parsing on both sides, the server's decode, the attention and
 the encode of the output.
 
 The baseline, "echo", is a plain gRPC server in another process of its own (a ``grpc.aio`` server, the
@@ -77,8 +77,10 @@ class Model:
     """The served model: small compute, so the bytes on the wire dominate."""
 
     chunk_size: int = 16
-    heads: int = 8
-    kv_heads: int = 8
+    # Wide and short: 96 KiB of q/k/v per token, so 16 MiB is 175 tokens (11 chunks) and the attention
+    # itself (175 x 16 keys x 64 heads) is a fraction of a millisecond.
+    heads: int = 64
+    kv_heads: int = 64
     head_size: int = 128
     itemsize: int = 4  # float32
 
@@ -323,7 +325,7 @@ def bench_size(
     # Byte-identical payload for the echo: the serialised AttendRequest (ids are fixed width, so every
     # call's request has this size). The echo answers with as many bytes as the serialised AttendResponse.
     sample_id = f"s{next(ids):09d}"
-    request = attend_request(0, entries(sample_id), q, k, v, end_of_sequence=[sample_id]).SerializeToString()
+    request = attend_request(0, entries(sample_id), q, k, v, end_of_sequence=[sample_id])
     out = client.attend(0, entries(sample_id), q, k, v, end_of_sequence=[sample_id])
     response_bytes = pb.AttendResponse(output=codec.encode(out)).ByteSize()
     echo.set_reply(response_bytes)

@@ -19,9 +19,12 @@ from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2_grpc as pb_grpc
 from chunkattn_client.batch import BatchEntry
 from chunkattn_client.client import (
+    ATTEND,
+    ATTEND_STREAM,
     DEFAULT_MAX_MESSAGE_BYTES,
     ChunkAttnError,
     ServerInfo,
+    _identity,
     attend_request,
     channel_options,
     check_stream_response,
@@ -47,6 +50,9 @@ class AsyncChunkAttnClient:
         else:
             self._channel = grpc.aio.insecure_channel(target, options=options)
         self._stub = pb_grpc.ChunkAttnStub(self._channel)
+        self._attend = self._channel.unary_unary(
+            ATTEND, request_serializer=_identity, response_deserializer=pb.AttendResponse.FromString
+        )
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self.timeout_s = timeout_s
 
@@ -85,7 +91,7 @@ class AsyncChunkAttnClient:
     ) -> npt.NDArray[Any]:
         request = attend_request(layer, entries, q, k, v, end_of_sequence=end_of_sequence, dtype=dtype)
         try:
-            response = await self._stub.Attend(request, timeout=self.timeout_s)
+            response = await self._attend(request, timeout=self.timeout_s)
         except grpc.RpcError as err:
             raise ChunkAttnError.from_rpc(err) from None
         return codec.decode(response.output)
@@ -99,20 +105,24 @@ class AsyncChunkAttnClient:
         return int(r.released)
 
     def stream(self) -> AsyncAttendStream:
-        return AsyncAttendStream(self._stub)
+        return AsyncAttendStream(
+            self._channel.stream_stream(
+                ATTEND_STREAM, request_serializer=_identity, response_deserializer=pb.AttendResponse.FromString
+            )
+        )
 
 
 class AsyncAttendStream:
     """Calls over one AttendStream RPC, answered in order; ``async with`` closes it."""
 
-    def __init__(self, stub: pb_grpc.ChunkAttnAsyncStub) -> None:  # a type the stubs name, not a runtime class
-        self._requests: asyncio.Queue[pb.AttendRequest | None] = asyncio.Queue()
-        self._call = stub.AttendStream(self._feed())
+    def __init__(self, method: grpc.aio.StreamStreamMultiCallable[bytes, pb.AttendResponse]) -> None:
+        self._requests: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self._call = method(self._feed())
         self._responses: AsyncIterator[pb.AttendResponse] = self._call.__aiter__()
         self._next_id = 0
         self._lock = asyncio.Lock()
 
-    async def _feed(self) -> AsyncIterator[pb.AttendRequest]:
+    async def _feed(self) -> AsyncIterator[bytes]:
         while (request := await self._requests.get()) is not None:
             yield request
 

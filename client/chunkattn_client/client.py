@@ -19,7 +19,7 @@ import grpc
 import numpy.typing as npt
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from chunkattn_client import codec
+from chunkattn_client import codec, wire
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2_grpc as pb_grpc
 from chunkattn_client.batch import BatchEntry
@@ -125,28 +125,33 @@ def attend_request(
     end_of_sequence: Sequence[str] = (),
     dtype: str | None = None,
     request_id: int = 0,
-) -> pb.AttendRequest:
-    """The AttendRequest for one call (see ``ChunkAttnClient.attend``)."""
+) -> bytes:
+    """The serialized AttendRequest of one call (see ``ChunkAttnClient.attend``)."""
     ending = set(end_of_sequence)
     unknown = ending - {e.seq_id for e in entries}
     if unknown:
         raise ValueError(f"end_of_sequence names sequences not in the batch: {sorted(unknown)}")
-    return pb.AttendRequest(
-        layer=layer,
-        entries=[
+    return wire.encode_attend_request(
+        layer,
+        [
             pb.SequenceEntry(
-                seq_id=e.seq_id,
-                position=e.position,
-                num_tokens=e.num_tokens,
-                end_of_sequence=e.seq_id in ending,
+                seq_id=e.seq_id, position=e.position, num_tokens=e.num_tokens, end_of_sequence=e.seq_id in ending
             )
             for e in entries
         ],
-        q=codec.encode(q, dtype),
-        k=None if k is None else codec.encode(k, dtype),
-        v=None if v is None else codec.encode(v, dtype),
-        request_id=request_id,
+        codec.to_raw(q, dtype),
+        None if k is None else codec.to_raw(k, dtype),
+        None if v is None else codec.to_raw(v, dtype),
+        request_id,
     )
+
+
+def _identity(b: bytes) -> bytes:
+    return b
+
+
+ATTEND = "/chunkattn.v1.ChunkAttn/Attend"
+ATTEND_STREAM = "/chunkattn.v1.ChunkAttn/AttendStream"
 
 
 class ChunkAttnClient:
@@ -172,6 +177,10 @@ class ChunkAttnClient:
         else:
             self._channel = grpc.insecure_channel(target, options=options)
         self._stub = pb_grpc.ChunkAttnStub(self._channel)
+        # Attend requests are serialized by wire.encode_attend_request (protobuf's serializer is slow on MiBs).
+        self._attend = self._channel.unary_unary(
+            ATTEND, request_serializer=_identity, response_deserializer=pb.AttendResponse.FromString
+        )
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self.timeout_s = timeout_s
 
@@ -214,7 +223,7 @@ class ChunkAttnClient:
         ``end_of_sequence`` are released after the call. Returns [T, H, D] (uint16 words for bfloat16)."""
         request = attend_request(layer, entries, q, k, v, end_of_sequence=end_of_sequence, dtype=dtype)
         try:
-            response = self._stub.Attend(request, timeout=self.timeout_s)
+            response = self._attend(request, timeout=self.timeout_s)
         except grpc.RpcError as err:
             raise ChunkAttnError.from_rpc(err) from None
         return codec.decode(response.output)
@@ -231,7 +240,11 @@ class ChunkAttnClient:
 
     def stream(self) -> AttendStream:
         """A bidirectional stream for a long-lived model runner: one round trip per call, no new RPC."""
-        return AttendStream(self._stub)
+        return AttendStream(
+            self._channel.stream_stream(
+                ATTEND_STREAM, request_serializer=_identity, response_deserializer=pb.AttendResponse.FromString
+            )
+        )
 
 
 class AttendStream:
@@ -240,9 +253,9 @@ class AttendStream:
     A failed call raises ChunkAttnError and the stream stays usable; a broken stream raises too.
     """
 
-    def __init__(self, stub: pb_grpc.ChunkAttnStub) -> None:
-        self._requests: queue.Queue[pb.AttendRequest | None] = queue.Queue()
-        self._responses: Iterator[pb.AttendResponse] = stub.AttendStream(iter(self._requests.get, None))
+    def __init__(self, method: grpc.StreamStreamMultiCallable[bytes, pb.AttendResponse]) -> None:
+        self._requests: queue.Queue[bytes | None] = queue.Queue()
+        self._responses: Iterator[pb.AttendResponse] = method(iter(self._requests.get, None))
         self._next_id = 0
         self._lock = threading.Lock()
 

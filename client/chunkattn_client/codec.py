@@ -14,8 +14,19 @@ import numpy as np
 import numpy.typing as npt
 
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
+from chunkattn_client.wire import RawTensor
 
-__all__ = ["CodecError", "bf16_to_float32", "decode", "dtype_name", "encode", "float32_to_bf16", "itemsize"]
+__all__ = [
+    "CodecError",
+    "bf16_to_float32",
+    "check",
+    "decode",
+    "dtype_name",
+    "encode",
+    "float32_to_bf16",
+    "itemsize",
+    "to_raw",
+]
 
 # Wire dtype -> the little-endian numpy dtype its bytes decode to.
 _NUMPY: dict[int, np.dtype[Any]] = {
@@ -44,11 +55,12 @@ def itemsize(dtype: int) -> int:
     return _NUMPY[dtype].itemsize
 
 
-def encode(x: Any, dtype: str | None = None) -> pb.Tensor:
-    """A Tensor message from a numpy array (float32 / float16, or uint16 words with dtype="bfloat16")
-    or a torch tensor (float32 / float16 / bfloat16). The bytes are copied once, into the message."""
+def to_raw(x: Any, dtype: str | None = None) -> RawTensor:
+    """The wire form of a numpy array (float32 / float16, or uint16 words with dtype="bfloat16") or a torch
+    tensor (float32 / float16 / bfloat16): a view of its bytes, copied only if it was not little-endian
+    C-contiguous already."""
     if type(x).__module__.split(".")[0] == "torch":
-        return _encode_torch(x)
+        return _torch_raw(x)
     arr = np.asarray(x)
     if dtype is None:
         dtype = {np.dtype("float32"): "float32", np.dtype("float16"): "float16"}.get(arr.dtype.newbyteorder("="))
@@ -60,42 +72,51 @@ def encode(x: Any, dtype: str | None = None) -> pb.Tensor:
     wire = _BY_NAME.get(dtype)
     if wire is None:
         raise CodecError(f"unknown dtype {dtype!r}; expected float32, float16 or bfloat16")
-    want = _NUMPY[wire]
     if dtype == "bfloat16" and arr.dtype.newbyteorder("=") != np.dtype("uint16"):
         raise CodecError(f"bfloat16 is sent as uint16 words, got a {arr.dtype} array (see float32_to_bf16)")
-    data = np.ascontiguousarray(arr, dtype=want).tobytes()
-    return pb.Tensor(dtype=wire, shape=arr.shape, data=data)
+    data = np.ascontiguousarray(arr, dtype=_NUMPY[wire])
+    return RawTensor(wire, tuple(arr.shape), data.reshape(-1).view(np.uint8).data)
 
 
-def _encode_torch(t: Any) -> pb.Tensor:
+def _torch_raw(t: Any) -> RawTensor:
     import torch  # only reached when the caller already has torch
 
     names = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
     if t.dtype not in names:
         raise CodecError(f"cannot send a {t.dtype} tensor: use float32, float16 or bfloat16")
-    raw = t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
-    return pb.Tensor(dtype=_BY_NAME[names[t.dtype]], shape=list(t.shape), data=raw)
+    raw = t.detach().to("cpu").contiguous().view(torch.uint8).numpy()
+    return RawTensor(_BY_NAME[names[t.dtype]], tuple(t.shape), raw.reshape(-1).data)
+
+
+def encode(x: Any, dtype: str | None = None) -> pb.Tensor:
+    """A Tensor message (see ``to_raw`` for what is accepted). For big tensors prefer ``wire``'s encoders,
+    which skip protobuf's slow copy of the bytes."""
+    raw = to_raw(x, dtype)
+    return pb.Tensor(dtype=raw.dtype, shape=raw.shape, data=bytes(raw.data))  # type: ignore[arg-type]
 
 
 def decode(t: pb.Tensor) -> npt.NDArray[Any]:
-    """A read-only numpy view of the message's bytes (no copy): float32 / float16, or uint16 for bfloat16.
+    """A read-only numpy view of the message's bytes: float32 / float16, or uint16 for bfloat16.
 
     Raises CodecError when the dtype is unknown, a dimension is negative, or the byte count is not
     product(shape) * itemsize.
     """
-    dt = _NUMPY.get(t.dtype)
+    data = t.data  # read once: every read of a bytes field copies it out of the message
+    check(t.dtype, tuple(t.shape), len(data))
+    arr: npt.NDArray[Any] = np.frombuffer(data, dtype=_NUMPY[t.dtype])
+    return arr.reshape(tuple(t.shape))
+
+
+def check(dtype: int, shape: tuple[int, ...], nbytes: int) -> None:
+    """CodecError unless dtype is known, no dimension is negative and nbytes = product(shape) * itemsize."""
+    dt = _NUMPY.get(dtype)
     if dt is None:
-        raise CodecError(f"unknown tensor dtype {t.dtype}; expected float32, float16 or bfloat16")
-    shape = tuple(t.shape)
+        raise CodecError(f"unknown tensor dtype {dtype}; expected float32, float16 or bfloat16")
     if any(d < 0 for d in shape):
         raise CodecError(f"tensor shape {list(shape)} has a negative dimension")
     want = math.prod(shape) * dt.itemsize
-    if len(t.data) != want:
-        raise CodecError(
-            f"tensor of shape {list(shape)} and dtype {_NAMES[t.dtype]} needs {want} bytes, got {len(t.data)}"
-        )
-    arr: npt.NDArray[Any] = np.frombuffer(t.data, dtype=dt)
-    return arr.reshape(shape)
+    if nbytes != want:
+        raise CodecError(f"tensor of shape {list(shape)} and dtype {_NAMES[dtype]} needs {want} bytes, got {nbytes}")
 
 
 def float32_to_bf16(x: npt.ArrayLike) -> npt.NDArray[np.uint16]:

@@ -19,7 +19,6 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
-from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2_grpc as pb_grpc
 from chunkattn_server.config import EngineConfig
 from chunkattn_server.engine import Engine
 from chunkattn_server.metrics import Metrics
@@ -54,9 +53,7 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
         ("grpc.max_receive_message_length", config.max_message_bytes),
     ]
     server = grpc.aio.server(options=options, maximum_concurrent_rpcs=config.max_concurrent_rpcs or None)
-    pb_grpc.add_ChunkAttnServicer_to_server(
-        ChunkAttnService(worker, metrics, max_message_bytes=config.max_message_bytes), server
-    )
+    ChunkAttnService(worker, metrics, max_message_bytes=config.max_message_bytes).add_to_server(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

@@ -13,13 +13,12 @@ from typing import Any, TypeVar
 import grpc
 import torch
 
-from chunkattn_client import codec
+from chunkattn_client import codec, wire
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
-from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2_grpc as pb_grpc
 from chunkattn_client.batch import BatchEntry
 from chunkattn_server import __version__
 from chunkattn_server.engine import DTYPES, Engine, EngineStats
-from chunkattn_server.errors import InvalidArgument, InvalidTensor, status_code
+from chunkattn_server.errors import InvalidTensor, status_code
 from chunkattn_server.metrics import Metrics
 from chunkattn_server.worker import EngineWorker
 
@@ -34,24 +33,30 @@ _WIRE = {v: k for k, v in _TORCH.items()}
 
 
 def tensor_from_pb(name: str, t: pb.Tensor) -> torch.Tensor:
-    """A torch view of a Tensor message's bytes (no copy). InvalidTensor when dtype/shape/bytes disagree."""
+    """A torch view of a Tensor message's bytes. InvalidTensor when dtype/shape/bytes disagree."""
+    data = t.data  # read once: every read of a bytes field copies it out of the message
+    shape = tuple(t.shape)
     try:
-        codec.decode(t)  # checks the dtype, the shape and the byte count
+        codec.check(t.dtype, shape, len(data))
     except codec.CodecError as e:
         raise InvalidTensor(f"{name}: {e}") from None
-    shape = tuple(t.shape)
-    if not t.data:
+    if not data:
         return torch.empty(shape, dtype=_TORCH[t.dtype])
-    return torch.frombuffer(t.data, dtype=_TORCH[t.dtype]).view(shape)
+    return torch.frombuffer(data, dtype=_TORCH[t.dtype]).view(shape)
 
 
-def tensor_to_pb(t: torch.Tensor) -> pb.Tensor:
-    raw = t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
-    return pb.Tensor(dtype=_WIRE[t.dtype], shape=list(t.shape), data=raw)
+def tensor_to_raw(t: torch.Tensor) -> wire.RawTensor:
+    """A view of a tensor's bytes for wire encoding (copied once, when the response is serialized)."""
+    raw = t.detach().to("cpu").contiguous().view(torch.uint8).numpy()
+    return wire.RawTensor(_WIRE[t.dtype], tuple(t.shape), raw.reshape(-1).data)
 
 
-class ChunkAttnService(pb_grpc.ChunkAttnServicer):
-    """Info, Attend, AttendStream and Release over one engine worker."""
+class ChunkAttnService:
+    """Info, Attend, AttendStream and Release over one engine worker.
+
+    Attend and AttendStream answer with serialized AttendResponses (``wire``), which ``add_to_server``
+    registers with an identity serializer: protobuf's own serializer is slow on MiBs of tensor bytes.
+    """
 
     def __init__(self, worker: EngineWorker, metrics: Metrics, *, max_message_bytes: int) -> None:
         self._worker = worker
@@ -70,7 +75,26 @@ class ChunkAttnService(pb_grpc.ChunkAttnServicer):
         self._count("Info", grpc.StatusCode.OK)
         return response
 
-    async def Attend(self, request: pb.AttendRequest, context: Context) -> pb.AttendResponse:  # noqa: N802
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        """Register the four RPCs of chunkattn.v1.ChunkAttn."""
+        request, response = pb.AttendRequest.FromString, _identity
+        handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
+            "Info": grpc.unary_unary_rpc_method_handler(
+                self.Info, request_deserializer=pb.InfoRequest.FromString, response_serializer=_serialize
+            ),
+            "Attend": grpc.unary_unary_rpc_method_handler(
+                self.Attend, request_deserializer=request, response_serializer=response
+            ),
+            "AttendStream": grpc.stream_stream_rpc_method_handler(
+                self.AttendStream, request_deserializer=request, response_serializer=response
+            ),
+            "Release": grpc.unary_unary_rpc_method_handler(
+                self.Release, request_deserializer=pb.ReleaseRequest.FromString, response_serializer=_serialize
+            ),
+        }
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("chunkattn.v1.ChunkAttn", handlers),))
+
+    async def Attend(self, request: pb.AttendRequest, context: Context) -> bytes:  # noqa: N802
         try:
             response = await self._attend(request)
         except Exception as e:  # every failure becomes a status; nothing has changed on the engine
@@ -82,16 +106,14 @@ class ChunkAttnService(pb_grpc.ChunkAttnServicer):
 
     async def AttendStream(  # noqa: N802
         self, request_iterator: AsyncIterator[pb.AttendRequest], context: Context
-    ) -> AsyncIterator[pb.AttendResponse]:
+    ) -> AsyncIterator[bytes]:
         async for request in request_iterator:
             try:
                 response = await self._attend(request)
             except Exception as e:
                 code = status_code(e)
                 self._count("AttendStream", code)
-                yield pb.AttendResponse(
-                    request_id=request.request_id, status=pb.Status(code=code.value[0], message=str(e))
-                )
+                yield wire.encode_attend_response(request.request_id, None, code.value[0], str(e))
                 continue
             self._count("AttendStream", grpc.StatusCode.OK)
             yield response
@@ -113,7 +135,7 @@ class ChunkAttnService(pb_grpc.ChunkAttnServicer):
 
     # -- helpers -------------------------------------------------------------------------------------
 
-    async def _attend(self, request: pb.AttendRequest) -> pb.AttendResponse:
+    async def _attend(self, request: pb.AttendRequest) -> bytes:
         entries = [BatchEntry(e.seq_id, e.position, e.num_tokens) for e in request.entries]
         ending = [e.seq_id for e in request.entries if e.end_of_sequence]
         if not request.HasField("q"):
@@ -132,16 +154,16 @@ class ChunkAttnService(pb_grpc.ChunkAttnServicer):
             return out, engine.stats()
 
         out, stats = await self._run("Attend", job)
-        output = tensor_to_pb(out)
+        output = tensor_to_raw(out)
         m = self._metrics
-        m.bytes_received.inc(sum(len(t.data) for t in (request.q, request.k, request.v)))
+        m.bytes_received.inc(sum(t.numel() * t.element_size() for t in (q, k, v) if t is not None))
         m.bytes_sent.inc(len(output.data))
         decode = sum(1 for e in entries if e.num_tokens == 1)
         m.tokens.labels("decode").inc(decode)
         m.tokens.labels("prefill").inc(sum(e.num_tokens for e in entries if e.num_tokens > 1))
         m.released.inc(len(ending))
         self._observe_pool(stats)
-        return pb.AttendResponse(output=output, request_id=request.request_id)
+        return wire.encode_attend_response(request.request_id, output)
 
     async def _run(self, rpc: str, fn: Callable[[Engine], T]) -> T:
         def observe(queue_s: float, compute_s: float) -> None:
@@ -189,4 +211,12 @@ def _static_info(engine: Engine, max_message_bytes: int) -> pb.InfoResponse:
     )
 
 
-__all__ = ["ChunkAttnService", "InvalidArgument", "tensor_from_pb", "tensor_to_pb"]
+def _identity(b: bytes) -> bytes:
+    return b
+
+
+def _serialize(message: Any) -> bytes:
+    return bytes(message.SerializeToString())
+
+
+__all__ = ["ChunkAttnService", "tensor_from_pb", "tensor_to_raw"]

@@ -1,0 +1,49 @@
+"""The hand-written wire encoders produce exactly the messages protobuf would."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from chunkattn_client import codec, wire
+from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
+
+
+def _raw(shape: tuple[int, ...], n: int) -> wire.RawTensor:
+    return codec.to_raw(np.arange(np.prod(shape) if n else 0, dtype=np.float32).reshape(shape))
+
+
+@pytest.mark.parametrize("size", [0, 1, 5, 300, 40_000])  # data lengths around the varint byte boundaries
+def test_attend_request_parses_back_to_the_protobuf_message(size: int) -> None:
+    q, k = _raw((size, 4), size), _raw((size, 2), size)
+    entries = [pb.SequenceEntry(seq_id="a", position=3, num_tokens=size, end_of_sequence=True)]
+    data = wire.encode_attend_request(7, entries, q, k, None, request_id=2**40)
+    want = pb.AttendRequest(
+        layer=7,
+        entries=entries,
+        q=codec.encode(np.frombuffer(q.data, np.float32).reshape(q.shape)),
+        k=codec.encode(np.frombuffer(k.data, np.float32).reshape(k.shape)),
+        request_id=2**40,
+    )
+    got = pb.AttendRequest.FromString(data)
+    assert got == want
+    assert not got.HasField("v")
+
+
+def test_attend_response_with_output_or_status() -> None:
+    out = codec.to_raw(torch.arange(12, dtype=torch.bfloat16).reshape(3, 4))
+    got = pb.AttendResponse.FromString(wire.encode_attend_response(9, out))
+    assert got.request_id == 9
+    assert not got.HasField("status")
+    assert codec.bf16_to_float32(codec.decode(got.output)).tolist() == [
+        [float(4 * r + c) for c in range(4)] for r in range(3)
+    ]
+    failed = pb.AttendResponse.FromString(wire.encode_attend_response(10, None, 9, "position 3 expected"))
+    assert (failed.status.code, failed.status.message, failed.HasField("output")) == (9, "position 3 expected", False)
+
+
+def test_non_contiguous_and_big_endian_inputs_are_sent_as_little_endian_c_order() -> None:
+    x = np.arange(24, dtype=">f4").reshape(4, 6).T  # big-endian and transposed
+    raw = codec.to_raw(x)
+    assert np.frombuffer(raw.data, "<f4").reshape(raw.shape).tolist() == x.tolist()
