@@ -6,8 +6,8 @@ heads of size 128 (96 KiB of q/k/v per token), float32 on the CPU. Every Attend 
 sequence at position 0 with T tokens, T chosen so that q + k + v is about the nominal request size, and
 ends it (end_of_sequence), so nothing accumulates on the server. "ours" is the public client,
 ``ChunkAttnClient.attend`` for unary and ``ChunkAttnClient.stream().attend`` for stream: numpy arrays in, numpy
-array out, so it includes encoding q/k/v into the message (``chunkattn_client.wire``), parsing on both sides, the server's decode, the attention and
-the encode of the output.
+array out, so it includes encoding q/k/v into the message (``chunkattn_client.wire``), parsing on both
+sides, the server's checks, the hand-off to the engine thread, the attention and the encode of the output.
 
 The baseline, "echo", is a plain gRPC server in another process of its own (a ``grpc.aio`` server, the
 stack the real server runs on, with a generic handler and identity (de)serialisers) that receives the
