@@ -386,3 +386,12 @@ def _client_session(r: Runner, seq: str) -> None:
     r.model_step([BatchEntry(seq, 0, 18)])
     for i in range(4):
         r.model_step([BatchEntry(seq, 18 + i, 1)])
+
+
+def test_bytes_that_are_not_an_attend_request_are_invalid_argument(server: ServerProcess) -> None:
+    with grpc.insecure_channel(server.target) as channel:
+        attend = channel.unary_unary("/chunkattn.v1.ChunkAttn/Attend")
+        with pytest.raises(grpc.RpcError) as err:
+            attend(b"\x1a\x05ab", timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not a valid chunkattn.v1.AttendRequest" in (err.value.details() or "")

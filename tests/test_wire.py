@@ -47,3 +47,22 @@ def test_non_contiguous_and_big_endian_inputs_are_sent_as_little_endian_c_order(
     x = np.arange(24, dtype=">f4").reshape(4, 6).T  # big-endian and transposed
     raw = codec.to_raw(x)
     assert np.frombuffer(raw.data, "<f4").reshape(raw.shape).tolist() == x.tolist()
+
+
+def test_split_takes_tensors_out_of_protobuf_built_messages_without_copying() -> None:
+    q = np.arange(6, dtype=np.float32).reshape(2, 3)
+    message = pb.AttendRequest(layer=2, q=codec.encode(q), request_id=4)
+    message.entries.add(seq_id="a", position=0, num_tokens=2)
+    data = message.SerializeToString()
+    parts = wire.split(data, frozenset({3, 4, 5}))
+    assert pb.AttendRequest.FromString(parts.rest) == pb.AttendRequest(layer=2, entries=message.entries, request_id=4)
+    assert set(parts.tensors) == {3}
+    view = codec.from_parts(*parts.tensors[3])
+    assert view.tolist() == q.tolist()
+    assert view.base is not None  # a view of the received bytes
+
+
+@pytest.mark.parametrize("bad", [b"\x1a\x05ab", b"\x0b", b"\x1a\x02\x1a\x09", b"\x1a\x00\x1a\x00"])
+def test_split_refuses_malformed_or_repeated_tensor_fields(bad: bytes) -> None:
+    with pytest.raises(wire.WireError):
+        wire.split(bad, frozenset({3}))

@@ -14,7 +14,6 @@ import grpc
 import numpy.typing as npt
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from chunkattn_client import codec
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2_grpc as pb_grpc
 from chunkattn_client.batch import BatchEntry
@@ -27,7 +26,7 @@ from chunkattn_client.client import (
     _identity,
     attend_request,
     channel_options,
-    check_stream_response,
+    decode_attend_response,
 )
 
 
@@ -50,9 +49,7 @@ class AsyncChunkAttnClient:
         else:
             self._channel = grpc.aio.insecure_channel(target, options=options)
         self._stub = pb_grpc.ChunkAttnStub(self._channel)
-        self._attend = self._channel.unary_unary(
-            ATTEND, request_serializer=_identity, response_deserializer=pb.AttendResponse.FromString
-        )
+        self._attend = self._channel.unary_unary(ATTEND, request_serializer=_identity, response_deserializer=_identity)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self.timeout_s = timeout_s
 
@@ -94,7 +91,7 @@ class AsyncChunkAttnClient:
             response = await self._attend(request, timeout=self.timeout_s)
         except grpc.RpcError as err:
             raise ChunkAttnError.from_rpc(err) from None
-        return codec.decode(response.output)
+        return decode_attend_response(response)
 
     async def release(self, seq_ids: Sequence[str], *, missing_ok: bool = False) -> int:
         request = pb.ReleaseRequest(seq_ids=list(seq_ids), missing_ok=missing_ok)
@@ -106,19 +103,17 @@ class AsyncChunkAttnClient:
 
     def stream(self) -> AsyncAttendStream:
         return AsyncAttendStream(
-            self._channel.stream_stream(
-                ATTEND_STREAM, request_serializer=_identity, response_deserializer=pb.AttendResponse.FromString
-            )
+            self._channel.stream_stream(ATTEND_STREAM, request_serializer=_identity, response_deserializer=_identity)
         )
 
 
 class AsyncAttendStream:
     """Calls over one AttendStream RPC, answered in order; ``async with`` closes it."""
 
-    def __init__(self, method: grpc.aio.StreamStreamMultiCallable[bytes, pb.AttendResponse]) -> None:
+    def __init__(self, method: grpc.aio.StreamStreamMultiCallable[bytes, bytes]) -> None:
         self._requests: asyncio.Queue[bytes | None] = asyncio.Queue()
         self._call = method(self._feed())
-        self._responses: AsyncIterator[pb.AttendResponse] = self._call.__aiter__()
+        self._responses: AsyncIterator[bytes] = self._call.__aiter__()
         self._next_id = 0
         self._lock = asyncio.Lock()
 
@@ -160,4 +155,4 @@ class AsyncAttendStream:
                 raise ChunkAttnError.from_rpc(err) from None
             except StopAsyncIteration:
                 raise ChunkAttnError(grpc.StatusCode.UNAVAILABLE, "the stream ended") from None
-        return check_stream_response(response, rid)
+        return decode_attend_response(response, rid)

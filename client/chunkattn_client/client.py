@@ -17,6 +17,7 @@ from typing import Any
 
 import grpc
 import numpy.typing as npt
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from chunkattn_client import codec, wire
@@ -178,9 +179,7 @@ class ChunkAttnClient:
             self._channel = grpc.insecure_channel(target, options=options)
         self._stub = pb_grpc.ChunkAttnStub(self._channel)
         # Attend requests are serialized by wire.encode_attend_request (protobuf's serializer is slow on MiBs).
-        self._attend = self._channel.unary_unary(
-            ATTEND, request_serializer=_identity, response_deserializer=pb.AttendResponse.FromString
-        )
+        self._attend = self._channel.unary_unary(ATTEND, request_serializer=_identity, response_deserializer=_identity)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self.timeout_s = timeout_s
 
@@ -226,7 +225,7 @@ class ChunkAttnClient:
             response = self._attend(request, timeout=self.timeout_s)
         except grpc.RpcError as err:
             raise ChunkAttnError.from_rpc(err) from None
-        return codec.decode(response.output)
+        return decode_attend_response(response)
 
     def release(self, seq_ids: Sequence[str], *, missing_ok: bool = False) -> int:
         """Release sequences; returns how many existed."""
@@ -241,9 +240,7 @@ class ChunkAttnClient:
     def stream(self) -> AttendStream:
         """A bidirectional stream for a long-lived model runner: one round trip per call, no new RPC."""
         return AttendStream(
-            self._channel.stream_stream(
-                ATTEND_STREAM, request_serializer=_identity, response_deserializer=pb.AttendResponse.FromString
-            )
+            self._channel.stream_stream(ATTEND_STREAM, request_serializer=_identity, response_deserializer=_identity)
         )
 
 
@@ -253,9 +250,9 @@ class AttendStream:
     A failed call raises ChunkAttnError and the stream stays usable; a broken stream raises too.
     """
 
-    def __init__(self, method: grpc.StreamStreamMultiCallable[bytes, pb.AttendResponse]) -> None:
+    def __init__(self, method: grpc.StreamStreamMultiCallable[bytes, bytes]) -> None:
         self._requests: queue.Queue[bytes | None] = queue.Queue()
-        self._responses: Iterator[pb.AttendResponse] = method(iter(self._requests.get, None))
+        self._responses: Iterator[bytes] = method(iter(self._requests.get, None))
         self._next_id = 0
         self._lock = threading.Lock()
 
@@ -296,17 +293,25 @@ class AttendStream:
                 raise ChunkAttnError.from_rpc(err) from None
             except StopIteration:
                 raise ChunkAttnError(grpc.StatusCode.UNAVAILABLE, "the stream ended") from None
-        return check_stream_response(response, rid)
+        return decode_attend_response(response, rid)
 
 
-def check_stream_response(response: pb.AttendResponse, request_id: int) -> npt.NDArray[Any]:
-    """The output of a streamed response, or its failure as ChunkAttnError."""
+def decode_attend_response(raw: bytes, request_id: int | None = None) -> npt.NDArray[Any]:
+    """The output of a serialized AttendResponse (a view of its bytes), or its failure as ChunkAttnError."""
+    try:
+        parts = wire.split(raw, _RESPONSE_TENSORS)
+        response = pb.AttendResponse.FromString(parts.rest)
+    except (wire.WireError, DecodeError) as e:
+        raise ChunkAttnError(grpc.StatusCode.INTERNAL, f"the server's response does not parse: {e}") from None
     if response.status.code:
         code = _STATUS_BY_VALUE.get(response.status.code, grpc.StatusCode.UNKNOWN)
         raise ChunkAttnError(code, response.status.message)
-    if response.request_id != request_id:
+    if request_id is not None and response.request_id != request_id:
         raise ChunkAttnError(grpc.StatusCode.INTERNAL, f"response {response.request_id} answers request {request_id}")
-    return codec.decode(response.output)
+    if 1 not in parts.tensors:
+        raise ChunkAttnError(grpc.StatusCode.INTERNAL, "the server's response has no output")
+    return codec.from_parts(*parts.tensors[1])
 
 
+_RESPONSE_TENSORS = frozenset({1})
 _STATUS_BY_VALUE = {c.value[0]: c for c in grpc.StatusCode}

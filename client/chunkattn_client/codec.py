@@ -14,7 +14,7 @@ import numpy as np
 import numpy.typing as npt
 
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
-from chunkattn_client.wire import RawTensor
+from chunkattn_client.wire import Buffer, RawTensor
 
 __all__ = [
     "CodecError",
@@ -24,6 +24,7 @@ __all__ = [
     "dtype_name",
     "encode",
     "float32_to_bf16",
+    "from_parts",
     "itemsize",
     "to_raw",
 ]
@@ -93,6 +94,15 @@ def encode(x: Any, dtype: str | None = None) -> pb.Tensor:
     which skip protobuf's slow copy of the bytes."""
     raw = to_raw(x, dtype)
     return pb.Tensor(dtype=raw.dtype, shape=raw.shape, data=bytes(raw.data))  # type: ignore[arg-type]
+
+
+def from_parts(header: bytes, data: Buffer) -> npt.NDArray[Any]:
+    """A read-only numpy view of a tensor taken apart by ``wire.split`` (no copy); CodecError as ``decode``."""
+    t = pb.Tensor.FromString(header)
+    shape = tuple(t.shape)
+    check(t.dtype, shape, len(data))
+    arr: npt.NDArray[Any] = np.frombuffer(data, dtype=_NUMPY[t.dtype])
+    return arr.reshape(shape)
 
 
 def decode(t: pb.Tensor) -> npt.NDArray[Any]:

@@ -12,13 +12,14 @@ from typing import Any, TypeVar
 
 import grpc
 import torch
+from google.protobuf.message import DecodeError
 
 from chunkattn_client import codec, wire
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_client.batch import BatchEntry
 from chunkattn_server import __version__
 from chunkattn_server.engine import DTYPES, Engine, EngineStats
-from chunkattn_server.errors import InvalidTensor, status_code
+from chunkattn_server.errors import InvalidArgument, InvalidTensor, status_code
 from chunkattn_server.metrics import Metrics
 from chunkattn_server.worker import EngineWorker
 
@@ -32,17 +33,34 @@ _TORCH = {pb.DTYPE_FLOAT32: torch.float32, pb.DTYPE_FLOAT16: torch.float16, pb.D
 _WIRE = {v: k for k, v in _TORCH.items()}
 
 
-def tensor_from_pb(name: str, t: pb.Tensor) -> torch.Tensor:
-    """A torch view of a Tensor message's bytes. InvalidTensor when dtype/shape/bytes disagree."""
-    data = t.data  # read once: every read of a bytes field copies it out of the message
-    shape = tuple(t.shape)
+def tensor_from_parts(name: str, header: bytes, data: wire.Buffer) -> torch.Tensor:
+    """A torch view of a tensor taken apart by ``wire.split`` (no copy). InvalidTensor when dtype, shape and
+    byte count disagree."""
     try:
+        t = pb.Tensor.FromString(header)
+        shape = tuple(t.shape)
         codec.check(t.dtype, shape, len(data))
-    except codec.CodecError as e:
+    except (codec.CodecError, DecodeError) as e:
         raise InvalidTensor(f"{name}: {e}") from None
-    if not data:
+    if not len(data):
         return torch.empty(shape, dtype=_TORCH[t.dtype])
     return torch.frombuffer(data, dtype=_TORCH[t.dtype]).view(shape)
+
+
+def parse_attend_request(raw: bytes) -> tuple[pb.AttendRequest, dict[str, torch.Tensor]]:
+    """The request's small fields (protobuf) and its tensors (views of ``raw``) by name."""
+    try:
+        parts = wire.split(raw, frozenset(_REQUEST_TENSORS))
+        request = pb.AttendRequest.FromString(parts.rest)
+    except (wire.WireError, DecodeError) as e:
+        raise InvalidArgument(f"the request is not a valid chunkattn.v1.AttendRequest: {e}") from None
+    tensors = {
+        name: tensor_from_parts(name, *parts.tensors[f]) for f, name in _REQUEST_TENSORS.items() if f in parts.tensors
+    }
+    return request, tensors
+
+
+_REQUEST_TENSORS = {3: "q", 4: "k", 5: "v"}
 
 
 def tensor_to_raw(t: torch.Tensor) -> wire.RawTensor:
@@ -77,7 +95,8 @@ class ChunkAttnService:
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         """Register the four RPCs of chunkattn.v1.ChunkAttn."""
-        request, response = pb.AttendRequest.FromString, _identity
+        # Attend messages bypass protobuf for their tensor bytes (see chunkattn_client.wire).
+        request, response = _identity, _identity
         handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
             "Info": grpc.unary_unary_rpc_method_handler(
                 self.Info, request_deserializer=pb.InfoRequest.FromString, response_serializer=_serialize
@@ -94,7 +113,7 @@ class ChunkAttnService:
         }
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("chunkattn.v1.ChunkAttn", handlers),))
 
-    async def Attend(self, request: pb.AttendRequest, context: Context) -> bytes:  # noqa: N802
+    async def Attend(self, request: bytes, context: Context) -> bytes:  # noqa: N802
         try:
             response = await self._attend(request)
         except Exception as e:  # every failure becomes a status; nothing has changed on the engine
@@ -105,15 +124,15 @@ class ChunkAttnService:
         return response
 
     async def AttendStream(  # noqa: N802
-        self, request_iterator: AsyncIterator[pb.AttendRequest], context: Context
+        self, request_iterator: AsyncIterator[bytes], context: Context
     ) -> AsyncIterator[bytes]:
-        async for request in request_iterator:
+        async for raw in request_iterator:
             try:
-                response = await self._attend(request)
+                response = await self._attend(raw)
             except Exception as e:
                 code = status_code(e)
                 self._count("AttendStream", code)
-                yield wire.encode_attend_response(request.request_id, None, code.value[0], str(e))
+                yield wire.encode_attend_response(_request_id(raw), None, code.value[0], str(e))
                 continue
             self._count("AttendStream", grpc.StatusCode.OK)
             yield response
@@ -135,14 +154,13 @@ class ChunkAttnService:
 
     # -- helpers -------------------------------------------------------------------------------------
 
-    async def _attend(self, request: pb.AttendRequest) -> bytes:
+    async def _attend(self, raw: bytes) -> bytes:
+        request, tensors = parse_attend_request(raw)
         entries = [BatchEntry(e.seq_id, e.position, e.num_tokens) for e in request.entries]
         ending = [e.seq_id for e in request.entries if e.end_of_sequence]
-        if not request.HasField("q"):
+        if "q" not in tensors:
             raise InvalidTensor("q is missing; send q [tokens, num_heads, head_size]")
-        q = tensor_from_pb("q", request.q)
-        k = tensor_from_pb("k", request.k) if request.HasField("k") else None
-        v = tensor_from_pb("v", request.v) if request.HasField("v") else None
+        q, k, v = tensors["q"], tensors.get("k"), tensors.get("v")
         if (k is None) != (v is None):
             raise InvalidTensor("send both k and v, or (for a KV-sharing layer) neither")
         layer = request.layer
@@ -215,8 +233,16 @@ def _identity(b: bytes) -> bytes:
     return b
 
 
+def _request_id(raw: bytes) -> int:
+    """The request_id of a request that failed, when it can be read at all (0 otherwise)."""
+    try:
+        return int(pb.AttendRequest.FromString(wire.split(raw, frozenset(_REQUEST_TENSORS)).rest).request_id)
+    except (wire.WireError, DecodeError):
+        return 0
+
+
 def _serialize(message: Any) -> bytes:
     return bytes(message.SerializeToString())
 
 
-__all__ = ["ChunkAttnService", "tensor_from_pb", "tensor_to_raw"]
+__all__ = ["ChunkAttnService", "parse_attend_request", "tensor_to_raw"]
