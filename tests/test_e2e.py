@@ -390,7 +390,7 @@ def _client_session(r: Runner, seq: str) -> None:
 
 def test_bytes_that_are_not_an_attend_request_are_invalid_argument(server: ServerProcess) -> None:
     with grpc.insecure_channel(server.target) as channel:
-        attend = channel.unary_unary("/chunkattn.v1.ChunkAttn/Attend")
+        attend: grpc.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary("/chunkattn.v1.ChunkAttn/Attend")
         with pytest.raises(grpc.RpcError) as err:
             attend(b"\x1a\x05ab", timeout=30)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
