@@ -14,5 +14,6 @@ RUN pip install --no-cache-dir --extra-index-url https://download.pytorch.org/wh
     && useradd --create-home chunkattn
 USER chunkattn
 
-EXPOSE 50051
+EXPOSE 50051 9400
 ENTRYPOINT ["chunkattn-server"]
+CMD ["--host", "0.0.0.0"]
