@@ -24,11 +24,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import statistics
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import date
 from typing import Any
@@ -39,6 +37,8 @@ from torch.nn.functional import scaled_dot_product_attention as sdpa
 from chunkattn_client import BatchEntry
 from chunkattn_server import CacheConfig, Engine, EngineConfig, LayerSpec, ModelShape
 from chunkattn_server.attention.backends import AttentionBatch
+
+from timing import cpu_name, rounds  # benchmarks/timing.py
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _cpu_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -77,19 +77,6 @@ SMOKE = Shapes(
     copy_bytes=1 << 20,
     run_tokens=64,
 )
-
-
-def rounds(contenders: Mapping[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Median seconds of each contender; each round runs them all in turn after one warm-up each."""
-    for fn in contenders.values():
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in contenders}
-    for _ in range(repeats):
-        for name, fn in contenders.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def _engine(chunk: int, heads: tuple[int, int], head_size: int, num_blocks: int, dtype: str, block_size: int) -> Engine:
@@ -278,17 +265,6 @@ def bench_memory(s: Shapes) -> dict[str, int]:
 # -- report ------------------------------------------------------------------------------------------
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _verdict(ok: bool) -> str:
     return "ok" if ok else "MISS"
 
@@ -354,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     result: dict[str, Any] = {
         "date": date.today().isoformat(),
-        "machine": f"{_cpu_name()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads,"
+        "machine": f"{cpu_name()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads,"
         f" torch {torch.__version__}",
         "shapes": asdict(shapes),
         "prefill": {dt: bench_prefill(dt, shapes, args.repeats, flex=not args.no_flex) for dt in dtypes},

@@ -41,13 +41,12 @@ import platform
 import queue
 import re
 import signal
-import statistics
 import subprocess
 import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from datetime import date
 from typing import Any
@@ -59,6 +58,8 @@ import numpy.typing as npt
 from chunkattn_client import BatchEntry, chunked_attention, codec
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_client.client import ChunkAttnClient, attend_request, channel_options
+
+from timing import cpu_name, rounds  # benchmarks/timing.py
 
 KIB = 1 << 10
 MIB = 1 << 20
@@ -113,19 +114,6 @@ class Plan:
 
 FULL = Plan(sizes=(64 * KIB, MIB, 16 * MIB), repeats=7, sample_bytes=24 * MIB, min_calls=2, max_calls=300)
 SMOKE = Plan(sizes=(16 * KIB, 64 * KIB), repeats=2, sample_bytes=256 * KIB, min_calls=2, max_calls=10)
-
-
-def rounds(contenders: Mapping[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Median seconds of each contender; each round runs them all in turn after one warm-up each."""
-    for fn in contenders.values():
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in contenders}
-    for _ in range(repeats):
-        for name, fn in contenders.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 # -- processes ---------------------------------------------------------------------------------------
@@ -396,7 +384,7 @@ def run(model: Model, plan: Plan) -> dict[str, Any]:
             child.stop()
     return {
         "date": date.today().isoformat(),
-        "machine": f"{_cpu_name()}, {os.cpu_count()} cores, Python {platform.python_version()},"
+        "machine": f"{cpu_name()}, {os.cpu_count()} cores, Python {platform.python_version()},"
         f" grpcio {grpc.__version__}",
         "model": asdict(model),
         "repeats": plan.repeats,
@@ -408,17 +396,6 @@ def run(model: Model, plan: Plan) -> dict[str, Any]:
 
 
 # -- report ------------------------------------------------------------------------------------------
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _size(n: int) -> str:

@@ -25,8 +25,8 @@ from chunkattn_client.client import (
     ServerInfo,
     _identity,
     attend_request,
-    channel_options,
     decode_attend_response,
+    open_channel,
 )
 
 
@@ -42,12 +42,9 @@ class AsyncChunkAttnClient:
         root_certificates: bytes | None = None,
         timeout_s: float | None = None,
     ) -> None:
-        options = channel_options(max_message_bytes, keepalive_s)
-        if root_certificates is not None:
-            creds = grpc.ssl_channel_credentials(root_certificates=root_certificates)
-            self._channel = grpc.aio.secure_channel(target, creds, options=options)
-        else:
-            self._channel = grpc.aio.insecure_channel(target, options=options)
+        self._channel: grpc.aio.Channel = open_channel(
+            grpc.aio, target, max_message_bytes, keepalive_s, root_certificates
+        )
         self._stub = pb_grpc.ChunkAttnStub(self._channel)
         self._attend = self._channel.unary_unary(ATTEND, request_serializer=_identity, response_deserializer=_identity)
         self._health = health_pb2_grpc.HealthStub(self._channel)

@@ -106,6 +106,17 @@ class ServerInfo:
         )
 
 
+def open_channel(
+    api: Any, target: str, max_message_bytes: int, keepalive_s: float | None, root_certificates: bytes | None
+) -> Any:
+    """A channel from ``api`` (the grpc module, or grpc.aio): TLS when root certificates are given."""
+    options = channel_options(max_message_bytes, keepalive_s)
+    if root_certificates is None:
+        return api.insecure_channel(target, options=options)
+    creds = grpc.ssl_channel_credentials(root_certificates=root_certificates)
+    return api.secure_channel(target, creds, options=options)
+
+
 def channel_options(max_message_bytes: int, keepalive_s: float | None) -> list[tuple[str, Any]]:
     options: list[tuple[str, Any]] = [
         ("grpc.max_send_message_length", max_message_bytes),
@@ -171,12 +182,7 @@ class ChunkAttnClient:
         root_certificates: bytes | None = None,
         timeout_s: float | None = None,
     ) -> None:
-        options = channel_options(max_message_bytes, keepalive_s)
-        if root_certificates is not None:
-            creds = grpc.ssl_channel_credentials(root_certificates=root_certificates)
-            self._channel = grpc.secure_channel(target, creds, options=options)
-        else:
-            self._channel = grpc.insecure_channel(target, options=options)
+        self._channel: grpc.Channel = open_channel(grpc, target, max_message_bytes, keepalive_s, root_certificates)
         self._stub = pb_grpc.ChunkAttnStub(self._channel)
         # Attend requests are serialized by wire.encode_attend_request (protobuf's serializer is slow on MiBs).
         self._attend = self._channel.unary_unary(ATTEND, request_serializer=_identity, response_deserializer=_identity)

@@ -1,0 +1,34 @@
+"""What every benchmark here shares: interleaved rounds with medians, and a line naming the machine."""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from collections.abc import Callable, Mapping
+
+
+def rounds(contenders: Mapping[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median seconds of each contender; each round runs them all in turn (after one warm-up each), so
+    drift on a shared machine hits all of them alike."""
+    for fn in contenders.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(repeats):
+        for name, fn in contenders.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def cpu_name() -> str:
+    """The CPU's model name (from /proc/cpuinfo where there is one)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
