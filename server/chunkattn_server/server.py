@@ -45,8 +45,8 @@ class ServerConfig:
 
 async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
     """Run until SIGTERM/SIGINT, then shut down gracefully."""
-    engine = Engine(engine_config)  # allocates the KV pool: SERVING only after this
-    worker = EngineWorker(engine)
+    worker = EngineWorker(lambda: Engine(engine_config))  # allocates the KV pool: SERVING only after this
+    engine = worker.engine
     metrics = Metrics()
     options = [
         ("grpc.max_send_message_length", config.max_message_bytes),

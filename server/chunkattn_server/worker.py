@@ -18,11 +18,20 @@ T = TypeVar("T")
 
 
 class EngineWorker:
-    """Runs jobs ``fn(engine)`` on a single thread. ``stop()`` lets queued jobs finish first."""
+    """Runs jobs ``fn(engine)`` on a single thread. ``stop()`` lets queued jobs finish first.
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    The engine is built on that thread too, so exactly one thread ever runs torch's parallel CPU kernels:
+    when the main thread had built it (and so started an OpenMP team of its own), each call on the
+    worker thread ran about 2x slower on the 2-core dev machines.
+    """
+
+    def __init__(self, build: Callable[[], Engine]) -> None:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="chunkattn-engine")
+        try:
+            self.engine = self._pool.submit(build).result()
+        except BaseException:
+            self._pool.shutdown(wait=False)
+            raise
 
     async def run(self, fn: Callable[[Engine], T], observe: Callable[[float, float], None] | None = None) -> T:
         """Run fn(engine) on the worker thread and return (or raise) what it does.
