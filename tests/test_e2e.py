@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
 import tempfile
 import threading
 import time
@@ -326,10 +328,26 @@ def test_idle_sequences_are_evicted() -> None:
 # -- shutdown, concurrency ---------------------------------------------------------------------------
 
 
-def test_graceful_shutdown_finishes_the_call_in_flight() -> None:
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_graceful_shutdown_finishes_the_call_in_flight(sig: signal.Signals) -> None:
+    """NOT_SERVING, open streams and new calls refused with UNAVAILABLE, the call in flight answered, exit 0."""
     big = ["--layers", "1", "--global-every", "1", "--heads", "8", "--kv-heads", "8", "--head-size", "64"]
-    with ServerProcess(*big, "--num-blocks", "4096", "--grace-s", "30") as s, ChunkAttnClient(s.target) as c:
-        n = 6000  # a global prefill of this size takes a while on the CPU
+    with ServerProcess(*big, "--num-blocks", "4096", "--grace-s", "8") as s, ChunkAttnClient(s.target) as c:
+        statuses: list[int] = []
+        channel = grpc.insecure_channel(s.target)
+        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""))
+
+        def watch_health() -> None:
+            with contextlib.suppress(grpc.RpcError):
+                statuses.extend(r.status for r in watch)
+
+        watcher = threading.Thread(target=watch_health)
+        watcher.start()
+        stream = c.stream()
+        one = np.zeros((1, 8, 64), np.float32)
+        stream.attend(0, [BatchEntry("streamed", 0, 1)], one, one, one)
+
+        n = 6000  # a global prefill of this size computes for a second or more on the CPU
         q = np.random.default_rng(0).standard_normal((n, 8, 64)).astype(np.float32)
         result: dict[str, Any] = {}
 
@@ -339,22 +357,31 @@ def test_graceful_shutdown_finishes_the_call_in_flight() -> None:
             except ChunkAttnError as e:
                 result["err"] = e
 
-        thread = threading.Thread(target=call)
-        thread.start()
+        caller = threading.Thread(target=call)
+        caller.start()
         deadline = time.monotonic() + 30
-        while _scrape(s).get(("chunkattn_queue_seconds_count", (("rpc", "Attend"),)), 0) < 1:
+        while _scrape(s).get(("chunkattn_engine_jobs_in_flight", ()), 0) < 1:
             assert time.monotonic() < deadline, "the call never reached the engine"
-            time.sleep(0.01)
-        s.proc.send_signal(15)  # SIGTERM while the call computes
+            time.sleep(0.005)
+        s.proc.send_signal(sig)  # while the call computes
         time.sleep(0.3)
         with pytest.raises(ChunkAttnError) as err:
             c.info()
         assert err.value.code == grpc.StatusCode.UNAVAILABLE
-        thread.join(60)
+        with pytest.raises(ChunkAttnError) as err:
+            stream.attend(0, [BatchEntry("streamed", 1, 1)], one, one, one)
+        assert err.value.code == grpc.StatusCode.UNAVAILABLE
+        stream.close()
+        caller.join(60)
+        assert not caller.is_alive()
         assert "err" not in result, result.get("err")
         assert result["out"].shape == (n, 8, 64)
         assert s.proc.wait(30) == 0
         assert "stopped" in s.log()
+        watcher.join(30)
+        channel.close()
+        assert statuses[0] == health_pb2.HealthCheckResponse.SERVING
+        assert health_pb2.HealthCheckResponse.NOT_SERVING in statuses
 
 
 @pytest.mark.parametrize("transport", ["unary", "stream"])
@@ -379,6 +406,7 @@ def test_sixteen_concurrent_clients_each_get_their_own_right_answers(server: Ser
         t.start()
     for t in threads:
         t.join(300)
+    assert not any(t.is_alive() for t in threads), "a client hung"
     assert not failures, failures[:3]
 
 

@@ -7,6 +7,7 @@ async with AsyncChunkAttnClient("localhost:50051") as c:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -125,9 +126,12 @@ class AsyncAttendStream:
         await self.close()
 
     async def close(self) -> None:
-        await self._requests.put(None)
-        async for _ in self._responses:  # drain so the RPC ends cleanly
-            pass
+        """End the stream. Never raises: a stream that already failed has nothing left to close."""
+        async with self._lock:
+            await self._requests.put(None)
+            with contextlib.suppress(grpc.RpcError):
+                async for _ in self._responses:  # drain so the RPC ends cleanly
+                    pass
 
     async def attend(
         self,

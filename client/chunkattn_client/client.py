@@ -8,6 +8,7 @@ Every failure surfaces as ``ChunkAttnError`` carrying the gRPC status code and t
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from collections.abc import Iterator, Sequence
@@ -99,8 +100,8 @@ class ServerInfo:
             num_blocks=r.num_blocks,
             free_blocks=r.free_blocks,
             bytes_per_block=r.bytes_per_block,
-            cache_dtype=codec.dtype_name(r.cache_dtype),
-            dtypes=tuple(codec.dtype_name(d) for d in r.dtypes),
+            cache_dtype=_dtype_name(r.cache_dtype),
+            dtypes=tuple(_dtype_name(d) for d in r.dtypes),
             active_sequences=r.active_sequences,
             max_message_bytes=r.max_message_bytes,
         )
@@ -271,9 +272,12 @@ class AttendStream:
         self.close()
 
     def close(self) -> None:
-        self._requests.put(None)
-        for _ in self._responses:  # drain so the RPC ends cleanly
-            pass
+        """End the stream. Never raises: a stream that already failed has nothing left to close."""
+        with self._lock:
+            self._requests.put(None)
+            with contextlib.suppress(grpc.RpcError):
+                for _ in self._responses:  # drain so the RPC ends cleanly
+                    pass
 
     def attend(
         self,
@@ -303,21 +307,38 @@ class AttendStream:
 
 
 def decode_attend_response(raw: bytes, request_id: int | None = None) -> npt.NDArray[Any]:
-    """The output of a serialized AttendResponse (a view of its bytes), or its failure as ChunkAttnError."""
+    """The output of a serialized AttendResponse (a view of its bytes), or its failure as ChunkAttnError.
+
+    With ``request_id`` (streams), a response to another request is an error in itself, checked first.
+    """
     try:
         parts = wire.split(raw, _RESPONSE_TENSORS)
         response = pb.AttendResponse.FromString(parts.rest)
     except (wire.WireError, DecodeError) as e:
         raise ChunkAttnError(grpc.StatusCode.INTERNAL, f"the server's response does not parse: {e}") from None
+    unparsed_request = response.status.code and response.request_id == 0  # the server could not read its id
+    if request_id is not None and response.request_id != request_id and not unparsed_request:
+        raise ChunkAttnError(grpc.StatusCode.INTERNAL, f"response {response.request_id} answers request {request_id}")
     if response.status.code:
         code = _STATUS_BY_VALUE.get(response.status.code, grpc.StatusCode.UNKNOWN)
         raise ChunkAttnError(code, response.status.message)
-    if request_id is not None and response.request_id != request_id:
-        raise ChunkAttnError(grpc.StatusCode.INTERNAL, f"response {response.request_id} answers request {request_id}")
     if 1 not in parts.tensors:
         raise ChunkAttnError(grpc.StatusCode.INTERNAL, "the server's response has no output")
-    return codec.from_parts(*parts.tensors[1])
+    try:
+        return codec.from_parts(*parts.tensors[1])
+    except (codec.CodecError, DecodeError) as e:
+        raise ChunkAttnError(grpc.StatusCode.INTERNAL, f"the server's output does not decode: {e}") from None
 
 
 _RESPONSE_TENSORS = frozenset({1})
+
+
+def _dtype_name(dtype: int) -> str:
+    """A dtype's name; a newer server's dtype this client does not know is reported, not fatal."""
+    try:
+        return codec.dtype_name(dtype)
+    except codec.CodecError:
+        return f"unknown({dtype})"
+
+
 _STATUS_BY_VALUE = {c.value[0]: c for c in grpc.StatusCode}

@@ -122,6 +122,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    for flag in ("idle_timeout_s", "grace_s", "max_concurrent_rpcs", "max_message_mib"):
+        if getattr(args, flag) < 0:
+            build_parser().error(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server = ServerConfig(
         host=args.host,

@@ -7,6 +7,7 @@ says what was wrong and what was expected. A raised request error means the requ
 from __future__ import annotations
 
 import grpc
+import torch
 
 
 class ConfigError(ValueError):
@@ -46,6 +47,9 @@ class OutOfBlocks(EngineError):
 
 
 _STATUS: dict[type[BaseException], grpc.StatusCode] = {
+    # Out of device or host memory inside a call: the engine rolled back; retry smaller or later.
+    torch.OutOfMemoryError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    MemoryError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     UnknownSequence: grpc.StatusCode.NOT_FOUND,
     PositionMismatch: grpc.StatusCode.FAILED_PRECONDITION,

@@ -30,6 +30,7 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.in_flight = Gauge("chunkattn_engine_jobs_in_flight", "Engine jobs queued or running now.", registry=r)
         self.tokens = Counter(
             "chunkattn_tokens_total",
             "Tokens attended, by kind: decode (a single-token entry) or prefill (longer entries).",

@@ -1,8 +1,9 @@
 """Wiring: the gRPC server, standard health and reflection, the metrics endpoint, idle eviction, signals.
 
-Life cycle: allocate the KV pool (engine), start serving with health NOT_SERVING, flip to SERVING; on
-SIGTERM/SIGINT flip back to NOT_SERVING, refuse new calls (UNAVAILABLE), let in-flight calls finish
-within the grace period, stop the engine worker and return (exit 0).
+Life cycle: allocate the KV pool (engine) first, then serve with health SERVING; on SIGTERM/SIGINT
+set NOT_SERVING, end open streams before their next request (UNAVAILABLE), refuse new calls
+(UNAVAILABLE), let calls in flight finish within the grace period, stop the engine worker and return
+(exit 0).
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ class ServerConfig:
 
 async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
     """Run until SIGTERM/SIGINT, then shut down gracefully."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # first: a signal while the pool is allocated still drains
+        loop.add_signal_handler(sig, stop.set)
     worker = EngineWorker(lambda: Engine(engine_config))  # allocates the KV pool: SERVING only after this
     engine = worker.engine
     metrics = Metrics()
@@ -53,7 +58,8 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
         ("grpc.max_receive_message_length", config.max_message_bytes),
     ]
     server = grpc.aio.server(options=options, maximum_concurrent_rpcs=config.max_concurrent_rpcs or None)
-    ChunkAttnService(worker, metrics, max_message_bytes=config.max_message_bytes).add_to_server(server)
+    service = ChunkAttnService(worker, metrics, max_message_bytes=config.max_message_bytes)
+    service.add_to_server(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -82,10 +88,6 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
         stats.num_blocks * stats.bytes_per_block / 2**20,
     )
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     evictor = (
         asyncio.create_task(_evict_idle(worker, metrics, config.idle_timeout_s)) if config.idle_timeout_s else None
     )
@@ -94,9 +96,10 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
     log.info("draining: NOT_SERVING, refusing new calls, %.1f s for calls in flight", config.grace_s)
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    service.drain()
     if evictor is not None:
         evictor.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
+        with contextlib.suppress(asyncio.CancelledError, Exception):
             await evictor
     await server.stop(config.grace_s)
     worker.stop()
@@ -108,7 +111,11 @@ async def _evict_idle(worker: EngineWorker, metrics: Metrics, idle_timeout_s: fl
     period = max(0.05, min(idle_timeout_s / 4, 30.0))
     while True:
         await asyncio.sleep(period)
-        evicted, stats = await worker.run(lambda e: (e.evict_idle(idle_timeout_s), e.stats()))
+        try:
+            evicted, stats = await worker.run(lambda e: (e.evict_idle(idle_timeout_s), e.stats()))
+        except Exception:  # a failed sweep must not end eviction (or later the shutdown)
+            log.exception("idle eviction failed; trying again in %.1f s", period)
+            continue
         if evicted:
             metrics.evicted.inc(len(evicted))
             metrics.kv_blocks_used.set(stats.used_blocks)

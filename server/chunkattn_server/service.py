@@ -40,11 +40,11 @@ def tensor_from_parts(name: str, header: bytes, data: wire.Buffer) -> torch.Tens
         t = pb.Tensor.FromString(header)
         shape = tuple(t.shape)
         codec.check(t.dtype, shape, len(data))
-    except (codec.CodecError, DecodeError) as e:
+        if not len(data):
+            return torch.empty(shape, dtype=_TORCH[t.dtype])
+        return torch.frombuffer(data, dtype=_TORCH[t.dtype]).view(shape)
+    except (codec.CodecError, DecodeError, RuntimeError) as e:  # RuntimeError: a shape torch cannot hold
         raise InvalidTensor(f"{name}: {e}") from None
-    if not len(data):
-        return torch.empty(shape, dtype=_TORCH[t.dtype])
-    return torch.frombuffer(data, dtype=_TORCH[t.dtype]).view(shape)
 
 
 def parse_attend_request(raw: bytes) -> tuple[pb.AttendRequest, dict[str, torch.Tensor]]:
@@ -63,12 +63,6 @@ def parse_attend_request(raw: bytes) -> tuple[pb.AttendRequest, dict[str, torch.
 _REQUEST_TENSORS = {3: "q", 4: "k", 5: "v"}
 
 
-def tensor_to_raw(t: torch.Tensor) -> wire.RawTensor:
-    """A view of a tensor's bytes for wire encoding (copied once, when the response is serialized)."""
-    raw = t.detach().to("cpu").contiguous().view(torch.uint8).numpy()
-    return wire.RawTensor(_WIRE[t.dtype], tuple(t.shape), raw.reshape(-1).data)
-
-
 class ChunkAttnService:
     """Info, Attend, AttendStream and Release over one engine worker.
 
@@ -81,6 +75,7 @@ class ChunkAttnService:
         self._metrics = metrics
         self._max_message_bytes = max_message_bytes
         self._engine_info = _static_info(worker.engine, max_message_bytes)
+        self._draining = False
         metrics.kv_blocks_total.set(worker.engine.stats().num_blocks)
 
     async def Info(self, request: pb.InfoRequest, context: Context) -> pb.InfoResponse:  # noqa: N802
@@ -113,6 +108,10 @@ class ChunkAttnService:
         }
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("chunkattn.v1.ChunkAttn", handlers),))
 
+    def drain(self) -> None:
+        """From now on, open streams end (UNAVAILABLE) before their next request."""
+        self._draining = True
+
     async def Attend(self, request: bytes, context: Context) -> bytes:  # noqa: N802
         try:
             response = await self._attend(request)
@@ -127,6 +126,9 @@ class ChunkAttnService:
         self, request_iterator: AsyncIterator[bytes], context: Context
     ) -> AsyncIterator[bytes]:
         async for raw in request_iterator:
+            if self._draining:
+                self._count("AttendStream", grpc.StatusCode.UNAVAILABLE)
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; reconnect elsewhere")
             try:
                 response = await self._attend(raw)
             except Exception as e:
@@ -165,14 +167,13 @@ class ChunkAttnService:
             raise InvalidTensor("send both k and v, or (for a KV-sharing layer) neither")
         layer = request.layer
 
-        def job(engine: Engine) -> tuple[torch.Tensor, EngineStats]:
+        def job(engine: Engine) -> tuple[wire.RawTensor, EngineStats]:
             out = engine.attend(layer, entries, q, k, v)
             if ending:
                 engine.release(ending)
-            return out, engine.stats()
+            return codec.to_raw(out), engine.stats()  # to host memory here, on the engine's thread
 
-        out, stats = await self._run("Attend", job)
-        output = tensor_to_raw(out)
+        output, stats = await self._run("Attend", job)
         m = self._metrics
         m.bytes_received.inc(sum(t.numel() * t.element_size() for t in (q, k, v) if t is not None))
         m.bytes_sent.inc(len(output.data))
@@ -188,7 +189,8 @@ class ChunkAttnService:
             self._metrics.queue_seconds.labels(rpc).observe(queue_s)
             self._metrics.compute_seconds.labels(rpc).observe(compute_s)
 
-        return await self._worker.run(fn, observe)
+        with self._metrics.in_flight.track_inprogress():
+            return await self._worker.run(fn, observe)
 
     def _observe_pool(self, stats: EngineStats) -> None:
         self._metrics.kv_blocks_used.set(stats.used_blocks)
@@ -245,4 +247,4 @@ def _serialize(message: Any) -> bytes:
     return bytes(message.SerializeToString())
 
 
-__all__ = ["ChunkAttnService", "parse_attend_request", "tensor_to_raw"]
+__all__ = ["ChunkAttnService", "parse_attend_request"]
