@@ -204,6 +204,16 @@ BAD: dict[str, tuple[Any, grpc.StatusCode, str]] = {
     "k without v": (_ok(v=None), INVALID, "both k and v"),
     "unknown sequence": (_ok(seqs=(("ghost", 5, 1),)), NOT_FOUND, "does not exist"),
     "wrong position": (_ok(seqs=(("v", 2, 1),)), grpc.StatusCode.FAILED_PRECONDITION, "next position is 3"),
+    "new sequence, then a wrong position": (
+        _ok(seqs=(("fresh", 0, 2), ("v", 2, 1))),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "next position is 3",
+    ),
+    "new sequence, then an unknown one": (_ok(seqs=(("fresh", 0, 2), ("ghost", 5, 1))), NOT_FOUND, "'ghost'"),
+    "empty batch": (_ok(seqs=()), INVALID, "the batch is empty"),
+    "empty seq_id": (_ok(seqs=(("", 0, 1),)), INVALID, "seq_id must be a non-empty string"),
+    "k dtype differs from q": (_ok(k=_t(1, HKV, D, dtype=pb.DTYPE_FLOAT16, extra=-64)), INVALID, "expected q's dtype"),
+    "negative dimension": (_ok(q=pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[-1, H, D])), INVALID, "negative dimension"),
     "message too large": (
         _ok(q=pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[1], data=b"\0" * (257 << 20))),
         grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -223,13 +233,17 @@ def test_bad_request_gets_a_precise_status_and_changes_nothing(
     out_v = victim.step(0, victim_ids)
     out_w = witness.step(0, [BatchEntry("w", 0, 3)])
     assert np.array_equal(out_v, out_w)
-    blocks_before = client.info().free_blocks
+    info_before = client.info()
     options = [("grpc.max_send_message_length", 300 << 20)]
     with grpc.insecure_channel(server.target, options=options) as channel, pytest.raises(grpc.RpcError) as err:
         pb_grpc.ChunkAttnStub(channel).Attend(request, timeout=60)
     assert err.value.code() == code
     assert message in (err.value.details() or "")
-    assert client.info().free_blocks == blocks_before
+    info_after = client.info()
+    assert (info_after.free_blocks, info_after.active_sequences) == (
+        info_before.free_blocks,
+        info_before.active_sequences,
+    )
     for pos in (3, 4, 5):
         assert np.array_equal(victim.step(0, [BatchEntry("v", pos, 1)]), witness.step(0, [BatchEntry("w", pos, 1)]))
     client.release(["v", "w"])
