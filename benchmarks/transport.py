@@ -55,7 +55,7 @@ import grpc
 import numpy as np
 import numpy.typing as npt
 
-from chunkattn_client import BatchEntry, chunked_attention, codec
+from chunkattn_client import BatchEntry, chunked_attention, codec, wire
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_client.client import ChunkAttnClient, attend_request, channel_options
 
@@ -194,10 +194,6 @@ def start_echo() -> Child:
 # -- the echo server (runs in its own process: `transport.py --echo-server`) -------------------------
 
 
-def _identity(b: bytes) -> bytes:
-    return b
-
-
 async def _serve_echo() -> None:
     reply = [b""]
 
@@ -214,7 +210,7 @@ async def _serve_echo() -> None:
         reply[0] = bytes(int.from_bytes(request, "little"))  # precomputed once per payload size
         return b""
 
-    identity: dict[str, Any] = {"request_deserializer": _identity, "response_serializer": _identity}
+    identity: dict[str, Any] = {"request_deserializer": wire.identity, "response_serializer": wire.identity}
     handler = grpc.method_handlers_generic_handler(
         "echo.Echo",
         {
@@ -241,7 +237,7 @@ class EchoClient:
 
     def __init__(self, target: str) -> None:
         self._channel = grpc.insecure_channel(target, options=channel_options(MAX_MESSAGE_MIB * MIB, None))
-        identity: dict[str, Any] = {"request_serializer": _identity, "response_deserializer": _identity}
+        identity: dict[str, Any] = {"request_serializer": wire.identity, "response_deserializer": wire.identity}
         self._unary = self._channel.unary_unary(ECHO_UNARY, **identity)
         self._stream = self._channel.stream_stream(ECHO_STREAM, **identity)
         self._set_reply = self._channel.unary_unary(ECHO_SET_REPLY, **identity)

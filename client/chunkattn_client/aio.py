@@ -15,6 +15,7 @@ import grpc
 import numpy.typing as npt
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from chunkattn_client import wire
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2_grpc as pb_grpc
 from chunkattn_client.batch import BatchEntry
@@ -24,7 +25,6 @@ from chunkattn_client.client import (
     DEFAULT_MAX_MESSAGE_BYTES,
     ChunkAttnError,
     ServerInfo,
-    _identity,
     attend_request,
     decode_attend_response,
     open_channel,
@@ -47,7 +47,9 @@ class AsyncChunkAttnClient:
             grpc.aio, target, max_message_bytes, keepalive_s, root_certificates
         )
         self._stub = pb_grpc.ChunkAttnStub(self._channel)
-        self._attend = self._channel.unary_unary(ATTEND, request_serializer=_identity, response_deserializer=_identity)
+        self._attend = self._channel.unary_unary(
+            ATTEND, request_serializer=wire.identity, response_deserializer=wire.identity
+        )
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self.timeout_s = timeout_s
 
@@ -101,7 +103,9 @@ class AsyncChunkAttnClient:
 
     def stream(self) -> AsyncAttendStream:
         return AsyncAttendStream(
-            self._channel.stream_stream(ATTEND_STREAM, request_serializer=_identity, response_deserializer=_identity)
+            self._channel.stream_stream(
+                ATTEND_STREAM, request_serializer=wire.identity, response_deserializer=wire.identity
+            )
         )
 
 

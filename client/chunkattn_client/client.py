@@ -159,10 +159,6 @@ def attend_request(
     )
 
 
-def _identity(b: bytes) -> bytes:
-    return b
-
-
 ATTEND = "/chunkattn.v1.ChunkAttn/Attend"
 ATTEND_STREAM = "/chunkattn.v1.ChunkAttn/AttendStream"
 
@@ -186,7 +182,9 @@ class ChunkAttnClient:
         self._channel: grpc.Channel = open_channel(grpc, target, max_message_bytes, keepalive_s, root_certificates)
         self._stub = pb_grpc.ChunkAttnStub(self._channel)
         # Attend requests are serialized by wire.encode_attend_request (protobuf's serializer is slow on MiBs).
-        self._attend = self._channel.unary_unary(ATTEND, request_serializer=_identity, response_deserializer=_identity)
+        self._attend = self._channel.unary_unary(
+            ATTEND, request_serializer=wire.identity, response_deserializer=wire.identity
+        )
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self.timeout_s = timeout_s
 
@@ -247,7 +245,9 @@ class ChunkAttnClient:
     def stream(self) -> AttendStream:
         """A bidirectional stream for a long-lived model runner: one round trip per call, no new RPC."""
         return AttendStream(
-            self._channel.stream_stream(ATTEND_STREAM, request_serializer=_identity, response_deserializer=_identity)
+            self._channel.stream_stream(
+                ATTEND_STREAM, request_serializer=wire.identity, response_deserializer=wire.identity
+            )
         )
 
 

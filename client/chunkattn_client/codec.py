@@ -17,6 +17,7 @@ from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_client.wire import Buffer, RawTensor
 
 __all__ = [
+    "WIRE_DTYPES",
     "CodecError",
     "bf16_to_float32",
     "check",
@@ -25,7 +26,6 @@ __all__ = [
     "encode",
     "float32_to_bf16",
     "from_parts",
-    "itemsize",
     "to_raw",
 ]
 
@@ -35,8 +35,14 @@ _NUMPY: dict[int, np.dtype[Any]] = {
     pb.DTYPE_FLOAT16: np.dtype("<f2"),
     pb.DTYPE_BFLOAT16: np.dtype("<u2"),
 }
-_BY_NAME = {"float32": pb.DTYPE_FLOAT32, "float16": pb.DTYPE_FLOAT16, "bfloat16": pb.DTYPE_BFLOAT16}
-_NAMES: dict[int, str] = {v: k for k, v in _BY_NAME.items()}
+# Dtype name -> wire dtype, for every dtype the protocol carries.
+WIRE_DTYPES: dict[str, pb.DType] = {
+    "float32": pb.DTYPE_FLOAT32,
+    "float16": pb.DTYPE_FLOAT16,
+    "bfloat16": pb.DTYPE_BFLOAT16,
+}
+_BY_NAME = WIRE_DTYPES
+_NAMES: dict[int, str] = {v: k for k, v in WIRE_DTYPES.items()}
 
 
 class CodecError(ValueError):
@@ -49,11 +55,6 @@ def dtype_name(dtype: int) -> str:
         return _NAMES[dtype]
     except KeyError:
         raise CodecError(f"unknown tensor dtype {dtype}; expected float32, float16 or bfloat16") from None
-
-
-def itemsize(dtype: int) -> int:
-    dtype_name(dtype)
-    return _NUMPY[dtype].itemsize
 
 
 def to_raw(x: Any, dtype: str | None = None) -> RawTensor:

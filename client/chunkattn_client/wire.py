@@ -26,6 +26,11 @@ class RawTensor(NamedTuple):
     data: Buffer
 
 
+def identity(b: bytes) -> bytes:
+    """The (de)serializer of messages this module encodes or ``split`` decodes: bytes pass through."""
+    return b
+
+
 def _varint(n: int) -> bytes:
     out = bytearray()
     while True:

@@ -333,6 +333,10 @@ class Engine:
             num_sequences=len(self._seqs),
         )
 
+    def scale(self, layer: int) -> float:
+        """The softmax scale the layer uses (its configured one, or 1 / sqrt(head_size))."""
+        return self._scales[layer]
+
     def sequence_ids(self) -> list[str]:
         return list(self._seqs)
 

@@ -29,7 +29,7 @@ Context = grpc.aio.ServicerContext[Any, Any]
 # Request tensors are read-only views of the received bytes; the engine never writes into them.
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
-_TORCH = {pb.DTYPE_FLOAT32: torch.float32, pb.DTYPE_FLOAT16: torch.float16, pb.DTYPE_BFLOAT16: torch.bfloat16}
+_TORCH = {wire_dtype: DTYPES[name] for name, wire_dtype in codec.WIRE_DTYPES.items()}
 _WIRE = {v: k for k, v in _TORCH.items()}
 
 
@@ -91,7 +91,7 @@ class ChunkAttnService:
     def add_to_server(self, server: grpc.aio.Server) -> None:
         """Register the four RPCs of chunkattn.v1.ChunkAttn."""
         # Attend messages bypass protobuf for their tensor bytes (see chunkattn_client.wire).
-        request, response = _identity, _identity
+        request, response = wire.identity, wire.identity
         handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
             "Info": grpc.unary_unary_rpc_method_handler(
                 self.Info, request_deserializer=pb.InfoRequest.FromString, response_serializer=_serialize
@@ -114,7 +114,7 @@ class ChunkAttnService:
 
     async def Attend(self, request: bytes, context: Context) -> bytes:  # noqa: N802
         try:
-            response = await self._attend(request)
+            response = await self._attend(*parse_attend_request(request))
         except Exception as e:  # every failure becomes a status; nothing has changed on the engine
             code = status_code(e)
             self._count("Attend", code)
@@ -129,12 +129,15 @@ class ChunkAttnService:
             if self._draining:
                 self._count("AttendStream", grpc.StatusCode.UNAVAILABLE)
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; reconnect elsewhere")
+            request_id = 0  # stays 0 when the request cannot be read at all
             try:
-                response = await self._attend(raw)
+                request, tensors = parse_attend_request(raw)
+                request_id = request.request_id
+                response = await self._attend(request, tensors)
             except Exception as e:
                 code = status_code(e)
                 self._count("AttendStream", code)
-                yield wire.encode_attend_response(_request_id(raw), None, code.value[0], str(e))
+                yield wire.encode_attend_response(request_id, None, code.value[0], str(e))
                 continue
             self._count("AttendStream", grpc.StatusCode.OK)
             yield response
@@ -156,8 +159,7 @@ class ChunkAttnService:
 
     # -- helpers -------------------------------------------------------------------------------------
 
-    async def _attend(self, raw: bytes) -> bytes:
-        request, tensors = parse_attend_request(raw)
+    async def _attend(self, request: pb.AttendRequest, tensors: dict[str, torch.Tensor]) -> bytes:
         entries = [BatchEntry(e.seq_id, e.position, e.num_tokens) for e in request.entries]
         ending = [e.seq_id for e in request.entries if e.end_of_sequence]
         if "q" not in tensors:
@@ -217,7 +219,7 @@ def _static_info(engine: Engine, max_message_bytes: int) -> pb.InfoResponse:
                 chunk_size=spec.chunk_size,
                 kv_group=group_of[i],
                 kv_source=spec.kv_source,
-                scale=spec.scale or model.head_size**-0.5,
+                scale=engine.scale(i),
                 alibi=spec.alibi_slopes is not None,
             )
             for i, spec in enumerate(model.layers)
@@ -229,18 +231,6 @@ def _static_info(engine: Engine, max_message_bytes: int) -> pb.InfoResponse:
         dtypes=[_WIRE[d] for d in DTYPES.values()],
         max_message_bytes=max_message_bytes,
     )
-
-
-def _identity(b: bytes) -> bytes:
-    return b
-
-
-def _request_id(raw: bytes) -> int:
-    """The request_id of a request that failed, when it can be read at all (0 otherwise)."""
-    try:
-        return int(pb.AttendRequest.FromString(wire.split(raw, frozenset(_REQUEST_TENSORS)).rest).request_id)
-    except (wire.WireError, DecodeError):
-        return 0
 
 
 def _serialize(message: Any) -> bytes:
