@@ -28,6 +28,7 @@ from chunkattn_client.client import (
     attend_request,
     decode_attend_response,
     open_channel,
+    rpc_errors,
 )
 
 
@@ -63,16 +64,12 @@ class AsyncChunkAttnClient:
         await self._channel.close()
 
     async def info(self) -> ServerInfo:
-        try:
+        with rpc_errors():
             return ServerInfo.from_pb(await self._stub.Info(pb.InfoRequest(), timeout=self.timeout_s))
-        except grpc.RpcError as err:
-            raise ChunkAttnError.from_rpc(err) from None
 
     async def health(self, service: str = "") -> str:
-        try:
+        with rpc_errors():
             r = await self._health.Check(health_pb2.HealthCheckRequest(service=service), timeout=self.timeout_s)
-        except grpc.RpcError as err:
-            raise ChunkAttnError.from_rpc(err) from None
         return str(health_pb2.HealthCheckResponse.ServingStatus.Name(r.status))
 
     async def attend(
@@ -87,18 +84,14 @@ class AsyncChunkAttnClient:
         dtype: str | None = None,
     ) -> npt.NDArray[Any]:
         request = attend_request(layer, entries, q, k, v, end_of_sequence=end_of_sequence, dtype=dtype)
-        try:
+        with rpc_errors():
             response = await self._attend(request, timeout=self.timeout_s)
-        except grpc.RpcError as err:
-            raise ChunkAttnError.from_rpc(err) from None
         return decode_attend_response(response)
 
     async def release(self, seq_ids: Sequence[str], *, missing_ok: bool = False) -> int:
         request = pb.ReleaseRequest(seq_ids=list(seq_ids), missing_ok=missing_ok)
-        try:
+        with rpc_errors():
             r = await self._stub.Release(request, timeout=self.timeout_s)
-        except grpc.RpcError as err:
-            raise ChunkAttnError.from_rpc(err) from None
         return int(r.released)
 
     def stream(self) -> AsyncAttendStream:
@@ -155,9 +148,8 @@ class AsyncAttendStream:
                 attend_request(layer, entries, q, k, v, end_of_sequence=end_of_sequence, dtype=dtype, request_id=rid)
             )
             try:
-                response = await self._responses.__anext__()
-            except grpc.RpcError as err:
-                raise ChunkAttnError.from_rpc(err) from None
+                with rpc_errors():
+                    response = await self._responses.__anext__()
             except StopAsyncIteration:
                 raise ChunkAttnError(grpc.StatusCode.UNAVAILABLE, "the stream ended") from None
         return decode_attend_response(response, rid)

@@ -46,6 +46,15 @@ class ChunkAttnError(Exception):
         return cls(code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.UNKNOWN, details or str(err))
 
 
+@contextlib.contextmanager
+def rpc_errors() -> Iterator[None]:
+    """Turn a failed gRPC call into ChunkAttnError (works around ``await`` too)."""
+    try:
+        yield
+    except grpc.RpcError as err:
+        raise ChunkAttnError.from_rpc(err) from None
+
+
 @dataclass(frozen=True)
 class LayerInfo:
     index: int
@@ -198,17 +207,13 @@ class ChunkAttnClient:
         self._channel.close()
 
     def info(self) -> ServerInfo:
-        try:
+        with rpc_errors():
             return ServerInfo.from_pb(self._stub.Info(pb.InfoRequest(), timeout=self.timeout_s))
-        except grpc.RpcError as err:
-            raise ChunkAttnError.from_rpc(err) from None
 
     def health(self, service: str = "") -> str:
         """The standard health status name: "SERVING", "NOT_SERVING", ... ("" = the whole server)."""
-        try:
+        with rpc_errors():
             r = self._health.Check(health_pb2.HealthCheckRequest(service=service), timeout=self.timeout_s)
-        except grpc.RpcError as err:
-            raise ChunkAttnError.from_rpc(err) from None
         return str(health_pb2.HealthCheckResponse.ServingStatus.Name(r.status))
 
     def attend(
@@ -226,20 +231,16 @@ class ChunkAttnClient:
         dtype="bfloat16", or torch tensors); k/v None for a KV-sharing layer. Sequences named in
         ``end_of_sequence`` are released after the call. Returns [T, H, D] (uint16 words for bfloat16)."""
         request = attend_request(layer, entries, q, k, v, end_of_sequence=end_of_sequence, dtype=dtype)
-        try:
+        with rpc_errors():
             response = self._attend(request, timeout=self.timeout_s)
-        except grpc.RpcError as err:
-            raise ChunkAttnError.from_rpc(err) from None
         return decode_attend_response(response)
 
     def release(self, seq_ids: Sequence[str], *, missing_ok: bool = False) -> int:
         """Release sequences; returns how many existed."""
-        try:
+        with rpc_errors():
             r = self._stub.Release(
                 pb.ReleaseRequest(seq_ids=list(seq_ids), missing_ok=missing_ok), timeout=self.timeout_s
             )
-        except grpc.RpcError as err:
-            raise ChunkAttnError.from_rpc(err) from None
         return int(r.released)
 
     def stream(self) -> AttendStream:
@@ -298,9 +299,8 @@ class AttendStream:
                 attend_request(layer, entries, q, k, v, end_of_sequence=end_of_sequence, dtype=dtype, request_id=rid)
             )
             try:
-                response = next(self._responses)
-            except grpc.RpcError as err:
-                raise ChunkAttnError.from_rpc(err) from None
+                with rpc_errors():
+                    response = next(self._responses)
             except StopIteration:
                 raise ChunkAttnError(grpc.StatusCode.UNAVAILABLE, "the stream ended") from None
         return decode_attend_response(response, rid)

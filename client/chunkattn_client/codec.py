@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+from google.protobuf.message import DecodeError
 
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_client.wire import Buffer, RawTensor
@@ -26,6 +27,7 @@ __all__ = [
     "encode",
     "float32_to_bf16",
     "from_parts",
+    "read_header",
     "to_raw",
 ]
 
@@ -97,12 +99,24 @@ def encode(x: Any, dtype: str | None = None) -> pb.Tensor:
     return pb.Tensor(dtype=raw.dtype, shape=raw.shape, data=bytes(raw.data))  # type: ignore[arg-type]
 
 
+def read_header(header: bytes, nbytes: int) -> tuple[int, tuple[int, ...]]:
+    """(wire dtype, shape) of a tensor taken apart by ``wire.split``, checked against its nbytes of data.
+
+    Raises CodecError as ``check`` does, or when the header does not parse.
+    """
+    try:
+        t = pb.Tensor.FromString(header)
+    except DecodeError as e:
+        raise CodecError(f"the tensor does not parse: {e}") from None
+    shape = tuple(t.shape)
+    check(t.dtype, shape, nbytes)
+    return t.dtype, shape
+
+
 def from_parts(header: bytes, data: Buffer) -> npt.NDArray[Any]:
     """A read-only numpy view of a tensor taken apart by ``wire.split`` (no copy); CodecError as ``decode``."""
-    t = pb.Tensor.FromString(header)
-    shape = tuple(t.shape)
-    check(t.dtype, shape, len(data))
-    arr: npt.NDArray[Any] = np.frombuffer(data, dtype=_NUMPY[t.dtype])
+    dtype, shape = read_header(header, len(data))
+    arr: npt.NDArray[Any] = np.frombuffer(data, dtype=_NUMPY[dtype])
     return arr.reshape(shape)
 
 

@@ -283,16 +283,16 @@ class Engine:
         group = self._group_of[layer]
         bs = self.block_size
         writes: list[tuple[int, list[int]]] = []
+        fresh = [0] * self.config.model.num_layers  # a new sequence has no tokens anywhere
         for e, state in zip(entries, states, strict=True):
-            state = state or self._new_state(e.seq_id)
             end = e.position + e.num_tokens
             if spec.kv_source is not None:
                 writes.append((end, []))
                 continue
-            start = max(e.position, self._retention.keep_from(state, layer, end))
+            start = max(e.position, self._retention.keep_from(state.lengths if state else fresh, layer, end))
             if e.num_tokens == 1:
                 start = e.position  # a decode reads its own key from the cache (see plan.split)
-            table = state.tables[group.index]
+            table = state.tables[group.index] if state else {}
             missing = [b for b in range(start // bs, -(-end // bs)) if b not in table]
             writes.append((start, missing))
         return writes

@@ -29,28 +29,26 @@ Context = grpc.aio.ServicerContext[Any, Any]
 # Request tensors are read-only views of the received bytes; the engine never writes into them.
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
-_TORCH = {wire_dtype: DTYPES[name] for name, wire_dtype in codec.WIRE_DTYPES.items()}
-_WIRE = {v: k for k, v in _TORCH.items()}
+_TORCH: dict[int, torch.dtype] = {wire_dtype: DTYPES[name] for name, wire_dtype in codec.WIRE_DTYPES.items()}
+_WIRE = {DTYPES[name]: wire_dtype for name, wire_dtype in codec.WIRE_DTYPES.items()}
 
 
 def tensor_from_parts(name: str, header: bytes, data: wire.Buffer) -> torch.Tensor:
     """A torch view of a tensor taken apart by ``wire.split`` (no copy). InvalidTensor when dtype, shape and
     byte count disagree."""
     try:
-        t = pb.Tensor.FromString(header)
-        shape = tuple(t.shape)
-        codec.check(t.dtype, shape, len(data))
+        dtype, shape = codec.read_header(header, len(data))
         if not len(data):
-            return torch.empty(shape, dtype=_TORCH[t.dtype])
-        return torch.frombuffer(data, dtype=_TORCH[t.dtype]).view(shape)
-    except (codec.CodecError, DecodeError, RuntimeError) as e:  # RuntimeError: a shape torch cannot hold
+            return torch.empty(shape, dtype=_TORCH[dtype])
+        return torch.frombuffer(data, dtype=_TORCH[dtype]).view(shape)
+    except (codec.CodecError, RuntimeError) as e:  # RuntimeError: a shape torch cannot hold
         raise InvalidTensor(f"{name}: {e}") from None
 
 
 def parse_attend_request(raw: bytes) -> tuple[pb.AttendRequest, dict[str, torch.Tensor]]:
     """The request's small fields (protobuf) and its tensors (views of ``raw``) by name."""
     try:
-        parts = wire.split(raw, frozenset(_REQUEST_TENSORS))
+        parts = wire.split(raw, _REQUEST_FIELDS)
         request = pb.AttendRequest.FromString(parts.rest)
     except (wire.WireError, DecodeError) as e:
         raise InvalidArgument(f"the request is not a valid chunkattn.v1.AttendRequest: {e}") from None
@@ -60,7 +58,8 @@ def parse_attend_request(raw: bytes) -> tuple[pb.AttendRequest, dict[str, torch.
     return request, tensors
 
 
-_REQUEST_TENSORS = {3: "q", 4: "k", 5: "v"}
+_REQUEST_TENSORS = {3: "q", 4: "k", 5: "v"}  # AttendRequest's Tensor fields
+_REQUEST_FIELDS = frozenset(_REQUEST_TENSORS)
 
 
 class ChunkAttnService:
@@ -73,7 +72,6 @@ class ChunkAttnService:
     def __init__(self, worker: EngineWorker, metrics: Metrics, *, max_message_bytes: int) -> None:
         self._worker = worker
         self._metrics = metrics
-        self._max_message_bytes = max_message_bytes
         self._engine_info = _static_info(worker.engine, max_message_bytes)
         self._draining = False
         metrics.kv_blocks_total.set(worker.engine.stats().num_blocks)

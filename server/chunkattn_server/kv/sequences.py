@@ -16,6 +16,7 @@ goes back to the pool after the call. Plain Python, no torch.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from chunkattn_server.config import EngineConfig, KVGroup
@@ -50,13 +51,13 @@ class Retention:
             [s for s, spec in enumerate(self._layers) if spec.kv_source == layer] for layer in range(len(self._layers))
         ]
 
-    def keep_from(self, state: SequenceState, layer: int, new_length: int) -> int:
+    def keep_from(self, lengths: Sequence[int], layer: int, new_length: int) -> int:
         """First position a writing layer must store when it grows to ``new_length``: its own chunk's
         start, or earlier where one of its sharers still needs older keys."""
         c = self._layers[layer].chunk_size
         start = chunk_start(new_length, c)
         for s in self._sharers_of[layer]:
-            start = min(start, chunk_start(state.lengths[s], c))
+            start = min(start, chunk_start(lengths[s], c))
         return start
 
     def needed_blocks(self, state: SequenceState, group: KVGroup) -> list[tuple[int, int]]:
