@@ -11,6 +11,7 @@ import numpy.typing as npt
 import torch
 
 from chunkattn_client import BatchEntry, ReferenceModel
+from chunkattn_client.reference import within_tolerance
 from chunkattn_server import CacheConfig, Engine, EngineConfig, LayerSpec, ModelShape
 from chunkattn_server.attention.backends import TorchBackend
 
@@ -42,15 +43,6 @@ MODELS: dict[str, ModelShape] = {
         layers=(LayerSpec(8), LayerSpec(8, kv_source=0), LayerSpec(0), LayerSpec(0, kv_source=2)),
     ),
 }
-
-
-def tolerance_ok(out: np.ndarray, expected: np.ndarray, dtype: str) -> tuple[bool, float]:
-    """float32: max abs error <= 1e-5. bf16/fp16: <= 2e-2 relative to the output's scale (max |expected|)."""
-    err = float(np.abs(out - expected).max())
-    if dtype == "float32":
-        return err <= 1e-5, err
-    scale = max(float(np.abs(expected).max()), 1e-6)
-    return err <= 2e-2 * scale, err / scale
 
 
 @dataclass
@@ -115,7 +107,7 @@ class Harness:
         kr, vr = (None, None) if k is None or v is None else (self._rounded(k), self._rounded(v))
         expected = self.reference.attend(layer, entries, self._rounded(q), kr, vr)
         worst = self.dtype if self.cache_dtype == "float32" else self.cache_dtype
-        ok, err = tolerance_ok(out.double().numpy(), expected, worst)
+        ok, err = within_tolerance(out.double().numpy(), expected, worst)
         assert ok, f"layer {layer}, entries {list(entries)}: error {err:.3g} ({self.dtype})"
         return out
 

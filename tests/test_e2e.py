@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from chunkattn_client import BatchEntry, ChunkAttnClient, ChunkAttnError, ReferenceModel, codec
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2_grpc as pb_grpc
+from chunkattn_client.reference import within_tolerance
 from tests.server_process import SMALL, ServerProcess
 
 H, HKV, D = 4, 2, 16
@@ -63,11 +64,9 @@ class Runner:
         (q, q64), (k, k64), (v, v64) = self._tensor(t, H, D), self._tensor(t, HKV, D), self._tensor(t, HKV, D)
         dtype = "bfloat16" if self.dtype == "bfloat16" else None
         out = self.call(layer, entries, q, k, v, dtype=dtype, **kw)
-        got = codec.bf16_to_float32(out) if self.dtype == "bfloat16" else out.astype(np.float64)
         want = self.ref.attend(layer, entries, q64, k64, v64)
-        err = np.abs(got - want).max()
-        tol = 1e-5 if self.dtype == "float32" else 2e-2 * np.abs(want).max()
-        assert err <= tol, f"layer {layer}: error {err} > {tol}"
+        ok, err = within_tolerance(codec.to_float64(out, self.dtype), want, self.dtype)
+        assert ok, f"layer {layer}: error {err} is over the {self.dtype} tolerance"
         return np.asarray(out)
 
     def model_step(self, entries: list[BatchEntry]) -> None:

@@ -63,6 +63,7 @@ class LayerInfo:
     kv_source: int | None
     scale: float
     alibi: bool
+    alibi_slopes: tuple[float, ...] = ()  # one per query head when alibi
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,7 @@ class ServerInfo:
                     kv_source=x.kv_source if x.HasField("kv_source") else None,
                     scale=x.scale,
                     alibi=x.alibi,
+                    alibi_slopes=tuple(x.alibi_slopes),
                 )
                 for x in r.layers
             ),

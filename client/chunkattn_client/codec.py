@@ -156,3 +156,10 @@ def bf16_to_float32(words: npt.ArrayLike) -> npt.NDArray[np.float32]:
     """float32 values of bfloat16 words (exact)."""
     w = np.ascontiguousarray(words, dtype=np.uint16)
     return (w.astype(np.uint32) << 16).view(np.float32)
+
+
+def to_float64(x: npt.ArrayLike, dtype: str) -> npt.NDArray[np.float64]:
+    """float64 values of an array as sent or received in ``dtype`` (bfloat16: uint16 words)."""
+    if dtype == "bfloat16":
+        return bf16_to_float32(x).astype(np.float64)
+    return np.asarray(x, dtype=np.float64)

@@ -15,8 +15,9 @@ import numpy as np
 import numpy.typing as npt
 
 from chunkattn_client.batch import BatchEntry
+from chunkattn_client.client import ServerInfo
 
-__all__ = ["ReferenceModel", "chunked_attention", "visible"]
+__all__ = ["ReferenceModel", "chunked_attention", "visible", "within_tolerance"]
 
 FloatArray = npt.NDArray[np.float64]
 
@@ -83,6 +84,20 @@ def chunked_attention(
     return out
 
 
+def within_tolerance(out: npt.ArrayLike, expected: npt.ArrayLike, dtype: str) -> tuple[bool, float]:
+    """Whether a server's output matches the reference, and the error that was judged.
+
+    float32: max abs error <= 1e-5. float16/bfloat16 (outputs rounded to 11 or 8 mantissa bits):
+    max abs error <= 2e-2 of the output's scale (max |expected|); the error returned is then relative.
+    """
+    want = np.asarray(expected, dtype=np.float64)
+    err = float(np.abs(np.asarray(out, dtype=np.float64) - want).max(initial=0.0))
+    if dtype == "float32":
+        return err <= 1e-5, err
+    scale = max(float(np.abs(want).max(initial=0.0)), 1e-6)
+    return err <= 2e-2 * scale, err / scale
+
+
 class ReferenceModel:
     """Keeps every sequence's full K/V history per layer and answers calls as the server should.
 
@@ -106,6 +121,16 @@ class ReferenceModel:
         self.alibi_slopes = list(alibi_slopes) if alibi_slopes is not None else [None] * n
         # (seq_id, layer) -> (k [S, Hkv, D], v [S, Hkv, D]) float64 history.
         self._kv: dict[tuple[str, int], tuple[FloatArray, FloatArray]] = {}
+
+    @classmethod
+    def for_server(cls, info: ServerInfo) -> ReferenceModel:
+        """The reference of the model a server reports in Info: chunk sizes, KV sources, scales and slopes."""
+        return cls(
+            [x.chunk_size for x in info.layers],
+            kv_sources=[x.kv_source for x in info.layers],
+            scales=[x.scale for x in info.layers],
+            alibi_slopes=[x.alibi_slopes if x.alibi else None for x in info.layers],
+        )
 
     def length(self, seq_id: str, layer: int) -> int:
         """Tokens of K/V the sequence has written in ``layer`` (0 for a KV-sharing layer, which writes none)."""

@@ -219,6 +219,7 @@ def _static_info(engine: Engine, max_message_bytes: int) -> pb.InfoResponse:
                 kv_source=spec.kv_source,
                 scale=engine.scale(i),
                 alibi=spec.alibi_slopes is not None,
+                alibi_slopes=spec.alibi_slopes or (),
             )
             for i, spec in enumerate(model.layers)
         ],

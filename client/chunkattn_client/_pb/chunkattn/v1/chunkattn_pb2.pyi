@@ -93,20 +93,22 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LayerInfo(_message.Message):
-    __slots__ = ("index", "chunk_size", "kv_group", "kv_source", "scale", "alibi")
+    __slots__ = ("index", "chunk_size", "kv_group", "kv_source", "scale", "alibi", "alibi_slopes")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_GROUP_FIELD_NUMBER: _ClassVar[int]
     KV_SOURCE_FIELD_NUMBER: _ClassVar[int]
     SCALE_FIELD_NUMBER: _ClassVar[int]
     ALIBI_FIELD_NUMBER: _ClassVar[int]
+    ALIBI_SLOPES_FIELD_NUMBER: _ClassVar[int]
     index: int
     chunk_size: int
     kv_group: int
     kv_source: int
     scale: float
     alibi: bool
-    def __init__(self, index: _Optional[int] = ..., chunk_size: _Optional[int] = ..., kv_group: _Optional[int] = ..., kv_source: _Optional[int] = ..., scale: _Optional[float] = ..., alibi: _Optional[bool] = ...) -> None: ...
+    alibi_slopes: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, index: _Optional[int] = ..., chunk_size: _Optional[int] = ..., kv_group: _Optional[int] = ..., kv_source: _Optional[int] = ..., scale: _Optional[float] = ..., alibi: _Optional[bool] = ..., alibi_slopes: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
     __slots__ = ("version", "backend", "device", "num_heads", "num_kv_heads", "head_size", "layers", "block_size", "num_blocks", "free_blocks", "bytes_per_block", "cache_dtype", "dtypes", "active_sequences", "max_message_bytes")
