@@ -1,4 +1,4 @@
-"""The client stays thin: importing it never imports torch or triton."""
+"""The client stays thin: importing it (the CLI and the bench too) never imports torch or triton."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import sys
 
 def test_import_chunkattn_client_does_not_import_torch_or_triton() -> None:
     code = (
-        "import sys, chunkattn_client, chunkattn_client.reference, chunkattn_client.batch\n"
+        "import sys, chunkattn_client, chunkattn_client.reference, chunkattn_client.batch, chunkattn_client.cli\n"
+        "import chunkattn_client.bench.runner, chunkattn_client.bench.html, chunkattn_client.bench.progress\n"
         "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton'))\n"
         "print(heavy)\n"
         "sys.exit(1 if heavy else 0)\n"

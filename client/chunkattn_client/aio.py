@@ -130,6 +130,10 @@ class AsyncAttendStream:
                 async for _ in self._responses:  # drain so the RPC ends cleanly
                     pass
 
+    def cancel(self) -> None:
+        """End the RPC at once, answered or not (e.g. after a call on it timed out)."""
+        self._call.cancel()
+
     async def attend(
         self,
         layer: int,

@@ -1,0 +1,7 @@
+"""``chunkattn bench``: a load tester that plays a model runner against a chunkattn server.
+
+- ``workload``: what each simulated sequence sends (lengths, traces, prefill pieces, layers).
+- ``runner``: drives the server (closed or open loop, unary or stream) and records every call.
+- ``stats``: percentiles and summaries; ``promtext``: the server's Prometheus numbers.
+- ``report``: the JSON, CSV and table; ``html`` and ``svg``: the self-contained HTML report.
+"""

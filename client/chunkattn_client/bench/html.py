@@ -1,0 +1,207 @@
+"""The HTML report: one self-contained page (inline CSS and SVG; no script, no fetch).
+
+A single run shows its parameters, the summary, a latency CDF per kind, throughput over time and, with
+--metrics-url, the server's KV blocks in use over time. A sweep adds throughput against p99 latency and
+one row per point.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from html import escape
+from typing import Any
+
+from chunkattn_client.bench.report import KINDS
+from chunkattn_client.bench.runner import RunResult
+from chunkattn_client.bench.svg import Series, line_chart
+
+# One colour per series, and no colour in two charts, so a test can find each chart's lines on a screenshot.
+COLORS = {
+    "cdf_prefill": "#1f77b4",
+    "cdf_decode": "#ff7f0e",
+    "cdf_sequence": "#2ca02c",
+    "tput_prefill": "#9467bd",
+    "tput_decode": "#d62728",
+    "kv_used": "#8c564b",
+    "sweep": "#e377c2",
+}
+_POINT_COLORS = ("#17becf", "#bcbd22", "#7f7f7f", "#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173")
+_NAMES = {"prefill": "prefill piece", "decode": "decode step", "sequence": "whole sequence"}
+_MAX_POINTS = 400
+
+_CSS = """
+body { font-family: system-ui, sans-serif; margin: 24px; color: #222; max-width: 1100px; }
+h1 { font-size: 22px; } h2 { font-size: 17px; margin-top: 28px; }
+table { border-collapse: collapse; margin: 8px 0; font-size: 13px; }
+td, th { border: 1px solid #ccc; padding: 3px 8px; text-align: right; }
+th { background: #f2f2f2; } td.k, th.k { text-align: left; }
+.bad { color: #b00020; font-weight: bold; } .ok { color: #1b5e20; font-weight: bold; }
+svg.chart { display: block; margin: 10px 0; border: 1px solid #ddd; }
+"""
+
+
+def render(points: Sequence[tuple[str, RunResult, dict[str, Any]]], sweep_param: str | None = None) -> str:
+    """The page for one run (one point) or a sweep (one point per value of ``sweep_param``)."""
+    first = points[0][2]
+    title = "chunkattn bench" + (f": sweep of {sweep_param}" if sweep_param else "")
+    body = [f"<h1>{escape(title)}</h1>", _verdict(points)]
+    params = first["params"] | {"layers called": first["layers_called"]}
+    if sweep_param:
+        params = {k: v for k, v in params.items() if k != "mode"} | {sweep_param: [p[0] for p in points]}
+    body += ["<h2>Parameters</h2>", _kv_table(params)]
+    body += ["<h2>Server</h2>", _kv_table(first["server_model"])]
+    if sweep_param:
+        body += ["<h2>Throughput against p99 latency</h2>", _sweep_chart(sweep_param, points)]
+        body += [_sweep_table(sweep_param, points)]
+        body += ["<h2>Decode step latency, each point</h2>", _sweep_cdf(sweep_param, points)]
+    for label, result, s in points:
+        head = f"{sweep_param} = {label}" if sweep_param else "Results"
+        body += [f"<h2>{escape(head)}</h2>", _summary_table(s)]
+        if not sweep_param:
+            body += [_latency_cdf(result), _throughput_chart(s), _kv_chart(s)]
+    return (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        f"<title>{escape(title)}</title><style>{_CSS}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n"
+    )
+
+
+def _verdict(points: Sequence[tuple[str, RunResult, dict[str, Any]]]) -> str:
+    errors = sum(sum(s["errors"].values()) for _, _, s in points)
+    mismatches = sum(s["verify"]["mismatches"] for _, _, s in points if s["verify"])
+    aborted = [s["aborted"] for _, _, s in points if s["aborted"]]
+    if errors or mismatches or aborted:
+        why = [f"{errors} failed calls"] * bool(errors) + [f"{mismatches} verify mismatches"] * bool(mismatches)
+        return f'<p class="bad">FAILED: {escape(", ".join(why + aborted))}</p>'
+    return '<p class="ok">No errors.</p>'
+
+
+def _kv_table(d: dict[str, Any]) -> str:
+    rows = "".join(
+        f'<tr><th class="k">{escape(str(k))}</th><td class="k">{"-" if v is None else escape(str(v))}</td></tr>'
+        for k, v in d.items()
+    )
+    return f"<table>{rows}</table>"
+
+
+def _summary_table(s: dict[str, Any]) -> str:
+    facts = {
+        "duration (s)": f"{s['duration_s']:.2f}",
+        "sequences done / cut / failed": f"{s['sequences']} / {s['sequences_cut']} / {s['sequences_failed']}",
+        "calls": s["calls"],
+        "sequences/s": f"{s['sequences_per_s']:.2f}",
+        "tokens/s prefill / decode": f"{s['tokens_per_s']['prefill']:.0f} / {s['tokens_per_s']['decode']:.0f}",
+        "payload MB/s sent / received": (
+            f"{s['payload_mb_per_s']['sent']:.2f} / {s['payload_mb_per_s']['received']:.2f}"
+        ),
+        "errors": ", ".join(f"{c}: {n}" for c, n in s["errors"].items()) or "none",
+    }
+    if s["aborted"]:
+        facts["aborted"] = s["aborted"]
+    if s["verify"]:
+        v = s["verify"]
+        facts["verify"] = f"{v['checked']} of {v['requested']} calls, {v['mismatches']} mismatches"
+    srv = s["server"]
+    if srv and "error" not in srv:
+        facts["server queue / compute ms (mean)"] = f"{_ms(srv['queue_ms_mean'])} / {_ms(srv['compute_ms_mean'])}"
+        facts["server tokens prefill / decode"] = f"{srv['tokens']['prefill']} / {srv['tokens']['decode']}"
+        facts["server KV blocks peak / total"] = f"{srv['kv_blocks_used_peak']} / {srv['kv_blocks']}"
+    head = "".join(f"<th>{k}</th>" for k in ("n", "p50", "p90", "p95", "p99", "max"))
+    rows = "".join(
+        f'<tr><th class="k">{_NAMES[kind]} (ms)</th>'
+        + f"<td>{s['latency_ms'][kind]['count']}</td>"
+        + "".join(f"<td>{_ms(s['latency_ms'][kind][k])}</td>" for k in ("p50", "p90", "p95", "p99", "max"))
+        + "</tr>"
+        for kind in KINDS
+    )
+    return _kv_table(facts) + f'<table><tr><th class="k">latency</th>{head}</tr>{rows}</table>'
+
+
+def _latency_cdf(result: RunResult) -> str:
+    series = []
+    for kind in KINDS:
+        ms = sorted(1000 * x for x in result.recorder.latencies(kind))
+        xs, ys = _cdf(ms)
+        if xs:
+            series.append(Series(_NAMES[kind], xs, ys, COLORS[f"cdf_{kind}"]))
+    return line_chart(
+        series, title="Latency CDF", x_label="latency (ms, log scale)", y_label="fraction <= x", log_x=True,
+        chart_id="latency-cdf",
+    )  # fmt: skip
+
+
+def _throughput_chart(s: dict[str, Any]) -> str:
+    t = s["timeline"]
+    series = [
+        Series("prefill tokens/s", t["t"], t["prefill_tokens_per_s"], COLORS["tput_prefill"]),
+        Series("decode tokens/s", t["t"], t["decode_tokens_per_s"], COLORS["tput_decode"]),
+    ]
+    return line_chart(
+        series, title="Throughput over time", x_label="time (s)", y_label="tokens/s", chart_id="throughput"
+    )
+
+
+def _kv_chart(s: dict[str, Any]) -> str:
+    t = s["timeline"]
+    if not t["server_t"]:
+        return "<p>Run with --metrics-url to see the server's KV blocks in use over time.</p>"
+    series = [Series("KV blocks used", t["server_t"], t["kv_blocks_used"], COLORS["kv_used"])]
+    return line_chart(series, title="Server KV blocks in use", x_label="time (s)", y_label="blocks", chart_id="kv")
+
+
+def _sweep_chart(param: str, points: Sequence[tuple[str, RunResult, dict[str, Any]]]) -> str:
+    xs = [s["tokens_per_s"]["total"] for _, _, s in points]
+    ys = [_p99(s) for _, _, s in points]
+    keep = [(x, y) for x, y in zip(xs, ys, strict=True) if y is not None]
+    series = [Series(f"by {param}", [x for x, _ in keep], [y for _, y in keep], COLORS["sweep"], markers=True)]
+    return line_chart(
+        series, title="Throughput against p99 step latency", x_label="tokens/s", y_label="p99 latency (ms)",
+        chart_id="sweep",
+    )  # fmt: skip
+
+
+def _sweep_table(param: str, points: Sequence[tuple[str, RunResult, dict[str, Any]]]) -> str:
+    head = f'<tr><th class="k">{escape(param)}</th><th>seq/s</th><th>tokens/s</th><th>p50 (ms)</th>'
+    head += "<th>p99 (ms)</th><th>errors</th></tr>"
+    rows = "".join(
+        f'<tr><td class="k">{escape(label)}</td><td>{s["sequences_per_s"]:.2f}</td>'
+        f"<td>{s['tokens_per_s']['total']:.0f}</td><td>{_ms(_step(s)['p50'])}</td><td>{_ms(_p99(s))}</td>"
+        f"<td>{sum(s['errors'].values())}</td></tr>"
+        for label, _, s in points
+    )
+    return f"<table>{head}{rows}</table>"
+
+
+def _sweep_cdf(param: str, points: Sequence[tuple[str, RunResult, dict[str, Any]]]) -> str:
+    series = []
+    for i, (label, result, _) in enumerate(points):
+        xs, ys = _cdf(sorted(1000 * x for x in result.recorder.latencies("decode")))
+        if xs:
+            series.append(Series(f"{param}={label}", xs, ys, _POINT_COLORS[i % len(_POINT_COLORS)]))
+    return line_chart(
+        series, title="Decode step latency CDF", x_label="latency (ms, log scale)", y_label="fraction <= x",
+        log_x=True, chart_id="sweep-cdf",
+    )  # fmt: skip
+
+
+def _step(s: dict[str, Any]) -> dict[str, Any]:
+    """The decode-step latencies, or the prefill pieces' when there were no decodes."""
+    lat: dict[str, dict[str, Any]] = s["latency_ms"]
+    return lat["decode"] if lat["decode"]["count"] else lat["prefill"]
+
+
+def _p99(s: dict[str, Any]) -> float | None:
+    value = _step(s)["p99"]
+    return None if value is None else float(value)
+
+
+def _cdf(sorted_ms: list[float]) -> tuple[list[float], list[float]]:
+    """At most _MAX_POINTS points of the empirical CDF (the largest value always included)."""
+    n = len(sorted_ms)
+    if not n:
+        return [], []
+    idx = sorted({round(i * (n - 1) / (_MAX_POINTS - 1)) for i in range(_MAX_POINTS)}) if n > _MAX_POINTS else range(n)
+    return [sorted_ms[i] for i in idx], [(i + 1) / n for i in idx]
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}" if x < 100 else f"{x:.0f}"

@@ -1,0 +1,204 @@
+"""A run's numbers: the JSON summary, CSV rows and the table printed on stdout."""
+
+from __future__ import annotations
+
+import csv
+import math
+import platform
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Any, TextIO
+
+from chunkattn_client import __version__
+from chunkattn_client.bench.runner import RunResult
+from chunkattn_client.bench.stats import PERCENTILES, summarize
+
+KINDS = ("prefill", "decode", "sequence")  # latency kinds: prefill piece, decode step, whole sequence
+_LATENCY_KEYS = (*(f"p{p}" for p in PERCENTILES), "max")
+
+
+def summary(result: RunResult) -> dict[str, Any]:
+    """The run as JSON-ready data (see the README for every key)."""
+    rec = result.recorder
+    duration = max(rec.duration_s, 1e-9)
+    tokens = {kind: rec.tokens[kind] for kind in ("prefill", "decode")}
+
+    def latency_ms(kind: str) -> dict[str, float | int | None]:
+        return {k: v if k == "count" or v is None else v * 1000 for k, v in summarize(rec.latencies(kind)).items()}
+
+    return {
+        "chunkattn_client": __version__,
+        "started_utc": datetime.now(UTC).isoformat(timespec="seconds"),
+        "client_host": platform.node(),
+        "params": result.config.params(),
+        "layers_called": list(result.layers),
+        "server_model": {
+            "layers": len(result.info.layers),
+            "chunk_sizes": [x.chunk_size for x in result.info.layers],
+            "num_heads": result.info.num_heads,
+            "num_kv_heads": result.info.num_kv_heads,
+            "head_size": result.info.head_size,
+            "backend": result.info.backend,
+            "device": result.info.device,
+            "cache_dtype": result.info.cache_dtype,
+        },
+        "duration_s": rec.duration_s,
+        "sequences": rec.sequences,
+        "sequences_cut": rec.sequences_cut,
+        "sequences_failed": rec.sequences_failed,
+        "calls": rec.calls,
+        "errors": dict(sorted(rec.errors.items())),
+        "error_examples": dict(sorted(rec.error_examples.items())),
+        "aborted": result.aborted,
+        "tokens": tokens,
+        "layer_tokens": {kind: rec.layer_tokens[kind] for kind in ("prefill", "decode")},
+        "tokens_per_s": {**{k: n / duration for k, n in tokens.items()}, "total": sum(tokens.values()) / duration},
+        "sequences_per_s": rec.sequences / duration,
+        "payload_mb_per_s": {
+            "sent": rec.bytes_sent / duration / 1e6,
+            "received": rec.bytes_received / duration / 1e6,
+        },
+        "bytes": {"sent": rec.bytes_sent, "received": rec.bytes_received},
+        "latency_ms": {kind: latency_ms(kind) for kind in KINDS},
+        "verify": result.verify,
+        "server": result.server,
+        "timeline": timeline(result),
+    }
+
+
+def timeline(result: RunResult) -> dict[str, list[float]]:
+    """Per second of the run: tokens/s by kind (by when each step ended), and the server's KV blocks used.
+
+    Bucket i covers [i, i + 1) seconds; the last one runs to the end of the run (from 1 to 2 s long), so
+    no bucket is a sliver whose rate means nothing.
+    """
+    rec = result.recorder
+    duration = rec.duration_s
+    buckets = max(1, math.floor(duration))
+    widths = [1.0] * (buckets - 1) + [max(duration - (buckets - 1), 1e-9)]
+    prefill, decode = [0.0] * buckets, [0.0] * buckets
+    for t, kind, n, _ in rec.steps:
+        (prefill if kind == "prefill" else decode)[min(int(t), buckets - 1)] += n
+    return {
+        "t": [float(i) for i in range(buckets)],
+        "prefill_tokens_per_s": [n / w for n, w in zip(prefill, widths, strict=True)],
+        "decode_tokens_per_s": [n / w for n, w in zip(decode, widths, strict=True)],
+        "server_t": [t for t, _, _ in result.server_series],
+        "kv_blocks_used": [u for _, u, _ in result.server_series],
+        "engine_jobs_in_flight": [j for _, _, j in result.server_series],
+    }
+
+
+def failed(s: dict[str, Any]) -> bool:
+    return bool(s["errors"]) or s["aborted"] is not None
+
+
+def mismatched(s: dict[str, Any]) -> bool:
+    return s["verify"] is not None and s["verify"]["mismatches"] > 0
+
+
+# -- CSV ----------------------------------------------------------------------------------------------
+
+CSV_COLUMNS = (
+    "point", "duration_s", "sequences", "sequences_cut", "calls", "errors", "tokens_prefill", "tokens_decode",
+    "tokens_per_s", "sequences_per_s", "sent_mb_per_s", "received_mb_per_s",
+    *(f"{kind}_{k}_ms" for kind in KINDS for k in _LATENCY_KEYS),
+)  # fmt: skip
+
+
+def write_csv(rows: Sequence[tuple[str, dict[str, Any]]], out: TextIO) -> None:
+    """One row per run (per sweep point), named by ``point``."""
+    w = csv.writer(out)
+    w.writerow(CSV_COLUMNS)
+    for point, s in rows:
+        w.writerow(
+            [
+                point,
+                f"{s['duration_s']:.3f}",
+                s["sequences"],
+                s["sequences_cut"],
+                s["calls"],
+                sum(s["errors"].values()),
+                s["tokens"]["prefill"],
+                s["tokens"]["decode"],
+                f"{s['tokens_per_s']['total']:.1f}",
+                f"{s['sequences_per_s']:.3f}",
+                f"{s['payload_mb_per_s']['sent']:.2f}",
+                f"{s['payload_mb_per_s']['received']:.2f}",
+                *(_fmt(s["latency_ms"][kind][k]) for kind in KINDS for k in _LATENCY_KEYS),
+            ]
+        )
+
+
+def _fmt(x: float | None) -> str:
+    return "" if x is None else f"{x:.3f}"
+
+
+# -- the table ------------------------------------------------------------------------------------------
+
+
+def table(s: dict[str, Any]) -> str:
+    """The human summary of one run."""
+    p = s["params"]
+    lines = [
+        f"chunkattn bench: {p['target']}, {p['mode']}, {p['transport']}, {p['dtype']},"
+        f" prompt {p['prompt_len']}, output {p['output_len']}, layers {p['layers']}",
+        f"duration {s['duration_s']:.1f} s; sequences {s['sequences']} done, {s['sequences_cut']} cut at the"
+        f" deadline, {s['sequences_failed']} failed; calls {s['calls']}",
+        f"throughput: {s['sequences_per_s']:.2f} seq/s; tokens/s prefill {s['tokens_per_s']['prefill']:.0f},"
+        f" decode {s['tokens_per_s']['decode']:.0f}; payload MB/s sent {s['payload_mb_per_s']['sent']:.1f},"
+        f" received {s['payload_mb_per_s']['received']:.1f}",
+        "",
+        f"{'latency (ms)':<18}{'n':>8}" + "".join(f"{k:>10}" for k in _LATENCY_KEYS),
+    ]
+    names = {"prefill": "prefill piece", "decode": "decode step", "sequence": "sequence"}
+    for kind in KINDS:
+        lat = s["latency_ms"][kind]
+        lines.append(f"{names[kind]:<18}{lat['count']:>8}" + "".join(f"{_cell(lat[k]):>10}" for k in _LATENCY_KEYS))
+    lines.append("")
+    if s["errors"]:
+        lines.append("errors: " + ", ".join(f"{code} {n}" for code, n in s["errors"].items()))
+        for code, message in s["error_examples"].items():
+            lines.append(f"  {code}: {message[:160]}")
+    else:
+        lines.append("errors: none")
+    if s["aborted"]:
+        lines.append(f"ABORTED: {s['aborted']}")
+    v = s["verify"]
+    if v is not None:
+        verdict = "MISMATCH" if v["mismatches"] else "ok"
+        lines.append(
+            f"verify: {v['checked']} of {v['requested']} calls checked against the float64 reference,"
+            f" {v['mismatches']} mismatches, max error {v['max_error']:.2e}: {verdict}"
+        )
+    srv = s["server"]
+    if srv and "error" in srv:
+        lines.append(f"server metrics: {srv['error']}")
+    elif srv:
+        lines.append(
+            f"server: queue {_cell(srv['queue_ms_mean'])} ms, compute {_cell(srv['compute_ms_mean'])} ms mean per"
+            f" call; tokens counted prefill {srv['tokens']['prefill']}, decode {srv['tokens']['decode']};"
+            f" KV blocks peak {srv['kv_blocks_used_peak']} of {srv['kv_blocks']}, {srv['kv_blocks_used_after']}"
+            " after"
+        )
+    return "\n".join(lines)
+
+
+def sweep_table(param: str, rows: Sequence[tuple[str, dict[str, Any]]]) -> str:
+    """One line per sweep point."""
+    head = f"{param:>12}{'seq/s':>9}{'tok/s':>10}{'decode p50':>12}{'decode p99':>12}{'prefill p99':>13}{'errors':>8}"
+    lines = [head]
+    for point, s in rows:
+        lat = s["latency_ms"]
+        lines.append(
+            f"{point:>12}{s['sequences_per_s']:>9.2f}{s['tokens_per_s']['total']:>10.0f}"
+            f"{_cell(lat['decode']['p50']):>12}{_cell(lat['decode']['p99']):>12}{_cell(lat['prefill']['p99']):>13}"
+            f"{sum(s['errors'].values()):>8}"
+        )
+    return "\n".join(lines)
+
+
+def _cell(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.2f}" if x < 100 else f"{x:.0f}"

@@ -1,0 +1,541 @@
+"""Drives a server as a model runner would, and records every call.
+
+Closed loop (``concurrency`` N): N workers, each running one sequence after another. Open loop (``rate``
+R): sequences arrive as a Poisson process of R per second, at most ``max_concurrency`` in flight. Each
+sequence is its own server sequence id; its last call carries end_of_sequence, so a finished sequence
+holds no KV. A sequence whose call fails is released (best effort) and recorded; the run goes on, and
+stops early once ``max_errors`` calls have failed.
+
+A duration-bounded run stops starting sequences at the deadline and cuts the ones in flight at their
+next step (they are released and counted as cut), so the measured window is the duration. A run of a
+given number of sequences runs them all to the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+import uuid
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import numpy.typing as npt
+
+from chunkattn_client import codec
+from chunkattn_client.aio import AsyncAttendStream, AsyncChunkAttnClient
+from chunkattn_client.batch import BatchEntry
+from chunkattn_client.bench import promtext
+from chunkattn_client.bench.stats import percentile
+from chunkattn_client.bench.workload import (
+    Lengths,
+    LengthSource,
+    RandomTensors,
+    SequenceSpec,
+    Step,
+    WorkloadError,
+    call_bytes,
+    choose_layers,
+    steps,
+)
+from chunkattn_client.client import ChunkAttnError, ServerInfo
+from chunkattn_client.reference import ReferenceModel, within_tolerance
+
+TRANSPORTS = ("unary", "stream")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Everything that defines a run (the report prints it as the run's parameters)."""
+
+    target: str
+    concurrency: int = 1
+    rate: float | None = None  # sequences per second (open loop); None: closed loop
+    max_concurrency: int = 256  # open loop: sequences in flight at most
+    prompt: Lengths = field(default_factory=lambda: Lengths(128, 128))
+    output: Lengths = field(default_factory=lambda: Lengths(32, 32))
+    trace: tuple[SequenceSpec, ...] | None = None
+    trace_path: str | None = None
+    layers: str = "all"
+    prefill_chunk: int = 0  # tokens per prefill piece; 0: the whole prompt in one call per layer
+    transport: str = "unary"
+    dtype: str = "float32"
+    warmup_s: float = 0.0
+    duration_s: float | None = None
+    sequences: int | None = None
+    seed: int = 0
+    verify: int = 0
+    timeout_s: float = 60.0
+    max_errors: int = 100
+    metrics_url: str | None = None
+
+    def check(self) -> None:
+        """Raise WorkloadError naming the first option that cannot work."""
+        if self.duration_s is None and self.sequences is None and self.trace is None:
+            raise WorkloadError("say how long to run: --duration SECONDS or --sequences N (or a --trace)")
+        if self.duration_s is not None and self.duration_s <= 0:
+            raise WorkloadError(f"--duration must be > 0, got {self.duration_s}")
+        if self.sequences is not None and self.sequences < 1:
+            raise WorkloadError(f"--sequences must be >= 1, got {self.sequences}")
+        if self.concurrency < 1 or self.max_concurrency < 1:
+            raise WorkloadError("--concurrency and --max-concurrency must be >= 1")
+        if self.rate is not None and self.rate <= 0:
+            raise WorkloadError(f"--rate must be > 0 sequences per second, got {self.rate}")
+        if self.prefill_chunk < 0:
+            raise WorkloadError(f"--prefill-chunk must be >= 0 (0: whole prompt), got {self.prefill_chunk}")
+        if self.transport not in TRANSPORTS:
+            raise WorkloadError(f"--transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if self.warmup_s < 0 or self.verify < 0 or self.timeout_s <= 0 or self.max_errors < 1:
+            raise WorkloadError("--warmup and --verify must be >= 0, --timeout > 0 and --max-errors >= 1")
+
+    def max_sequences(self) -> int | None:
+        """The measured phase's sequence count: --sequences, else one pass over a trace without --duration."""
+        if self.sequences is not None:
+            return self.sequences
+        if self.trace is not None and self.duration_s is None:
+            return len(self.trace)
+        return None
+
+    def params(self) -> dict[str, Any]:
+        return {
+            "target": self.target,
+            "mode": f"open loop, {self.rate}/s" if self.rate else f"closed loop, concurrency {self.concurrency}",
+            "concurrency": None if self.rate else self.concurrency,
+            "rate": self.rate,
+            "max_concurrency": self.max_concurrency if self.rate else None,
+            "prompt_len": f"trace {self.trace_path}" if self.trace else str(self.prompt),
+            "output_len": f"trace {self.trace_path}" if self.trace else str(self.output),
+            "layers": self.layers,
+            "prefill_chunk": self.prefill_chunk,
+            "transport": self.transport,
+            "dtype": self.dtype,
+            "warmup_s": self.warmup_s,
+            "duration_s": self.duration_s,
+            "sequences": self.max_sequences(),
+            "seed": self.seed,
+            "verify": self.verify,
+            "timeout_s": self.timeout_s,
+        }
+
+
+@dataclass
+class Recorder:
+    """Every completed call, step and sequence of one phase, timed from the phase's start."""
+
+    t0: float = field(default_factory=time.perf_counter)
+    calls: int = 0
+    sequences: int = 0
+    sequences_cut: int = 0
+    sequences_failed: int = 0
+    tokens: Counter[str] = field(default_factory=Counter)  # model tokens of completed steps, by kind
+    layer_tokens: Counter[str] = field(default_factory=Counter)  # tokens x answered calls (the server's count)
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    errors: Counter[str] = field(default_factory=Counter)
+    error_examples: dict[str, str] = field(default_factory=dict)
+    steps: list[tuple[float, str, int, float]] = field(default_factory=list)  # (end time, kind, tokens, s)
+    sequence_latency: list[float] = field(default_factory=list)
+    end: float | None = None
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def error(self, code: str, message: str) -> None:
+        self.errors[code] += 1
+        self.error_examples.setdefault(code, message)
+
+    @property
+    def duration_s(self) -> float:
+        return self.end if self.end is not None else self.now()
+
+    def latencies(self, kind: str) -> list[float]:
+        """Seconds per prefill piece ("prefill"), decode step ("decode") or whole sequence ("sequence")."""
+        if kind == "sequence":
+            return self.sequence_latency
+        return [s for _, k, _, s in self.steps if k == kind]
+
+    def recent_p50_ms(self, window_s: float = 5.0) -> float | None:
+        """p50 of the decode steps (else prefill pieces) that ended in the last ``window_s`` seconds."""
+        since = self.now() - window_s
+        for kind in ("decode", "prefill"):
+            recent = sorted(s for t, k, _, s in self.steps if k == kind and t >= since)
+            if recent:
+                return 1000 * percentile(recent, 50)
+        return None
+
+
+class Verifier:
+    """Recomputes sampled calls with the float64 reference and compares (``--verify N``).
+
+    Sequences are sampled at random (half of them, seeded) until N calls are reserved; a sampled
+    sequence has its first calls checked, and keeps their K/V in its own ReferenceModel.
+    """
+
+    def __init__(self, info: ServerInfo, dtype: str, budget: int, seed: int) -> None:
+        self.info, self.dtype = info, dtype
+        self.requested = budget
+        self._unreserved = budget
+        self._rng = random.Random(seed)
+        self.checked = 0
+        self.max_error = 0.0
+        self.mismatches: list[dict[str, Any]] = []
+
+    def sample(self, num_calls: int) -> SequenceCheck | None:
+        if self._unreserved <= 0 or self._rng.random() >= 0.5:
+            return None
+        n = min(num_calls, self._unreserved)
+        self._unreserved -= n
+        return SequenceCheck(self, n)
+
+    def result(self) -> dict[str, Any]:
+        return {
+            "requested": self.requested,
+            "checked": self.checked,
+            "mismatches": len(self.mismatches),
+            "max_error": self.max_error,
+            "first_mismatches": self.mismatches[:5],
+        }
+
+
+class SequenceCheck:
+    """The reference of one sampled sequence, for its first ``calls`` calls."""
+
+    def __init__(self, verifier: Verifier, calls: int) -> None:
+        self._v = verifier
+        self._left = calls
+        self._ref = ReferenceModel.for_server(verifier.info)
+
+    async def check(self, layer: int, entry: BatchEntry, q: Any, k: Any, v: Any, out: Any) -> None:
+        if self._left <= 0:
+            return
+        self._left -= 1
+        dtype = self._v.dtype
+        q64, k64, v64 = (None if x is None else codec.to_float64(x, dtype) for x in (q, k, v))
+        assert q64 is not None
+        want = await asyncio.to_thread(self._ref.attend, layer, [entry], q64, k64, v64)
+        ok, err = within_tolerance(codec.to_float64(out, dtype), want, dtype)
+        self._v.checked += 1
+        self._v.max_error = max(self._v.max_error, err)
+        if not ok:
+            self._v.mismatches.append(
+                {"seq_id": entry.seq_id, "layer": layer, "position": entry.position, "tokens": entry.num_tokens}
+                | {"error": err}
+            )
+
+
+class MetricsWatch:
+    """The server's Prometheus page: scraped before and after the measured phase, and every second between."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.before: promtext.Samples = {}
+        self.after: promtext.Samples = {}
+        self.series: list[tuple[float, float, float]] = []  # (time, KV blocks used, engine jobs in flight)
+        self.failed_scrapes = 0
+
+    async def scrape(self) -> promtext.Samples:
+        return await asyncio.to_thread(promtext.fetch, self.url)
+
+    async def watch(self, recorder: Recorder, interval_s: float = 1.0) -> None:
+        while True:
+            try:
+                s = await self.scrape()
+            except promtext.MetricsError:
+                self.failed_scrapes += 1
+            else:
+                self.series.append(
+                    (
+                        recorder.now(),
+                        promtext.total(s, "chunkattn_kv_blocks_used"),
+                        promtext.total(s, "chunkattn_engine_jobs_in_flight"),
+                    )
+                )
+            await asyncio.sleep(interval_s)
+
+    def summary(self) -> dict[str, Any]:
+        """What the server counted during the measured phase."""
+        a, b = self.after, self.before
+
+        def d(name: str, **match: str) -> float:
+            return promtext.delta(a, b, name, **match)
+
+        def mean_ms(name: str) -> float | None:
+            n = d(f"{name}_count", rpc="Attend")
+            return 1000 * d(f"{name}_sum", rpc="Attend") / n if n else None
+
+        used = [u for _, u, _ in self.series] + [promtext.total(x, "chunkattn_kv_blocks_used") for x in (a, b)]
+        codes = sorted(promtext.label_values(a, "chunkattn_requests_total", "code"))
+        requests = {}
+        for rpc in ("Attend", "AttendStream", "Release"):
+            counts = {code: int(d("chunkattn_requests_total", rpc=rpc, code=code)) for code in codes}
+            requests[rpc] = {code: n for code, n in counts.items() if n}
+        return {
+            "requests": requests,
+            "tokens": {kind: int(d("chunkattn_tokens_total", kind=kind)) for kind in ("prefill", "decode")},
+            "received_bytes": int(d("chunkattn_received_bytes_total")),
+            "sent_bytes": int(d("chunkattn_sent_bytes_total")),
+            "queue_ms_mean": mean_ms("chunkattn_queue_seconds"),
+            "compute_ms_mean": mean_ms("chunkattn_compute_seconds"),
+            "kv_blocks": int(promtext.total(a, "chunkattn_kv_blocks")),
+            "kv_blocks_used_peak": int(max(used)),
+            "kv_blocks_used_after": int(promtext.total(a, "chunkattn_kv_blocks_used")),
+            "failed_scrapes": self.failed_scrapes,
+        }
+
+
+@dataclass
+class RunResult:
+    config: BenchConfig
+    info: ServerInfo
+    layers: tuple[int, ...]
+    recorder: Recorder
+    verify: dict[str, Any] | None
+    server: dict[str, Any] | None
+    server_series: list[tuple[float, float, float]]
+    aborted: str | None
+
+
+Snapshot = Callable[[Recorder], None]
+
+
+class Bench:
+    """One run against one server: an optional warm-up phase, then the measured phase."""
+
+    def __init__(self, config: BenchConfig, client: AsyncChunkAttnClient, info: ServerInfo) -> None:
+        config.check()
+        self.config, self.client, self.info = config, client, info
+        self.layers = choose_layers(info, config.layers)
+        self._lengths = LengthSource(config.prompt, config.output, config.trace, config.seed)
+        if config.dtype not in info.dtypes:
+            raise WorkloadError(f"--dtype {config.dtype}: the server takes {', '.join(info.dtypes)}")
+        biggest = min(config.prefill_chunk or self._lengths.max_prompt, self._lengths.max_prompt)
+        sent, _ = call_bytes(info, config.dtype, biggest, writes_kv=True)
+        if sent + (1 << 16) > info.max_message_bytes:
+            raise WorkloadError(
+                f"a {biggest}-token call carries {sent} bytes of tensors, over the server's message limit of"
+                f" {info.max_message_bytes}; pass a smaller --prefill-chunk"
+            )
+        self._data = RandomTensors(info, config.dtype, biggest, config.seed)
+        self._verifier = Verifier(info, config.dtype, config.verify, config.seed) if config.verify else None
+        self._run_id = uuid.uuid4().hex[:8]
+        self._arrivals = random.Random(config.seed + 1)
+        self._seq_no = 0
+        self._stop_at: float | None = None
+        self._max_sequences: int | None = None
+        self._started = 0
+        self._aborted: str | None = None
+        self._rec = Recorder()
+        self._checking: Verifier | None = None
+
+    async def run(self, progress: Snapshot | None = None, progress_interval_s: float = 1.0) -> RunResult:
+        cfg = self.config
+        watch = MetricsWatch(cfg.metrics_url) if cfg.metrics_url else None
+        if watch:
+            await watch.scrape()  # a wrong URL fails here (MetricsError), before any load
+        if cfg.warmup_s:
+            await self._phase(Recorder(), cfg.warmup_s, None, None)
+        if watch:
+            watch.before = await watch.scrape()
+        rec = Recorder()
+        tasks = [asyncio.create_task(watch.watch(rec))] if watch else []
+        if progress:
+            tasks.append(asyncio.create_task(_every(progress_interval_s, lambda: progress(rec))))
+        try:
+            await self._phase(rec, cfg.duration_s, cfg.max_sequences(), self._verifier)
+        finally:
+            rec.end = rec.now()
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        server = None
+        if watch:
+            try:
+                watch.after = await watch.scrape()
+                server = watch.summary()
+            except promtext.MetricsError as e:
+                server = {"error": str(e)}
+        if progress:
+            progress(rec)
+        return RunResult(
+            cfg,
+            self.info,
+            self.layers,
+            rec,
+            self._verifier.result() if self._verifier else None,
+            server,
+            watch.series if watch else [],
+            self._aborted,
+        )
+
+    @property
+    def stopped(self) -> bool:
+        """Whether stop() was called or the run gave up (--max-errors)."""
+        return self._aborted is not None
+
+    def stop(self, reason: str) -> None:
+        """End the run early (e.g. on Ctrl-C): no new sequences; those in flight are cut at their next step."""
+        self._aborted = self._aborted or reason
+
+    # -- one phase ---------------------------------------------------------------------------------
+
+    async def _phase(
+        self,
+        rec: Recorder,
+        duration_s: float | None,
+        max_sequences: int | None,
+        verifier: Verifier | None,
+    ) -> None:
+        self._rec = rec
+        self._stop_at = None if duration_s is None else time.perf_counter() + duration_s
+        self._max_sequences, self._started = max_sequences, 0
+        self._checking = verifier  # none in the warm-up
+        if self.config.rate is None:
+            await asyncio.gather(*(self._worker() for _ in range(self.config.concurrency)))
+        else:
+            await self._arrive(self.config.rate)
+
+    def _may_start(self) -> bool:
+        if self._aborted or (self._stop_at is not None and time.perf_counter() >= self._stop_at):
+            return False
+        return self._max_sequences is None or self._started < self._max_sequences
+
+    def _cut(self) -> bool:
+        return bool(self._aborted) or (self._stop_at is not None and time.perf_counter() >= self._stop_at)
+
+    async def _worker(self) -> None:
+        while self._may_start():
+            await self._sequence(self._next())
+
+    async def _arrive(self, rate: float) -> None:
+        slots = asyncio.Semaphore(self.config.max_concurrency)
+        running: set[asyncio.Task[None]] = set()
+        due = time.perf_counter()
+
+        async def one(spec: SequenceSpec) -> None:
+            try:
+                await self._sequence(spec)
+            finally:
+                slots.release()
+
+        while True:
+            due += self._arrivals.expovariate(rate)
+            while (wait := due - time.perf_counter()) > 0 and self._may_start():
+                await asyncio.sleep(min(wait, 0.05))  # wake at the deadline, not at an arrival past it
+            if not self._may_start():
+                break
+            await slots.acquire()
+            task = asyncio.create_task(one(self._next()))
+            running.add(task)
+            task.add_done_callback(running.discard)
+        await asyncio.gather(*running)
+
+    def _next(self) -> SequenceSpec:
+        self._started += 1
+        return self._lengths.next()
+
+    # -- one sequence ------------------------------------------------------------------------------
+
+    async def _sequence(self, spec: SequenceSpec) -> None:
+        rec = self._rec
+        self._seq_no += 1
+        seq_id = f"bench-{self._run_id}-{self._seq_no}"
+        plan = steps(spec, self.config.prefill_chunk)
+        check = self._checking.sample(len(plan) * len(self.layers)) if self._checking else None
+        stream = self.client.stream() if self.config.transport == "stream" else None
+        started = time.perf_counter()
+        verifying = 0.0  # seconds spent on the reference, left out of every latency
+        finished = False  # the last call (end_of_sequence) was answered: nothing is left on the server
+        try:
+            for i, step in enumerate(plan):
+                if self._cut():
+                    rec.sequences_cut += 1
+                    return
+                t = time.perf_counter()
+                answered = []
+                for j, layer in enumerate(self.layers):
+                    last = i == len(plan) - 1 and j == len(self.layers) - 1
+                    answered.append(await self._call(stream, layer, seq_id, step, last))
+                rec.steps.append((rec.now(), step.kind, step.num_tokens, time.perf_counter() - t))
+                rec.tokens[step.kind] += step.num_tokens
+                if check is not None:
+                    t = time.perf_counter()
+                    for call in answered:
+                        await check.check(*call)
+                    verifying += time.perf_counter() - t
+            finished = True
+            rec.sequences += 1
+            rec.sequence_latency.append(time.perf_counter() - started - verifying)
+        except ChunkAttnError as e:
+            rec.sequences_failed += 1
+            self._failed(e)
+        finally:
+            if stream is not None:
+                await _close(stream)
+            if not finished:
+                await self._release(seq_id)
+
+    async def _call(
+        self,
+        stream: AsyncAttendStream | None,
+        layer: int,
+        seq_id: str,
+        step: Step,
+        last: bool,
+    ) -> tuple[int, BatchEntry, Any, Any, Any, Any]:
+        """One layer's call for one step; returns what --verify needs: (layer, entry, q, k, v, output)."""
+        writes = self.info.layers[layer].kv_source is None
+        n = step.num_tokens
+        q = self._data.take(n, self.info.num_heads)
+        k = self._data.take(n, self.info.num_kv_heads) if writes else None
+        v = self._data.take(n, self.info.num_kv_heads) if writes else None
+        entry = BatchEntry(seq_id, step.position, n)
+        kw: dict[str, Any] = {"end_of_sequence": [seq_id] if last else (), "dtype": self.config.dtype}
+        call: Awaitable[npt.NDArray[Any]]
+        if stream is None:
+            call = self.client.attend(layer, [entry], q, k, v, **kw)
+        else:
+            call = asyncio.wait_for(stream.attend(layer, [entry], q, k, v, **kw), self.config.timeout_s)
+        try:
+            out = await call
+        except TimeoutError:
+            raise ChunkAttnError(
+                grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer on the stream within {self.config.timeout_s} s"
+            ) from None
+        rec = self._rec
+        rec.calls += 1
+        rec.layer_tokens["decode" if n == 1 else "prefill"] += n
+        sent, received = call_bytes(self.info, self.config.dtype, n, writes)
+        rec.bytes_sent += sent
+        rec.bytes_received += received
+        return layer, entry, q, k, v, out
+
+    def _failed(self, e: ChunkAttnError) -> None:
+        self._rec.error(e.code.name, e.message)
+        if sum(self._rec.errors.values()) >= self.config.max_errors and not self._aborted:
+            self._aborted = f"stopped after {self.config.max_errors} failed calls (--max-errors)"
+
+    async def _release(self, seq_id: str) -> None:
+        """Free a sequence that did not finish; its failure is recorded, never raised."""
+        try:
+            await asyncio.wait_for(self.client.release([seq_id], missing_ok=True), self.config.timeout_s)
+        except ChunkAttnError as e:
+            self._failed(e)
+        except TimeoutError:
+            self._failed(ChunkAttnError(grpc.StatusCode.DEADLINE_EXCEEDED, "Release did not answer"))
+
+
+async def _close(stream: AsyncAttendStream) -> None:
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stream.close(), 5.0)
+        return
+    stream.cancel()
+
+
+async def _every(interval_s: float, fn: Callable[[], None]) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        fn()

@@ -1,0 +1,247 @@
+"""The ``chunkattn`` command: ``info``, ``health`` and ``bench`` against a running server.
+
+    chunkattn info --target localhost:50051
+    chunkattn health --target localhost:50051 --wait 60
+    chunkattn bench --target localhost:50051 --concurrency 8 --duration 30 --html report.html
+
+Exit codes: 0 success; 1 failed calls (bench; unless --allow-errors) or not serving (health);
+2 bad arguments or no server to talk to; 3 bench --verify found outputs that differ from the reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from chunkattn_client.aio import AsyncChunkAttnClient
+from chunkattn_client.bench.promtext import MetricsError
+from chunkattn_client.client import ChunkAttnClient, ChunkAttnError, ServerInfo
+
+DEFAULT_TARGET = os.environ.get("CHUNKATTN_TARGET", "localhost:50051")
+SWEEPABLE = {"concurrency": int, "rate": float, "prefill_chunk": int, "max_concurrency": int}
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_MISMATCH = 0, 1, 2, 3
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except ChunkAttnError as e:
+        print(f"chunkattn: {args.target}: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except (ValueError, OSError, MetricsError) as e:  # WorkloadError is a ValueError
+        print(f"chunkattn: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="chunkattn", description="Talk to a chunkattn server.")
+    sub = p.add_subparsers(required=True, metavar="COMMAND")
+
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        c = sub.add_parser(name, help=help, description=help)
+        c.add_argument("--target", default=DEFAULT_TARGET, help="HOST:PORT (default $CHUNKATTN_TARGET or %(default)s)")
+        return c
+
+    c = command("info", "Print the server's model shape, KV pool and version.")
+    c.add_argument("--json", action="store_true", help="print JSON")
+    c.add_argument("--timeout", type=float, default=10.0, metavar="S")
+    c.set_defaults(func=_info)
+
+    c = command("health", "Print the server's health; exit 0 only when it is SERVING.")
+    c.add_argument("--wait", type=float, default=0.0, metavar="S", help="wait up to S seconds for SERVING")
+    c.add_argument("--timeout", type=float, default=5.0, metavar="S")
+    c.set_defaults(func=_health)
+
+    c = command("bench", "Load-test the server with a synthetic model-runner workload.")
+    w = c.add_argument_group("workload")
+    w.add_argument("--concurrency", type=int, default=1, help="closed loop: sequences in flight (default 1)")
+    w.add_argument("--rate", type=float, help="open loop: Poisson arrivals, sequences per second")
+    w.add_argument("--max-concurrency", type=int, default=256, help="open loop: cap on sequences in flight")
+    w.add_argument("--prompt-len", default="128", metavar="N|LO:HI", help="prompt tokens (default %(default)s)")
+    w.add_argument("--output-len", default="32", metavar="N|LO:HI", help="decode steps (default %(default)s)")
+    w.add_argument("--trace", metavar="JSONL", help='lengths from a file of {"prompt_len", "output_len"} lines')
+    w.add_argument("--layers", default="all", help="layers each step calls: all, or e.g. 0,1,3")
+    w.add_argument("--prefill-chunk", type=int, default=0, metavar="N", help="prefill in pieces of N (0: whole)")
+    w.add_argument("--transport", choices=("unary", "stream"), default="unary")
+    w.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
+    w.add_argument("--seed", type=int, default=0)
+    r = c.add_argument_group("run")
+    r.add_argument("--duration", type=float, metavar="S", help="measure for S seconds")
+    r.add_argument("--sequences", type=int, metavar="N", help="measure N sequences (run to completion)")
+    r.add_argument("--warmup", type=float, default=0.0, metavar="S", help="unmeasured warm-up first (default 0)")
+    r.add_argument("--sweep", metavar="PARAM=V1,V2,..", help=f"one run per value of {', '.join(SWEEPABLE)}")
+    r.add_argument("--verify", type=int, default=0, metavar="N", help="check N calls against the float64 reference")
+    r.add_argument("--timeout", type=float, default=60.0, metavar="S", help="deadline of each call")
+    r.add_argument("--max-errors", type=int, default=100, help="stop the run after this many failed calls")
+    r.add_argument("--allow-errors", action="store_true", help="exit 0 even when calls failed")
+    r.add_argument("--metrics-url", help="the server's /metrics URL: report its view beside the client's")
+    r.add_argument("--progress", choices=("auto", "plain", "none"), default="auto")
+    o = c.add_argument_group("outputs (the table always goes to stdout)")
+    o.add_argument("--json", metavar="PATH", help="the summary as JSON")
+    o.add_argument("--csv", metavar="PATH", help="one row per run (per sweep point)")
+    o.add_argument("--html", metavar="PATH", help="a self-contained HTML report with plots")
+    c.set_defaults(func=_bench)
+    return p
+
+
+# -- info, health ---------------------------------------------------------------------------------------
+
+
+def _info(args: argparse.Namespace) -> int:
+    with ChunkAttnClient(args.target, timeout_s=args.timeout) as c:
+        info = c.info()
+    if args.json:
+        print(json.dumps(dataclasses.asdict(info), indent=2))
+    else:
+        print(describe(info))
+    return EXIT_OK
+
+
+def describe(info: ServerInfo) -> str:
+    """A human summary of Info."""
+    chunks = [x.chunk_size for x in info.layers]
+    kinds = ", ".join(f"{chunks.count(c)} x {'global' if c == 0 else f'C={c}'}" for c in sorted(set(chunks)))
+    sharing = sum(x.kv_source is not None for x in info.layers)
+    used = info.num_blocks - info.free_blocks
+    return "\n".join(
+        [
+            f"chunkattn-server {info.version}: backend {info.backend} on {info.device}",
+            f"model: {len(info.layers)} layers ({kinds}{f', {sharing} share KV' if sharing else ''}),"
+            f" {info.num_heads} heads, {info.num_kv_heads} KV heads, head size {info.head_size}",
+            f"KV cache: {info.cache_dtype}, {info.num_blocks} blocks of {info.block_size} tokens"
+            f" ({info.bytes_per_block} bytes each), {used} in use; {info.active_sequences} active sequences",
+            f"dtypes on the wire: {', '.join(info.dtypes)}; max message {info.max_message_bytes >> 20} MiB",
+        ]
+    )
+
+
+def _health(args: argparse.Namespace) -> int:
+    deadline = time.monotonic() + args.wait
+    with ChunkAttnClient(args.target, timeout_s=args.timeout) as c:
+        while True:
+            try:
+                status = c.health()
+            except ChunkAttnError as e:
+                status = f"unreachable ({e.code.name}: {e.message})"
+            if status == "SERVING" or time.monotonic() >= deadline:
+                break
+            time.sleep(0.25)
+    print(status)
+    return EXIT_OK if status == "SERVING" else EXIT_FAILED
+
+
+# -- bench ------------------------------------------------------------------------------------------------
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from chunkattn_client.bench import html, report  # import the bench only when benching
+    from chunkattn_client.bench.runner import BenchConfig
+    from chunkattn_client.bench.workload import Lengths, read_trace
+
+    trace = tuple(read_trace(args.trace)) if args.trace else None
+    config = BenchConfig(
+        target=args.target,
+        concurrency=args.concurrency,
+        rate=args.rate,
+        max_concurrency=args.max_concurrency,
+        prompt=Lengths.parse(args.prompt_len, what="--prompt-len", minimum=1),
+        output=Lengths.parse(args.output_len, what="--output-len", minimum=0),
+        trace=trace,
+        trace_path=args.trace,
+        layers=args.layers,
+        prefill_chunk=args.prefill_chunk,
+        transport=args.transport,
+        dtype=args.dtype,
+        warmup_s=args.warmup,
+        duration_s=args.duration,
+        sequences=args.sequences,
+        seed=args.seed,
+        verify=args.verify,
+        timeout_s=args.timeout,
+        max_errors=args.max_errors,
+        metrics_url=args.metrics_url,
+    )
+    param, values = _sweep(args.sweep) if args.sweep else (None, [None])
+    configs = [config if v is None else dataclasses.replace(config, **{param: v}) for v in values]  # type: ignore[arg-type]
+    if param == "rate":
+        configs = [dataclasses.replace(cfg, concurrency=1) for cfg in configs]
+    for cfg in configs:
+        cfg.check()
+
+    results = asyncio.run(_run_all(configs, args.progress))
+    values = values[: len(results)]  # fewer when Ctrl-C ended a sweep
+    rows = [(_label(v), r, report.summary(r)) for v, r in zip(values, results, strict=True)]
+    for label, _, s in rows:
+        if param:
+            print(f"\n== {param} = {label}")
+        print(report.table(s))
+    if param:
+        print("\n" + report.sweep_table(param, [(label, s) for label, _, s in rows]))
+    if args.json:
+        data: Any = rows[0][2] if param is None else {
+            "sweep": {"param": param, "points": [{"value": v, **s} for v, (_, _, s) in zip(values, rows, strict=True)]}
+        }  # fmt: skip
+        Path(args.json).write_text(json.dumps(data, indent=2) + "\n")
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            report.write_csv([(label if param else "run", s) for label, _, s in rows], f)
+    if args.html:
+        Path(args.html).write_text(html.render(rows, param))
+    summaries = [s for _, _, s in rows]
+    if any(report.mismatched(s) for s in summaries):
+        return EXIT_MISMATCH
+    if any(report.failed(s) for s in summaries) and not args.allow_errors:
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def _sweep(text: str) -> tuple[str, list[Any]]:
+    from chunkattn_client.bench.workload import WorkloadError
+
+    name, _, values = text.partition("=")
+    name = name.strip().replace("-", "_")
+    if name not in SWEEPABLE or not values:
+        raise WorkloadError(f"--sweep: expected PARAM=V1,V2,... with PARAM one of {', '.join(SWEEPABLE)}; got {text!r}")
+    try:
+        return name, [SWEEPABLE[name](v) for v in values.split(",")]
+    except ValueError:
+        raise WorkloadError(f"--sweep: {values!r} are not all numbers") from None
+
+
+def _label(value: Any) -> str:
+    return "run" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
+
+
+async def _run_all(configs: Sequence[Any], progress_mode: str) -> list[Any]:
+    from chunkattn_client.bench.progress import make_progress
+    from chunkattn_client.bench.runner import Bench
+
+    results = []
+    target = configs[0].target
+    async with AsyncChunkAttnClient(target, timeout_s=configs[0].timeout_s) as client:
+        info = await client.info()
+        for cfg in configs:
+            bench = Bench(cfg, client, info)
+            total, unit = (cfg.duration_s, "s") if cfg.duration_s else (cfg.max_sequences(), "seq")
+            progress = make_progress(progress_mode, total, unit)
+            loop = asyncio.get_running_loop()
+            loop.add_signal_handler(signal.SIGINT, bench.stop, "interrupted (Ctrl-C)")
+            try:
+                results.append(await bench.run(progress))
+            finally:
+                loop.remove_signal_handler(signal.SIGINT)
+                if progress is not None:
+                    progress.close()
+            if bench.stopped:
+                break
+    return results

@@ -1,0 +1,335 @@
+"""``chunkattn bench``, ``info`` and ``health`` against real server subprocesses (short runs)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from chunkattn_client import ChunkAttnClient
+from chunkattn_client.cli import main
+from tests.server_process import SMALL, ServerProcess, free_port
+
+CHUNKATTN = str(Path(sys.executable).with_name("chunkattn"))  # the installed console script
+LAYERS = 4
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    with ServerProcess(*SMALL) as s:
+        yield s
+
+
+def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The server's counters, read with prometheus_client's own parser (not the bench's)."""
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def counter(samples: dict[Any, float], name: str, **labels: str) -> float:
+    return sum(v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= set(ls))
+
+
+def bench(capsys: pytest.CaptureFixture[str], server: ServerProcess, tmp: Path, *flags: str) -> tuple[int, Any]:
+    """Run ``chunkattn bench`` in this process; returns (exit code, the JSON it wrote)."""
+    out = tmp / "run.json"
+    rc = main(["bench", "--target", server.target, "--progress", "none", "--json", str(out), *flags])
+    capsys.readouterr()
+    return rc, json.loads(out.read_text()) if out.exists() else None
+
+
+@pytest.mark.parametrize("transport", ["unary", "stream"])
+def test_counts_agree_with_the_servers_metrics(
+    server: ServerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str], transport: str
+) -> None:
+    before = scrape(server.metrics_url)
+    rc, s = bench(
+        capsys, server, tmp_path, "--transport", transport, "--sequences", "6", "--concurrency", "3",
+        "--prompt-len", "10:40", "--output-len", "4:12", "--prefill-chunk", "16", "--verify", "40",
+        "--metrics-url", server.metrics_url, "--dtype", "float16",
+    )  # fmt: skip
+    after = scrape(server.metrics_url)
+
+    def d(name: str, **labels: str) -> int:
+        return int(counter(after, name, **labels) - counter(before, name, **labels))
+
+    assert rc == 0
+    assert (s["sequences"], s["sequences_cut"], s["sequences_failed"], s["errors"]) == (6, 0, 0, {})
+    for kind in ("prefill", "decode"):
+        assert s["layer_tokens"][kind] == d("chunkattn_tokens_total", kind=kind) > 0
+        assert s["server"]["tokens"][kind] == d("chunkattn_tokens_total", kind=kind)
+    # Every model token went through every layer once.
+    assert sum(s["layer_tokens"].values()) == LAYERS * sum(s["tokens"].values())
+    rpc = "Attend" if transport == "unary" else "AttendStream"
+    assert s["calls"] == d("chunkattn_requests_total", rpc=rpc, code="OK")
+    assert s["bytes"] == {
+        "sent": d("chunkattn_received_bytes_total"),
+        "received": d("chunkattn_sent_bytes_total"),
+    }
+    assert s["latency_ms"]["sequence"]["count"] == 6
+    assert s["latency_ms"]["decode"]["count"] == s["tokens"]["decode"]
+    assert s["verify"]["checked"] == 40
+    assert s["verify"]["mismatches"] == 0
+    assert s["server"]["kv_blocks_used_after"] == 0  # end_of_sequence freed every sequence
+    with ChunkAttnClient(server.target) as c:
+        assert c.info().active_sequences == 0
+    lat = s["latency_ms"]["decode"]
+    assert lat["p50"] <= lat["p90"] <= lat["p95"] <= lat["p99"] <= lat["max"]
+
+
+def test_a_trace_drives_the_exact_lengths_it_lists(
+    server: ServerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = [(5, 3), (33, 0), (17, 20), (2, 4)]
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps({"prompt_len": p, "output_len": o}) + "\n" for p, o in trace))
+    before = scrape(server.metrics_url)
+    rc, s = bench(capsys, server, tmp_path, "--trace", str(path), "--prefill-chunk", "8", "--layers", "0,3")
+    after = scrape(server.metrics_url)
+    assert rc == 0
+    assert s["sequences"] == 4  # a trace without --duration runs once through
+    assert s["tokens"] == {"prefill": 5 + 33 + 17 + 2, "decode": 3 + 0 + 20 + 4}
+    assert s["latency_ms"]["prefill"]["count"] == 1 + 5 + 3 + 1  # pieces of <= 8 tokens
+    assert s["latency_ms"]["decode"]["count"] == 27
+    # Pieces of one token (33 = 4 x 8 + 1, 17 = 2 x 8 + 1) are single-token entries, which the server counts as
+    # decode tokens; either way every token crossed both layers.
+    server_tokens = {
+        k: counter(after, "chunkattn_tokens_total", kind=k) - counter(before, "chunkattn_tokens_total", kind=k)
+        for k in ("prefill", "decode")
+    }
+    assert s["layer_tokens"] == server_tokens == {"prefill": 2 * (57 - 2), "decode": 2 * (27 + 2)}
+    assert s["layers_called"] == [0, 3]
+
+
+def test_a_timed_run_cuts_sequences_at_the_deadline_and_frees_them(
+    server: ServerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc, s = bench(
+        capsys, server, tmp_path, "--duration", "1.5", "--concurrency", "2", "--prompt-len", "8",
+        "--output-len", "100000", "--transport", "stream",
+    )  # fmt: skip
+    assert rc == 0
+    assert s["sequences"] == 0
+    assert s["sequences_cut"] == 2
+    assert 1.5 <= s["duration_s"] < 10
+    assert s["tokens"]["decode"] > 0
+    with ChunkAttnClient(server.target) as c:
+        info = c.info()
+    assert (info.active_sequences, info.free_blocks) == (0, info.num_blocks)
+
+
+def test_sweep_open_loop_and_the_csv(server: ServerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    csv_path = tmp_path / "sweep.csv"
+    rc, s = bench(
+        capsys, server, tmp_path, "--sweep", "concurrency=1,3", "--sequences", "3", "--prompt-len", "4",
+        "--output-len", "3", "--csv", str(csv_path),
+    )  # fmt: skip
+    assert rc == 0
+    points = s["sweep"]["points"]
+    assert s["sweep"]["param"] == "concurrency"
+    assert [p["value"] for p in points] == [1, 3]
+    assert [p["params"]["concurrency"] for p in points] == [1, 3]
+    assert all(p["sequences"] == 3 for p in points)
+    rows = list(csv.DictReader(csv_path.open()))
+    assert [r["point"] for r in rows] == ["1", "3"]
+    assert rows[0]["sequences"] == "3"
+
+    open_loop = ("--rate", "50", "--sequences", "5", "--prompt-len", "4", "--output-len", "2")
+    rc, s = bench(capsys, server, tmp_path, *open_loop)
+    assert rc == 0
+    assert s["sequences"] == 5
+    assert s["params"]["mode"] == "open loop, 50.0/s"
+
+
+def test_failed_calls_are_reported_and_fail_the_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A pool too small for the prompt: RESOURCE_EXHAUSTED on every sequence, nothing left allocated."""
+    with ServerProcess(*SMALL, "--num-blocks", "8") as small:
+        args = ("--sequences", "3", "--prompt-len", "64", "--output-len", "2")
+        rc, s = bench(capsys, small, tmp_path, *args)
+        assert rc == 1
+        assert s["errors"] == {"RESOURCE_EXHAUSTED": 3}
+        assert s["sequences_failed"] == 3
+        assert "blocks" in s["error_examples"]["RESOURCE_EXHAUSTED"]
+        rc, s = bench(capsys, small, tmp_path, *args, "--allow-errors")
+        assert rc == 0
+        assert s["errors"] == {"RESOURCE_EXHAUSTED": 3}
+        with ChunkAttnClient(small.target) as c:
+            info = c.info()
+        assert (info.active_sequences, info.free_blocks) == (0, 8)
+
+
+def test_a_server_killed_mid_run_gives_unavailable_and_a_nonzero_exit(tmp_path: Path) -> None:
+    with ServerProcess(*SMALL) as doomed:
+        out = tmp_path / "killed.json"
+        cmd = [CHUNKATTN, "bench", "--target", doomed.target, "--duration", "120", "--concurrency", "3",
+               "--prompt-len", "16", "--output-len", "64", "--progress", "plain", "--json", str(out),
+               "--timeout", "20"]  # fmt: skip
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            deadline = time.monotonic() + 60
+            while counter(scrape(doomed.metrics_url), "chunkattn_requests_total", rpc="Attend") < 30:
+                assert time.monotonic() < deadline, "the bench never got going"
+                assert proc.poll() is None, proc.communicate()[0]
+                time.sleep(0.2)
+            doomed.proc.send_signal(signal.SIGKILL)
+            doomed.proc.wait()
+            output, _ = proc.communicate(timeout=60)  # hangs here if the bench hangs
+        finally:
+            proc.kill()
+        assert proc.returncode == 1, output
+    s = json.loads(out.read_text())
+    assert s["errors"].get("UNAVAILABLE", 0) >= 1
+    assert set(s["errors"]) <= {"UNAVAILABLE", "CANCELLED"}
+    assert "stopped after 100 failed calls" in s["aborted"]
+    assert "errors: UNAVAILABLE" in output
+    assert s["duration_s"] < 60
+
+
+def test_verify_covers_alibi_and_kv_sharing_layers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Info carries each layer's ALiBi slopes and KV source, so the bench's reference can recompute any layer."""
+    config = tmp_path / "model.json"
+    layers = [
+        {"chunk_size": 8, "alibi_slopes": [0.5, 0.25, 0.125, 0.0625]},
+        {"chunk_size": 8, "kv_source": 0, "scale": 0.2},
+        {"chunk_size": 0},
+    ]
+    config.write_text(json.dumps({"layers": layers, "heads": 4, "kv_heads": 2, "head_size": 8, "block_size": 4}))
+    with ServerProcess("--config", str(config)) as s:
+        with ChunkAttnClient(s.target) as c:
+            info = c.info()
+        assert info.layers[0].alibi_slopes == (0.5, 0.25, 0.125, 0.0625)
+        assert (info.layers[1].kv_source, info.layers[2].alibi_slopes) == (0, ())
+        rc, out = bench(
+            capsys, s, tmp_path, "--sequences", "4", "--prompt-len", "3:20", "--output-len", "12", "--verify", "60"
+        )
+        assert rc == 0
+        assert out["verify"]["checked"] == 60
+        assert out["verify"]["mismatches"] == 0
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--prompt-len", "8"], "--duration SECONDS or --sequences N"),
+        (["--sequences", "1", "--layers", "0,9"], "layers 0..3; got [9]"),
+        (["--sequences", "1", "--sweep", "colour=1,2"], "--sweep: expected PARAM=V1,V2"),
+        (["--sequences", "1", "--prompt-len", "0"], "--prompt-len: expected 1 <= LOW <= HIGH"),
+        (["--sequences", "1", "--prompt-len", "100000000"], "over the server's message limit"),
+        (["--sequences", "1", "--metrics-url", "http://127.0.0.1:9/metrics"], "could not scrape"),
+    ],
+)
+def test_bad_arguments_exit_2_with_a_clear_message(
+    server: ServerProcess, capsys: pytest.CaptureFixture[str], flags: list[str], message: str
+) -> None:
+    rc = main(["bench", "--target", server.target, "--progress", "none", *flags])
+    assert rc == 2
+    assert message in capsys.readouterr().err
+
+
+def test_no_server_exits_2_and_says_unavailable(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["bench", "--target", f"127.0.0.1:{free_port()}", "--sequences", "1", "--timeout", "5"])
+    assert rc == 2
+    assert "UNAVAILABLE" in capsys.readouterr().err
+
+
+def test_info_and_health(server: ServerProcess, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["info", "--target", server.target]) == 0
+    text = capsys.readouterr().out
+    assert "4 layers (1 x global, 3 x C=16), 4 heads, 2 KV heads, head size 16" in text
+    assert main(["info", "--target", server.target, "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert [x["chunk_size"] for x in info["layers"]] == [16, 16, 16, 0]
+    assert main(["health", "--target", server.target]) == 0
+    assert capsys.readouterr().out.strip() == "SERVING"
+    assert main(["health", "--target", f"127.0.0.1:{free_port()}", "--timeout", "2"]) == 1
+    assert "unreachable (UNAVAILABLE" in capsys.readouterr().out
+
+
+def test_the_console_script_is_installed(server: ServerProcess) -> None:
+    r = subprocess.run([CHUNKATTN, "health", "--target", server.target], capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stdout.strip()) == (0, "SERVING")
+
+
+# -- the HTML report in a real browser ------------------------------------------------------------------------
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+NO_CHROMIUM = (
+    "Debian's chromium is not installed: `make test` installs it when it runs as root with apt-get"
+    " (scripts/install-chromium.sh); elsewhere run `apt-get install chromium`"
+)
+
+
+def screenshot(page: Path, png: Path, height: int) -> None:
+    assert CHROMIUM is not None
+    with tempfile.TemporaryDirectory() as profile:
+        subprocess.run(
+            [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             f"--user-data-dir={profile}", "--hide-scrollbars", f"--window-size=1100,{height}",
+             f"--screenshot={png}", page.as_uri()],
+            check=True, capture_output=True, timeout=120, env={**os.environ, "HOME": profile},
+        )  # fmt: skip
+
+
+def colour_pixels(png: Path) -> dict[str, int]:
+    """How many pixels of each chart colour the screenshot holds (within a small distance, for antialiasing)."""
+    from PIL import Image
+
+    from chunkattn_client.bench.html import COLORS
+
+    image = Image.open(png).convert("RGB")
+    counts = {name: 0 for name in COLORS}
+    want = {name: tuple(int(c[i : i + 2], 16) for i in (1, 3, 5)) for name, c in COLORS.items()}
+    pixels: list[tuple[int, Any]] = image.getcolors(maxcolors=1 << 24) or []
+    for n, pixel in pixels:
+        for name, rgb in want.items():
+            if sum(abs(a - b) for a, b in zip(pixel, rgb, strict=True)) <= 12:
+                counts[name] += n
+    return counts
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason=NO_CHROMIUM)
+def test_the_html_report_renders_with_its_plots_in_chromium(
+    server: ServerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    page, sweep_page = tmp_path / "report.html", tmp_path / "sweep.html"
+    rc, _ = bench(
+        capsys, server, tmp_path, "--duration", "3", "--concurrency", "2", "--prompt-len", "8:40",
+        "--output-len", "4:16", "--metrics-url", server.metrics_url, "--html", str(page),
+    )  # fmt: skip
+    assert rc == 0
+    rc, _ = bench(
+        capsys, server, tmp_path, "--sweep", "concurrency=1,2", "--sequences", "4", "--prompt-len", "8",
+        "--output-len", "4", "--html", str(sweep_page),
+    )  # fmt: skip
+    assert rc == 0
+    for html in (page.read_text(), sweep_page.read_text()):
+        assert "<script" not in html
+        assert "src=" not in html
+        assert "<link" not in html
+    screenshot(page, tmp_path / "report.png", 2600)
+    screenshot(sweep_page, tmp_path / "sweep.png", 2000)
+    seen = colour_pixels(tmp_path / "report.png")
+    # Every series of the run's three charts is drawn: a line of a few hundred pixels at least.
+    for name in ("cdf_prefill", "cdf_decode", "cdf_sequence", "tput_prefill", "tput_decode", "kv_used"):
+        assert seen[name] >= 150, (name, seen)
+    assert seen["sweep"] == 0
+    assert colour_pixels(tmp_path / "sweep.png")["sweep"] >= 150
