@@ -4,17 +4,20 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test test-fast lint format serve bench proto clean
+.PHONY: install browser test test-fast lint format serve bench demo proto clean
 
 $(STAMP): requirements/dev.txt requirements/constraints.txt client/pyproject.toml server/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check -c requirements/constraints.txt \
-		-r requirements/dev.txt -e client -e server
+		-r requirements/dev.txt -e 'client[bench]' -e server
 	touch $(STAMP)
 
 install: $(STAMP)  ## create .venv if missing and install both packages (editable) with the dev tools
 
-test: install  ## the whole suite
+browser:  ## Debian's chromium for the HTML report's browser test (needs root and apt-get; else that test skips)
+	@bash scripts/install-chromium.sh
+
+test: install browser  ## the whole suite
 	$(BIN)/python -m pytest
 
 test-fast: install  ## the suite without tests marked slow
@@ -34,6 +37,9 @@ serve: install  ## run the server in the foreground (a CPU demo model unless tol
 
 bench: install  ## benchmarks/engine.py: ours against the SDPA baselines, on this machine
 	$(BIN)/python benchmarks/engine.py $(ARGS)
+
+demo: install  ## a CPU server, a 30 s verified bench with an HTML report (build/demo/), a clean stop
+	$(BIN)/python scripts/demo.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis
