@@ -129,7 +129,7 @@ def test_a_timed_run_cuts_sequences_at_the_deadline_and_frees_them(
     assert rc == 0
     assert s["sequences"] == 0
     assert s["sequences_cut"] == 2
-    assert 1.5 <= s["duration_s"] < 10
+    assert 1.5 <= s["duration_s"] < 2.5  # past the deadline by at most one call per sequence
     assert s["tokens"]["decode"] > 0
     with ChunkAttnClient(server.target) as c:
         info = c.info()
@@ -148,15 +148,33 @@ def test_sweep_open_loop_and_the_csv(server: ServerProcess, tmp_path: Path, caps
     assert [p["value"] for p in points] == [1, 3]
     assert [p["params"]["concurrency"] for p in points] == [1, 3]
     assert all(p["sequences"] == 3 for p in points)
+    assert [p["max_in_flight"] for p in points] == [1, 3]  # the closed loop really keeps N in flight
     rows = list(csv.DictReader(csv_path.open()))
     assert [r["point"] for r in rows] == ["1", "3"]
     assert rows[0]["sequences"] == "3"
 
-    open_loop = ("--rate", "50", "--sequences", "5", "--prompt-len", "4", "--output-len", "2")
+    open_loop = (
+        "--rate",
+        "200",
+        "--max-concurrency",
+        "1",
+        "--sequences",
+        "6",
+        "--prompt-len",
+        "4",
+        "--output-len",
+        "2",
+    )
     rc, s = bench(capsys, server, tmp_path, *open_loop)
     assert rc == 0
-    assert s["sequences"] == 5
-    assert s["params"]["mode"] == "open loop, 50.0/s"
+    assert s["sequences"] == 6
+    assert s["max_in_flight"] == 1
+    # 200 arrivals/s against one slot: sequences queue, and their latency counts from arrival.
+    assert s["open_loop"]["arrival_wait_ms"]["count"] == 6
+    assert s["open_loop"]["arrival_wait_ms"]["max"] > 0
+    assert s["latency_ms"]["sequence"]["max"] >= s["open_loop"]["arrival_wait_ms"]["max"]
+    assert s["params"]["mode"] == "open loop, 200.0/s"
+    assert s["open_loop"]["offered_per_s"] == 200
 
 
 def test_failed_calls_are_reported_and_fail_the_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -181,7 +199,7 @@ def test_a_server_killed_mid_run_gives_unavailable_and_a_nonzero_exit(tmp_path: 
         out = tmp_path / "killed.json"
         cmd = [CHUNKATTN, "bench", "--target", doomed.target, "--duration", "120", "--concurrency", "3",
                "--prompt-len", "16", "--output-len", "64", "--progress", "plain", "--json", str(out),
-               "--timeout", "20"]  # fmt: skip
+               "--timeout", "20", "--max-errors", "20"]  # fmt: skip
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
             deadline = time.monotonic() + 60
@@ -198,7 +216,7 @@ def test_a_server_killed_mid_run_gives_unavailable_and_a_nonzero_exit(tmp_path: 
     s = json.loads(out.read_text())
     assert s["errors"].get("UNAVAILABLE", 0) >= 1
     assert set(s["errors"]) <= {"UNAVAILABLE", "CANCELLED"}
-    assert "stopped after 100 failed calls" in s["aborted"]
+    assert "stopped after 20 failed calls" in s["aborted"]
     assert "errors: UNAVAILABLE" in output
     assert s["duration_s"] < 60
 
@@ -225,6 +243,89 @@ def test_verify_covers_alibi_and_kv_sharing_layers(tmp_path: Path, capsys: pytes
         assert out["verify"]["mismatches"] == 0
 
 
+def test_warmup_is_not_measured(server: ServerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    before = scrape(server.metrics_url)
+    rc, s = bench(
+        capsys, server, tmp_path, "--warmup", "1", "--sequences", "3", "--prompt-len", "12", "--output-len", "5",
+        "--metrics-url", server.metrics_url,
+    )  # fmt: skip
+    after = scrape(server.metrics_url)
+    assert rc == 0
+    measured = sum(s["layer_tokens"].values())
+    assert measured == LAYERS * 3 * (12 + 5)
+    assert sum(s["server"]["tokens"].values()) == measured  # the bench's before-scrape follows the warm-up
+    assert counter(after, "chunkattn_tokens_total") - counter(before, "chunkattn_tokens_total") > measured
+
+
+def test_verify_fails_the_run_on_a_wrong_output_or_too_few_checks(
+    server: ServerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    short = ("--sequences", "1", "--prompt-len", "4", "--output-len", "1")
+    rc, s = bench(capsys, server, tmp_path, *short, "--verify", "100")  # at most 8 calls to check
+    assert rc == 3
+    assert not s["verify"]["complete"]
+    assert s["verify"]["mismatches"] == 0
+
+    import chunkattn_client.bench.runner as runner
+
+    monkeypatch.setattr(runner, "within_tolerance", lambda out, want, dtype: (False, 1.0))
+    rc, s = bench(
+        capsys, server, tmp_path, "--sequences", "4", "--prompt-len", "4", "--output-len", "1", "--verify", "2"
+    )
+    assert rc == 3
+    assert s["verify"]["mismatches"] == 2
+    assert s["verify"]["first_mismatches"][0]["error"] == 1.0
+
+
+def test_a_stalled_server_ends_the_run_with_deadline_exceeded(tmp_path: Path) -> None:
+    """SIGSTOP: calls on open streams get no answer; the bench's deadlines end the run, and it cleans up."""
+    with ServerProcess(*SMALL) as stalled:
+        out = tmp_path / "stalled.json"
+        cmd = [CHUNKATTN, "bench", "--target", stalled.target, "--duration", "3", "--concurrency", "2",
+               "--prompt-len", "16", "--output-len", "100000", "--transport", "stream", "--timeout", "2",
+               "--progress", "none", "--json", str(out)]  # fmt: skip
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            deadline = time.monotonic() + 60
+            while counter(scrape(stalled.metrics_url), "chunkattn_requests_total", rpc="AttendStream") < 20:
+                assert time.monotonic() < deadline, "the bench never got going"
+                time.sleep(0.1)
+            stalled.proc.send_signal(signal.SIGSTOP)
+            started = time.monotonic()
+            output, _ = proc.communicate(timeout=60)
+            took = time.monotonic() - started
+        finally:
+            stalled.proc.send_signal(signal.SIGCONT)
+            proc.kill()
+        assert proc.returncode == 1, output
+        s = json.loads(out.read_text())
+        assert s["errors"] == {"DEADLINE_EXCEEDED": 2}
+        assert took < 15  # a 2 s call deadline, a 2 s release deadline, no 5 s graceful close
+        with ChunkAttnClient(stalled.target, timeout_s=30) as c:  # resumed and still serving
+            assert c.health() == "SERVING"
+
+
+def test_ctrl_c_stops_the_run_and_still_reports(server: ServerProcess, tmp_path: Path) -> None:
+    out = tmp_path / "interrupted.json"
+    cmd = [CHUNKATTN, "bench", "--target", server.target, "--duration", "120", "--concurrency", "2",
+           "--prompt-len", "16", "--output-len", "100000", "--progress", "none", "--json", str(out)]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        time.sleep(3)
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, output
+    s = json.loads(out.read_text())
+    assert s["aborted"] == "interrupted (Ctrl-C)"
+    assert s["sequences_cut"] == 2
+    assert s["calls"] > 0
+    assert "ABORTED: interrupted (Ctrl-C)" in output
+    with ChunkAttnClient(server.target) as c:
+        assert c.info().active_sequences == 0
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
@@ -232,8 +333,10 @@ def test_verify_covers_alibi_and_kv_sharing_layers(tmp_path: Path, capsys: pytes
         (["--sequences", "1", "--layers", "0,9"], "layers 0..3; got [9]"),
         (["--sequences", "1", "--sweep", "colour=1,2"], "--sweep: expected PARAM=V1,V2"),
         (["--sequences", "1", "--prompt-len", "0"], "--prompt-len: expected 1 <= LOW <= HIGH"),
-        (["--sequences", "1", "--prompt-len", "100000000"], "over the server's message limit"),
+        (["--sequences", "1", "--prompt-len", "100000000"], "over the message limit of 268435456"),
         (["--sequences", "1", "--metrics-url", "http://127.0.0.1:9/metrics"], "could not scrape"),
+        (["--sequences", "1", "--rate", "5", "--sweep", "concurrency=1,2"], "sweep rate instead"),
+        (["--sequences", "1", "--html", "/nonexistent/dir/r.html"], "cannot write /nonexistent/dir/r.html"),
     ],
 )
 def test_bad_arguments_exit_2_with_a_clear_message(

@@ -251,3 +251,33 @@ def test_csv_has_one_row_per_point() -> None:
     assert lines[0].split(",") == list(report.CSV_COLUMNS)
     assert len(lines) == 3
     assert lines[1].split(",")[5] == "3"
+
+
+def test_timeline_buckets_are_per_second_and_the_last_runs_to_the_end() -> None:
+    from chunkattn_client.bench.runner import Recorder, RunResult
+
+    rec = Recorder()
+    rec.steps = [
+        (0.2, "prefill", 100, 0.1),
+        (0.9, "decode", 1, 0.01),
+        (1.5, "decode", 1, 0.01),
+        (2.6, "decode", 1, 0.01),
+    ]
+    rec.end = 2.8
+    result = RunResult(BenchConfig(target="x", sequences=1), _info(), (0,), rec, None, None, [(0.5, 7.0, 1.0)], None)
+    t = report.timeline(result)
+    assert t["t"] == [0.0, 1.0]  # 2.8 s: [0, 1) and [1, 2.8)
+    assert t["prefill_tokens_per_s"] == [100.0, 0.0]
+    assert t["decode_tokens_per_s"] == [1.0, pytest.approx(2 / 1.8)]
+    assert (t["server_t"], t["kv_blocks_used"]) == ([0.5], [7.0])
+
+
+def test_recent_p50_looks_at_the_last_seconds_only() -> None:
+    from chunkattn_client.bench.runner import Recorder
+
+    rec = Recorder()
+    now = rec.now()
+    rec.steps = [(now - 100, "decode", 1, 9.0), (now, "decode", 1, 0.002), (now, "decode", 1, 0.004)]
+    assert rec.recent_p50_ms() == pytest.approx(3.0)
+    rec.steps = [(now, "prefill", 8, 0.010)]
+    assert rec.recent_p50_ms() == pytest.approx(10.0)

@@ -53,6 +53,7 @@ class AsyncChunkAttnClient:
         )
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self.timeout_s = timeout_s
+        self.max_message_bytes = max_message_bytes
 
     async def __aenter__(self) -> AsyncChunkAttnClient:
         return self

@@ -146,7 +146,7 @@ def _health(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from chunkattn_client.bench import html, report  # import the bench only when benching
     from chunkattn_client.bench.runner import BenchConfig
-    from chunkattn_client.bench.workload import Lengths, read_trace
+    from chunkattn_client.bench.workload import Lengths, WorkloadError, read_trace
 
     trace = tuple(read_trace(args.trace)) if args.trace else None
     config = BenchConfig(
@@ -171,12 +171,13 @@ def _bench(args: argparse.Namespace) -> int:
         max_errors=args.max_errors,
         metrics_url=args.metrics_url,
     )
-    param, values = _sweep(args.sweep) if args.sweep else (None, [None])
+    param, values = _sweep(args.sweep, open_loop=args.rate is not None) if args.sweep else (None, [None])
     configs = [config if v is None else dataclasses.replace(config, **{param: v}) for v in values]  # type: ignore[arg-type]
-    if param == "rate":
-        configs = [dataclasses.replace(cfg, concurrency=1) for cfg in configs]
-    for cfg in configs:
+    for cfg in configs:  # every point is checked before the first one runs
         cfg.check()
+    for path in (args.json, args.csv, args.html):  # and every output can be written
+        if path and not os.access(Path(path).resolve().parent, os.W_OK):
+            raise WorkloadError(f"cannot write {path}: its directory does not exist or is not writable")
 
     results = asyncio.run(_run_all(configs, args.progress))
     values = values[: len(results)]  # fewer when Ctrl-C ended a sweep
@@ -205,13 +206,17 @@ def _bench(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _sweep(text: str) -> tuple[str, list[Any]]:
+def _sweep(text: str, *, open_loop: bool) -> tuple[str, list[Any]]:
     from chunkattn_client.bench.workload import WorkloadError
 
     name, _, values = text.partition("=")
     name = name.strip().replace("-", "_")
     if name not in SWEEPABLE or not values:
         raise WorkloadError(f"--sweep: expected PARAM=V1,V2,... with PARAM one of {', '.join(SWEEPABLE)}; got {text!r}")
+    if open_loop and name == "concurrency":
+        raise WorkloadError("--sweep concurrency=...: with --rate the load is set by the rate; sweep rate instead")
+    if not open_loop and name == "max_concurrency":
+        raise WorkloadError("--sweep max_concurrency=...: only the open loop (--rate) has a cap to sweep")
     try:
         return name, [SWEEPABLE[name](v) for v in values.split(",")]
     except ValueError:
@@ -223,25 +228,32 @@ def _label(value: Any) -> str:
 
 
 async def _run_all(configs: Sequence[Any], progress_mode: str) -> list[Any]:
+    """Run each config in turn on one channel. The first Ctrl-C ends the current run (it is still reported)
+    and the sweep; a second one quits at once."""
     from chunkattn_client.bench.progress import make_progress
     from chunkattn_client.bench.runner import Bench
 
     results = []
-    target = configs[0].target
-    async with AsyncChunkAttnClient(target, timeout_s=configs[0].timeout_s) as client:
+    async with AsyncChunkAttnClient(configs[0].target, timeout_s=configs[0].timeout_s) as client:
         info = await client.info()
+        loop = asyncio.get_running_loop()
         for cfg in configs:
             bench = Bench(cfg, client, info)
             total, unit = (cfg.duration_s, "s") if cfg.duration_s else (cfg.max_sequences(), "seq")
             progress = make_progress(progress_mode, total, unit)
-            loop = asyncio.get_running_loop()
-            loop.add_signal_handler(signal.SIGINT, bench.stop, "interrupted (Ctrl-C)")
+
+            def interrupt(bench: Bench = bench) -> None:
+                print("\nchunkattn: stopping (Ctrl-C again to quit at once)", file=sys.stderr)
+                bench.stop("interrupted (Ctrl-C)")
+                loop.remove_signal_handler(signal.SIGINT)
+
+            loop.add_signal_handler(signal.SIGINT, interrupt)
             try:
                 results.append(await bench.run(progress))
             finally:
                 loop.remove_signal_handler(signal.SIGINT)
                 if progress is not None:
                     progress.close()
-            if bench.stopped:
+            if bench.interrupted:
                 break
     return results

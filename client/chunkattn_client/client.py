@@ -198,6 +198,7 @@ class ChunkAttnClient:
         )
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self.timeout_s = timeout_s
+        self.max_message_bytes = max_message_bytes
 
     def __enter__(self) -> ChunkAttnClient:
         return self

@@ -66,12 +66,20 @@ def render(points: Sequence[tuple[str, RunResult, dict[str, Any]]], sweep_param:
 
 
 def _verdict(points: Sequence[tuple[str, RunResult, dict[str, Any]]]) -> str:
+    why = []
     errors = sum(sum(s["errors"].values()) for _, _, s in points)
-    mismatches = sum(s["verify"]["mismatches"] for _, _, s in points if s["verify"])
-    aborted = [s["aborted"] for _, _, s in points if s["aborted"]]
-    if errors or mismatches or aborted:
-        why = [f"{errors} failed calls"] * bool(errors) + [f"{mismatches} verify mismatches"] * bool(mismatches)
-        return f'<p class="bad">FAILED: {escape(", ".join(why + aborted))}</p>'
+    if errors:
+        why.append(f"{errors} failed calls")
+    for _, _, s in points:
+        v = s["verify"]
+        if v and v["mismatches"]:
+            why.append(f"{v['mismatches']} outputs differ from the reference")
+        elif v and not v["complete"]:
+            why.append(f"verified {v['checked']} of {v['requested']} calls")
+        if s["aborted"]:
+            why.append(s["aborted"])
+    if why:
+        return f'<p class="bad">FAILED: {escape("; ".join(why))}</p>'
     return '<p class="ok">No errors.</p>'
 
 
@@ -88,6 +96,7 @@ def _summary_table(s: dict[str, Any]) -> str:
         "duration (s)": f"{s['duration_s']:.2f}",
         "sequences done / cut / failed": f"{s['sequences']} / {s['sequences_cut']} / {s['sequences_failed']}",
         "calls": s["calls"],
+        "sequences in flight, at most": s["max_in_flight"],
         "sequences/s": f"{s['sequences_per_s']:.2f}",
         "tokens/s prefill / decode": f"{s['tokens_per_s']['prefill']:.0f} / {s['tokens_per_s']['decode']:.0f}",
         "payload MB/s sent / received": (
@@ -95,6 +104,14 @@ def _summary_table(s: dict[str, Any]) -> str:
         ),
         "errors": ", ".join(f"{c}: {n}" for c, n in s["errors"].items()) or "none",
     }
+    if s["open_loop"]:
+        ol = s["open_loop"]
+        facts["open loop: offered / achieved seq/s"] = f"{ol['offered_per_s']:g} / {ol['achieved_per_s']:.2f}"
+        facts["open loop: wait for a slot p50 / max (ms)"] = (
+            f"{_ms(ol['arrival_wait_ms']['p50'])} / {_ms(ol['arrival_wait_ms']['max'])}"
+        )
+    if s["release_errors"]:
+        facts["failed releases"] = ", ".join(f"{c}: {n}" for c, n in s["release_errors"].items())
     if s["aborted"]:
         facts["aborted"] = s["aborted"]
     if s["verify"]:
@@ -104,7 +121,7 @@ def _summary_table(s: dict[str, Any]) -> str:
     if srv and "error" not in srv:
         facts["server queue / compute ms (mean)"] = f"{_ms(srv['queue_ms_mean'])} / {_ms(srv['compute_ms_mean'])}"
         facts["server tokens prefill / decode"] = f"{srv['tokens']['prefill']} / {srv['tokens']['decode']}"
-        facts["server KV blocks peak / total"] = f"{srv['kv_blocks_used_peak']} / {srv['kv_blocks']}"
+        facts["server KV blocks peak (1 s samples) / total"] = f"{srv['kv_blocks_used_peak']} / {srv['kv_blocks']}"
     head = "".join(f"<th>{k}</th>" for k in ("n", "p50", "p90", "p95", "p99", "max"))
     rows = "".join(
         f'<tr><th class="k">{_NAMES[kind]} (ms)</th>'

@@ -27,9 +27,9 @@ class PlainProgress:
     def __init__(self, out: TextIO = sys.stderr, every_s: float = 5.0) -> None:
         self._out, self._every, self._last = out, every_s, 0.0
 
-    def __call__(self, rec: Recorder) -> None:
+    def __call__(self, rec: Recorder, final: bool) -> None:
         now = time.monotonic()
-        if now - self._last >= self._every:
+        if final or now - self._last >= self._every:
             self._last = now
             print(_line(rec), file=self._out, flush=True)
 
@@ -52,7 +52,7 @@ class RichProgress:
         self._task = self._bar.add_task("starting", total=total)
         self._bar.start()
 
-    def __call__(self, rec: Recorder) -> None:
+    def __call__(self, rec: Recorder, final: bool) -> None:
         done = rec.now() if self._unit == "s" else rec.sequences + rec.sequences_failed
         tokens = sum(rec.tokens.values())
         p50 = rec.recent_p50_ms()

@@ -6,7 +6,6 @@ import csv
 import math
 import platform
 from collections.abc import Sequence
-from datetime import UTC, datetime
 from typing import Any, TextIO
 
 from chunkattn_client import __version__
@@ -24,11 +23,11 @@ def summary(result: RunResult) -> dict[str, Any]:
     tokens = {kind: rec.tokens[kind] for kind in ("prefill", "decode")}
 
     def latency_ms(kind: str) -> dict[str, float | int | None]:
-        return {k: v if k == "count" or v is None else v * 1000 for k, v in summarize(rec.latencies(kind)).items()}
+        return _ms_summary(rec.latencies(kind))
 
     return {
         "chunkattn_client": __version__,
-        "started_utc": datetime.now(UTC).isoformat(timespec="seconds"),
+        "started_utc": rec.started_utc,
         "client_host": platform.node(),
         "params": result.config.params(),
         "layers_called": list(result.layers),
@@ -47,8 +46,10 @@ def summary(result: RunResult) -> dict[str, Any]:
         "sequences_cut": rec.sequences_cut,
         "sequences_failed": rec.sequences_failed,
         "calls": rec.calls,
+        "max_in_flight": rec.max_in_flight,
         "errors": dict(sorted(rec.errors.items())),
         "error_examples": dict(sorted(rec.error_examples.items())),
+        "release_errors": dict(sorted(rec.release_errors.items())),
         "aborted": result.aborted,
         "tokens": tokens,
         "layer_tokens": {kind: rec.layer_tokens[kind] for kind in ("prefill", "decode")},
@@ -60,10 +61,21 @@ def summary(result: RunResult) -> dict[str, Any]:
         },
         "bytes": {"sent": rec.bytes_sent, "received": rec.bytes_received},
         "latency_ms": {kind: latency_ms(kind) for kind in KINDS},
+        "open_loop": None
+        if result.config.rate is None
+        else {
+            "offered_per_s": result.config.rate,
+            "achieved_per_s": rec.sequences / duration,
+            "arrival_wait_ms": _ms_summary(rec.arrival_wait),
+        },
         "verify": result.verify,
         "server": result.server,
         "timeline": timeline(result),
     }
+
+
+def _ms_summary(seconds: list[float]) -> dict[str, float | int | None]:
+    return {k: v if k == "count" or v is None else v * 1000 for k, v in summarize(seconds).items()}
 
 
 def timeline(result: RunResult) -> dict[str, list[float]]:
@@ -94,7 +106,8 @@ def failed(s: dict[str, Any]) -> bool:
 
 
 def mismatched(s: dict[str, Any]) -> bool:
-    return s["verify"] is not None and s["verify"]["mismatches"] > 0
+    """--verify found a wrong output, or could not check as many calls as it was asked to."""
+    return s["verify"] is not None and (s["verify"]["mismatches"] > 0 or not s["verify"]["complete"])
 
 
 # -- CSV ----------------------------------------------------------------------------------------------
@@ -144,7 +157,7 @@ def table(s: dict[str, Any]) -> str:
         f"chunkattn bench: {p['target']}, {p['mode']}, {p['transport']}, {p['dtype']},"
         f" prompt {p['prompt_len']}, output {p['output_len']}, layers {p['layers']}",
         f"duration {s['duration_s']:.1f} s; sequences {s['sequences']} done, {s['sequences_cut']} cut at the"
-        f" deadline, {s['sequences_failed']} failed; calls {s['calls']}",
+        f" end, {s['sequences_failed']} failed; at most {s['max_in_flight']} in flight; calls {s['calls']}",
         f"throughput: {s['sequences_per_s']:.2f} seq/s; tokens/s prefill {s['tokens_per_s']['prefill']:.0f},"
         f" decode {s['tokens_per_s']['decode']:.0f}; payload MB/s sent {s['payload_mb_per_s']['sent']:.1f},"
         f" received {s['payload_mb_per_s']['received']:.1f}",
@@ -155,6 +168,13 @@ def table(s: dict[str, Any]) -> str:
     for kind in KINDS:
         lat = s["latency_ms"][kind]
         lines.append(f"{names[kind]:<18}{lat['count']:>8}" + "".join(f"{_cell(lat[k]):>10}" for k in _LATENCY_KEYS))
+    ol = s["open_loop"]
+    if ol:
+        wait = ol["arrival_wait_ms"]
+        lines.append(
+            f"open loop: offered {ol['offered_per_s']:g} seq/s, achieved {ol['achieved_per_s']:.2f};"
+            f" wait for a free slot p50 {_cell(wait['p50'])} ms, max {_cell(wait['max'])} ms"
+        )
     lines.append("")
     if s["errors"]:
         lines.append("errors: " + ", ".join(f"{code} {n}" for code, n in s["errors"].items()))
@@ -162,11 +182,18 @@ def table(s: dict[str, Any]) -> str:
             lines.append(f"  {code}: {message[:160]}")
     else:
         lines.append("errors: none")
+    if s["release_errors"]:
+        lines.append(
+            "releases of unfinished sequences that failed: "
+            + ", ".join(f"{code} {n}" for code, n in s["release_errors"].items())
+        )
     if s["aborted"]:
         lines.append(f"ABORTED: {s['aborted']}")
     v = s["verify"]
     if v is not None:
-        verdict = "MISMATCH" if v["mismatches"] else "ok"
+        verdict = (
+            "MISMATCH" if v["mismatches"] else "ok" if v["complete"] else "INCOMPLETE (run longer or lower --verify)"
+        )
         lines.append(
             f"verify: {v['checked']} of {v['requested']} calls checked against the float64 reference,"
             f" {v['mismatches']} mismatches, max error {v['max_error']:.2e}: {verdict}"
@@ -178,8 +205,8 @@ def table(s: dict[str, Any]) -> str:
         lines.append(
             f"server: queue {_cell(srv['queue_ms_mean'])} ms, compute {_cell(srv['compute_ms_mean'])} ms mean per"
             f" call; tokens counted prefill {srv['tokens']['prefill']}, decode {srv['tokens']['decode']};"
-            f" KV blocks peak {srv['kv_blocks_used_peak']} of {srv['kv_blocks']}, {srv['kv_blocks_used_after']}"
-            " after"
+            f" KV blocks peak {srv['kv_blocks_used_peak']} of {srv['kv_blocks']} (sampled each second),"
+            f" {srv['kv_blocks_used_after']} after"
         )
     return "\n".join(lines)
 

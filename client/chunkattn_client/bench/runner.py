@@ -6,9 +6,11 @@ sequence is its own server sequence id; its last call carries end_of_sequence, s
 holds no KV. A sequence whose call fails is released (best effort) and recorded; the run goes on, and
 stops early once ``max_errors`` calls have failed.
 
-A duration-bounded run stops starting sequences at the deadline and cuts the ones in flight at their
-next step (they are released and counted as cut), so the measured window is the duration. A run of a
-given number of sequences runs them all to the end.
+A duration-bounded run starts no sequence after the deadline and cuts the ones in flight before their
+next call (they are released and counted as cut). Its window runs to the later of the deadline and the
+last answer, so it overshoots the duration by at most one call per sequence, and those calls are
+counted. A run of a given number of sequences runs them all to the end. Latencies leave out --verify's
+reference computation; in the open loop a sequence's latency counts from its arrival.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 import grpc
@@ -124,21 +127,27 @@ class BenchConfig:
 
 @dataclass
 class Recorder:
-    """Every completed call, step and sequence of one phase, timed from the phase's start."""
+    """Every answered call, step and sequence of one phase, timed from the phase's start."""
 
     t0: float = field(default_factory=time.perf_counter)
+    started_utc: str = field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
     calls: int = 0
     sequences: int = 0
     sequences_cut: int = 0
     sequences_failed: int = 0
+    in_flight: int = 0
+    max_in_flight: int = 0
     tokens: Counter[str] = field(default_factory=Counter)  # model tokens of completed steps, by kind
     layer_tokens: Counter[str] = field(default_factory=Counter)  # tokens x answered calls (the server's count)
     bytes_sent: int = 0
     bytes_received: int = 0
-    errors: Counter[str] = field(default_factory=Counter)
+    errors: Counter[str] = field(default_factory=Counter)  # failed Attend calls, by status code
     error_examples: dict[str, str] = field(default_factory=dict)
+    release_errors: Counter[str] = field(default_factory=Counter)  # failed clean-ups of unfinished sequences
     steps: list[tuple[float, str, int, float]] = field(default_factory=list)  # (end time, kind, tokens, s)
     sequence_latency: list[float] = field(default_factory=list)
+    arrival_wait: list[float] = field(default_factory=list)  # open loop: arrival to start (no free slot)
+    last_answer: float = 0.0  # when the last call was answered
     end: float | None = None
 
     def now(self) -> float:
@@ -161,18 +170,23 @@ class Recorder:
     def recent_p50_ms(self, window_s: float = 5.0) -> float | None:
         """p50 of the decode steps (else prefill pieces) that ended in the last ``window_s`` seconds."""
         since = self.now() - window_s
+        recent: dict[str, list[float]] = {"decode": [], "prefill": []}
+        for t, kind, _, s in reversed(self.steps):  # appended as they end: the newest are last
+            if t < since:
+                break
+            recent[kind].append(s)
         for kind in ("decode", "prefill"):
-            recent = sorted(s for t, k, _, s in self.steps if k == kind and t >= since)
-            if recent:
-                return 1000 * percentile(recent, 50)
+            if recent[kind]:
+                return 1000 * percentile(sorted(recent[kind]), 50)
         return None
 
 
 class Verifier:
     """Recomputes sampled calls with the float64 reference and compares (``--verify N``).
 
-    Sequences are sampled at random (half of them, seeded) until N calls are reserved; a sampled
-    sequence has its first calls checked, and keeps their K/V in its own ReferenceModel.
+    From the start of the run, each new sequence is sampled with probability 1/2 (seeded) until N
+    calls are reserved; a sampled sequence has its first calls checked, keeping their K/V in its own
+    ReferenceModel. A sampled sequence that is cut or fails hands its unchecked calls back.
     """
 
     def __init__(self, info: ServerInfo, dtype: str, budget: int, seed: int) -> None:
@@ -191,10 +205,14 @@ class Verifier:
         self._unreserved -= n
         return SequenceCheck(self, n)
 
+    def refund(self, calls: int) -> None:
+        self._unreserved += calls
+
     def result(self) -> dict[str, Any]:
         return {
             "requested": self.requested,
             "checked": self.checked,
+            "complete": self.checked >= self.requested,
             "mismatches": len(self.mismatches),
             "max_error": self.max_error,
             "first_mismatches": self.mismatches[:5],
@@ -225,6 +243,11 @@ class SequenceCheck:
                 {"seq_id": entry.seq_id, "layer": layer, "position": entry.position, "tokens": entry.num_tokens}
                 | {"error": err}
             )
+
+    def finish(self) -> None:
+        """The sequence ended: calls it reserved but did not check go back to the budget."""
+        self._v.refund(self._left)
+        self._left = 0
 
 
 class MetricsWatch:
@@ -299,7 +322,7 @@ class RunResult:
     aborted: str | None
 
 
-Snapshot = Callable[[Recorder], None]
+Progress = Callable[[Recorder, bool], None]  # (the phase's recorder, whether this is the final call)
 
 
 class Bench:
@@ -314,10 +337,12 @@ class Bench:
             raise WorkloadError(f"--dtype {config.dtype}: the server takes {', '.join(info.dtypes)}")
         biggest = min(config.prefill_chunk or self._lengths.max_prompt, self._lengths.max_prompt)
         sent, _ = call_bytes(info, config.dtype, biggest, writes_kv=True)
-        if sent + (1 << 16) > info.max_message_bytes:
+        limit = min(info.max_message_bytes, client.max_message_bytes)
+        if sent + (1 << 16) > limit:
             raise WorkloadError(
-                f"a {biggest}-token call carries {sent} bytes of tensors, over the server's message limit of"
-                f" {info.max_message_bytes}; pass a smaller --prefill-chunk"
+                f"a {biggest}-token call carries {sent} bytes of tensors, over the message limit of {limit}"
+                f" (server {info.max_message_bytes}, client {client.max_message_bytes}); pass a smaller"
+                " --prefill-chunk"
             )
         self._data = RandomTensors(info, config.dtype, biggest, config.seed)
         self._verifier = Verifier(info, config.dtype, config.verify, config.seed) if config.verify else None
@@ -328,10 +353,11 @@ class Bench:
         self._max_sequences: int | None = None
         self._started = 0
         self._aborted: str | None = None
+        self.interrupted = False
         self._rec = Recorder()
         self._checking: Verifier | None = None
 
-    async def run(self, progress: Snapshot | None = None, progress_interval_s: float = 1.0) -> RunResult:
+    async def run(self, progress: Progress | None = None, progress_interval_s: float = 1.0) -> RunResult:
         cfg = self.config
         watch = MetricsWatch(cfg.metrics_url) if cfg.metrics_url else None
         if watch:
@@ -343,14 +369,17 @@ class Bench:
         rec = Recorder()
         tasks = [asyncio.create_task(watch.watch(rec))] if watch else []
         if progress:
-            tasks.append(asyncio.create_task(_every(progress_interval_s, lambda: progress(rec))))
+            tasks.append(asyncio.create_task(_every(progress_interval_s, lambda: progress(rec, False))))
         try:
             await self._phase(rec, cfg.duration_s, cfg.max_sequences(), self._verifier)
         finally:
-            rec.end = rec.now()
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+        # The window: to the last answer (clean-up of cut sequences is not load), and at least to the deadline
+        # of a timed run that was not stopped early.
+        window = min(rec.now(), cfg.duration_s) if cfg.duration_s else 0.0
+        rec.end = max(rec.last_answer, window, 1e-9)
         server = None
         if watch:
             try:
@@ -359,7 +388,7 @@ class Bench:
             except promtext.MetricsError as e:
                 server = {"error": str(e)}
         if progress:
-            progress(rec)
+            progress(rec, True)
         return RunResult(
             cfg,
             self.info,
@@ -371,13 +400,9 @@ class Bench:
             self._aborted,
         )
 
-    @property
-    def stopped(self) -> bool:
-        """Whether stop() was called or the run gave up (--max-errors)."""
-        return self._aborted is not None
-
     def stop(self, reason: str) -> None:
-        """End the run early (e.g. on Ctrl-C): no new sequences; those in flight are cut at their next step."""
+        """End the run early (e.g. on Ctrl-C): no new sequences; those in flight are cut before their next call."""
+        self.interrupted = True
         self._aborted = self._aborted or reason
 
     # -- one phase ---------------------------------------------------------------------------------
@@ -393,13 +418,15 @@ class Bench:
         self._stop_at = None if duration_s is None else time.perf_counter() + duration_s
         self._max_sequences, self._started = max_sequences, 0
         self._checking = verifier  # none in the warm-up
-        if self.config.rate is None:
-            await asyncio.gather(*(self._worker() for _ in range(self.config.concurrency)))
-        else:
-            await self._arrive(self.config.rate)
+        async with asyncio.TaskGroup() as tasks:
+            if self.config.rate is None:
+                for _ in range(self.config.concurrency):
+                    tasks.create_task(self._worker())
+            else:
+                await self._arrive(self.config.rate, tasks)
 
     def _may_start(self) -> bool:
-        if self._aborted or (self._stop_at is not None and time.perf_counter() >= self._stop_at):
+        if self._cut():
             return False
         return self._max_sequences is None or self._started < self._max_sequences
 
@@ -408,16 +435,22 @@ class Bench:
 
     async def _worker(self) -> None:
         while self._may_start():
-            await self._sequence(self._next())
+            self._started += 1
+            await self._sequence(self._lengths.next(), time.perf_counter())
 
-    async def _arrive(self, rate: float) -> None:
+    async def _arrive(self, rate: float, tasks: asyncio.TaskGroup) -> None:
+        """Poisson arrivals; a sequence that finds no free slot waits, and its latency counts from arrival."""
         slots = asyncio.Semaphore(self.config.max_concurrency)
-        running: set[asyncio.Task[None]] = set()
         due = time.perf_counter()
 
-        async def one(spec: SequenceSpec) -> None:
+        async def one(spec: SequenceSpec, arrived: float) -> None:
+            await slots.acquire()
             try:
-                await self._sequence(spec)
+                self._rec.arrival_wait.append(time.perf_counter() - arrived)
+                if self._cut():  # the run ended while it waited: it never reached the server
+                    self._rec.sequences_cut += 1
+                    return
+                await self._sequence(spec, arrived)
             finally:
                 slots.release()
 
@@ -427,36 +460,31 @@ class Bench:
                 await asyncio.sleep(min(wait, 0.05))  # wake at the deadline, not at an arrival past it
             if not self._may_start():
                 break
-            await slots.acquire()
-            task = asyncio.create_task(one(self._next()))
-            running.add(task)
-            task.add_done_callback(running.discard)
-        await asyncio.gather(*running)
-
-    def _next(self) -> SequenceSpec:
-        self._started += 1
-        return self._lengths.next()
+            self._started += 1
+            tasks.create_task(one(self._lengths.next(), due))
 
     # -- one sequence ------------------------------------------------------------------------------
 
-    async def _sequence(self, spec: SequenceSpec) -> None:
+    async def _sequence(self, spec: SequenceSpec, arrived: float) -> None:
         rec = self._rec
         self._seq_no += 1
         seq_id = f"bench-{self._run_id}-{self._seq_no}"
         plan = steps(spec, self.config.prefill_chunk)
         check = self._checking.sample(len(plan) * len(self.layers)) if self._checking else None
         stream = self.client.stream() if self.config.transport == "stream" else None
-        started = time.perf_counter()
         verifying = 0.0  # seconds spent on the reference, left out of every latency
         finished = False  # the last call (end_of_sequence) was answered: nothing is left on the server
+        failed = False
+        rec.in_flight += 1
+        rec.max_in_flight = max(rec.max_in_flight, rec.in_flight)
         try:
             for i, step in enumerate(plan):
-                if self._cut():
-                    rec.sequences_cut += 1
-                    return
                 t = time.perf_counter()
                 answered = []
                 for j, layer in enumerate(self.layers):
+                    if self._cut():
+                        rec.sequences_cut += 1
+                        return
                     last = i == len(plan) - 1 and j == len(self.layers) - 1
                     answered.append(await self._call(stream, layer, seq_id, step, last))
                 rec.steps.append((rec.now(), step.kind, step.num_tokens, time.perf_counter() - t))
@@ -468,13 +496,19 @@ class Bench:
                     verifying += time.perf_counter() - t
             finished = True
             rec.sequences += 1
-            rec.sequence_latency.append(time.perf_counter() - started - verifying)
+            rec.sequence_latency.append(time.perf_counter() - arrived - verifying)
         except ChunkAttnError as e:
+            failed = True
             rec.sequences_failed += 1
-            self._failed(e)
+            rec.error(e.code.name, e.message)
+            if sum(rec.errors.values()) >= self.config.max_errors and not self._aborted:
+                self._aborted = f"stopped after {self.config.max_errors} failed calls (--max-errors)"
         finally:
+            rec.in_flight -= 1
+            if check is not None:
+                check.finish()
             if stream is not None:
-                await _close(stream)
+                await _close(stream, failed)
             if not finished:
                 await self._release(seq_id)
 
@@ -496,7 +530,7 @@ class Bench:
         kw: dict[str, Any] = {"end_of_sequence": [seq_id] if last else (), "dtype": self.config.dtype}
         call: Awaitable[npt.NDArray[Any]]
         if stream is None:
-            call = self.client.attend(layer, [entry], q, k, v, **kw)
+            call = self.client.attend(layer, [entry], q, k, v, **kw)  # the client's deadline: --timeout
         else:
             call = asyncio.wait_for(stream.attend(layer, [entry], q, k, v, **kw), self.config.timeout_s)
         try:
@@ -506,6 +540,7 @@ class Bench:
                 grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer on the stream within {self.config.timeout_s} s"
             ) from None
         rec = self._rec
+        rec.last_answer = rec.now()
         rec.calls += 1
         rec.layer_tokens["decode" if n == 1 else "prefill"] += n
         sent, received = call_bytes(self.info, self.config.dtype, n, writes)
@@ -513,22 +548,22 @@ class Bench:
         rec.bytes_received += received
         return layer, entry, q, k, v, out
 
-    def _failed(self, e: ChunkAttnError) -> None:
-        self._rec.error(e.code.name, e.message)
-        if sum(self._rec.errors.values()) >= self.config.max_errors and not self._aborted:
-            self._aborted = f"stopped after {self.config.max_errors} failed calls (--max-errors)"
-
     async def _release(self, seq_id: str) -> None:
-        """Free a sequence that did not finish; its failure is recorded, never raised."""
+        """Free a sequence that did not finish (best effort, short deadline); a failure is counted apart."""
         try:
-            await asyncio.wait_for(self.client.release([seq_id], missing_ok=True), self.config.timeout_s)
+            await asyncio.wait_for(self.client.release([seq_id], missing_ok=True), min(self.config.timeout_s, 5.0))
         except ChunkAttnError as e:
-            self._failed(e)
+            self._rec.release_errors[e.code.name] += 1
         except TimeoutError:
-            self._failed(ChunkAttnError(grpc.StatusCode.DEADLINE_EXCEEDED, "Release did not answer"))
+            self._rec.release_errors[grpc.StatusCode.DEADLINE_EXCEEDED.name] += 1
 
 
-async def _close(stream: AsyncAttendStream) -> None:
+async def _close(stream: AsyncAttendStream, failed: bool) -> None:
+    """End a sequence's stream: cancelled after a failure (it may be stuck), else closed, or cancelled
+    when that takes over 5 s."""
+    if failed:
+        stream.cancel()
+        return
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(stream.close(), 5.0)
         return
