@@ -36,7 +36,7 @@ from torch.nn.functional import scaled_dot_product_attention as sdpa
 
 from chunkattn_client import BatchEntry
 from chunkattn_server import CacheConfig, Engine, EngineConfig, LayerSpec, ModelShape
-from chunkattn_server.attention.backends import AttentionBatch
+from chunkattn_server.attention.backends import AttentionBatch, TorchBackend
 
 from timing import cpu_name, rounds  # benchmarks/timing.py
 
@@ -156,7 +156,7 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int) -> Call
 # -- decode ------------------------------------------------------------------------------------------
 
 
-class _WriteOnly:
+class _WriteOnly(TorchBackend):
     """Set-up only: lets the engine write a long context's K/V without computing attention nobody times."""
 
     name = "write-only"
@@ -219,7 +219,7 @@ def bench_decode(dtype: str, s: Shapes, repeats: int) -> dict[str, float]:
 def _fill(engine: Engine, seqs: int, tokens: int, piece: int, heads: tuple[int, int], d: int, dt: torch.dtype) -> None:
     """Prefill `seqs` sequences to `tokens` tokens, interleaved in pieces of `piece` tokens (the layout)."""
     backend = engine.backend
-    engine.backend = _WriteOnly()
+    engine.backend = _WriteOnly(engine.device)
     g = torch.Generator().manual_seed(2)
     try:
         for start in range(0, tokens, piece):

@@ -1,8 +1,12 @@
-"""Test configuration: hypothesis profiles (CI is derandomized so a red build reproduces)."""
+"""Test configuration: hypothesis profiles (CI is derandomized so a red build reproduces), and Triton's
+interpreter, so the triton backend's kernels run on the CPU (read when a kernel is decorated: it must be
+set before anything imports them)."""
 
 from __future__ import annotations
 
 import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from hypothesis import HealthCheck, settings
 

@@ -13,7 +13,8 @@ import torch
 from chunkattn_client import BatchEntry, ReferenceModel
 from chunkattn_client.reference import within_tolerance
 from chunkattn_server import CacheConfig, Engine, EngineConfig, LayerSpec, ModelShape
-from chunkattn_server.attention.backends import TorchBackend
+from chunkattn_server.attention.backends import Backend, TorchBackend
+from chunkattn_server.attention.backends.triton_backend import TritonBackend
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -67,11 +68,18 @@ class Harness:
         impl: str = "auto",
         min_view_tokens: int = 64,
         max_views: int = 8,
+        splits: int = 1,
     ) -> Harness:
+        """impl: the torch backend's "auto" or "math" path, or "triton" (the kernels under the interpreter,
+        with ``splits`` decode splits and 16 keys per inner step, so short contexts take several)."""
         cache_dtype = cache_dtype or dtype
         cache = CacheConfig(block_size=block_size, num_blocks=num_blocks, dtype=cache_dtype)
         config = EngineConfig(model, cache, device="cpu")
-        backend = TorchBackend(torch.device("cpu"), impl=impl, min_view_tokens=min_view_tokens, max_views=max_views)  # type: ignore[arg-type]
+        backend: Backend
+        if impl == "triton":
+            backend = TritonBackend(torch.device("cpu"), block_n=16, num_splits=splits)
+        else:
+            backend = TorchBackend(torch.device("cpu"), impl=impl, min_view_tokens=min_view_tokens, max_views=max_views)  # type: ignore[arg-type]
         reference = ReferenceModel(
             [s.chunk_size for s in model.layers],
             kv_sources=[s.kv_source for s in model.layers],

@@ -15,7 +15,7 @@ import torch
 
 from chunkattn_client import BatchEntry
 from chunkattn_server import Engine
-from chunkattn_server.attention.backends import AttentionBatch
+from chunkattn_server.attention.backends import AttentionBatch, TorchBackend
 from chunkattn_server.errors import (
     EngineError,
     InvalidArgument,
@@ -183,8 +183,8 @@ def test_every_request_error_is_an_invalid_argument_or_has_its_own_status() -> N
     assert issubclass(UnknownLayer, InvalidArgument)
 
 
-class _Exploding:
-    """A backend that fails mid-call, as a device error would."""
+class _Exploding(TorchBackend):
+    """A backend that fails mid-call (after the K/V writes), as a device error would."""
 
     name = "exploding"
 
@@ -199,7 +199,7 @@ def test_failure_inside_the_call_rolls_back() -> None:
     _history(twin)
     before = snapshot(h.engine)
     backend = h.engine.backend
-    h.engine.backend = _Exploding()
+    h.engine.backend = _Exploding(torch.device("cpu"))
     with pytest.raises(RuntimeError, match="fell over"):
         # New sequence + growth into new blocks (K/V already written): all must be undone.
         h.engine.attend(0, [BatchEntry("b", 3, 9), BatchEntry("new", 0, 5)], _q(14), _kv(14), _kv(14))

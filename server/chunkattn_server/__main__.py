@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--num-blocks", type=int, help="KV pool size in blocks (overrides --kv-memory-mib)")
     c.add_argument("--dtype", default="auto", help="cache dtype: auto (bf16 on CUDA, fp32 on CPU), float32, ...")
     c.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
+    c.add_argument(
+        "--backend", default="auto", help="attention kernels: auto (triton on CUDA, torch on the CPU), torch, triton"
+    )
     return p
 
 
@@ -117,7 +120,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         memory_bytes=None if args.num_blocks else args.kv_memory_mib << 20,
         dtype=args.dtype,
     )
-    return EngineConfig(model, cache, device=args.device)
+    return EngineConfig(model, cache, device=args.device, backend=args.backend)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,6 +14,7 @@ from chunkattn_server.errors import ConfigError
 
 DTYPES = ("float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
+BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -150,11 +151,16 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything the engine needs. ``device``: "auto" (CUDA when available, else CPU), "cpu" or "cuda[:N]"."""
+    """Everything the engine needs.
+
+    device: "auto" (CUDA when available, else CPU), "cpu" or "cuda[:N]".
+    backend: "auto" (triton on CUDA, torch on the CPU), "torch" or "triton".
+    """
 
     model: ModelShape
     cache: CacheConfig = field(default_factory=CacheConfig)
     device: str = "auto"
+    backend: str = "auto"
 
     def __post_init__(self) -> None:
         bs = self.cache.block_size
@@ -167,6 +173,8 @@ class EngineConfig:
         base = self.device.split(":", 1)[0]
         if base not in DEVICES or (base != "cuda" and ":" in self.device):
             raise ConfigError(f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}; got {self.backend!r}")
 
     @cached_property
     def kv_groups(self) -> tuple[KVGroup, ...]:

@@ -20,7 +20,6 @@ import numpy as np
 import torch
 
 from chunkattn_client.batch import BatchEntry
-from chunkattn_server.attention import plan
 from chunkattn_server.attention.backends import AttentionBatch, Backend, TorchBackend
 from chunkattn_server.config import EngineConfig, KVGroup, LayerSpec
 from chunkattn_server.errors import (
@@ -75,6 +74,17 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def make_backend(name: str, device: torch.device) -> Backend:
+    """ "auto": triton on CUDA, torch elsewhere; or the one named."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "triton":
+        from chunkattn_server.attention.backends.triton_backend import TritonBackend  # imports triton
+
+        return TritonBackend(device)
+    return TorchBackend(device)
+
+
 class Engine:
     """Paged KV cache + chunked-local attention for one model shape, on one device."""
 
@@ -123,7 +133,7 @@ class Engine:
             dtype=self.dtype,
             device=self.device,
         )
-        self.backend: Backend = backend if backend is not None else TorchBackend(self.device)
+        self.backend: Backend = backend if backend is not None else make_backend(config.backend, self.device)
         self._retention = Retention(config)
         self._seqs: dict[str, SequenceState] = {}
         self._scales = [spec.scale or 1.0 / math.sqrt(model.head_size) for spec in model.layers]
@@ -245,25 +255,27 @@ class Engine:
             if rows:
                 index = torch.from_numpy(np.concatenate(rows)).to(self.device)
                 full = index.numel() == kc.shape[0]
-                self.cache.write(
-                    slot,
+                self.backend.write(
+                    self.cache.k[slot],
+                    self.cache.v[slot],
                     torch.from_numpy(np.concatenate(slots_list)).to(self.device),
                     kc if full else kc.index_select(0, index),
                     vc if full else vc.index_select(0, index),
                 )
-        pieces = plan.split(
-            [(e.position, e.num_tokens) for e in entries],
-            spec.chunk_size,
-            bs,
-            lambda i, first, last: tuple([tables[i][b] for b in range(first, last)]),
-        )
+        spans, row = [], 0
+        for e in entries:
+            spans.append((row, e.position, e.num_tokens))
+            row += e.num_tokens
         batch = AttentionBatch(
             q=q.to(device=self.device, dtype=self.dtype),
             k=kc,
             v=vc,
             k_pages=self.cache.k[slot],
             v_pages=self.cache.v[slot],
-            pieces=pieces,
+            spans=spans,
+            tables=tables,
+            chunk_size=spec.chunk_size,
+            block_size=bs,
             scale=self._scales[layer],
             alibi_slopes=self._slopes[layer],
         )

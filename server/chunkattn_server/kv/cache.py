@@ -1,4 +1,4 @@
-"""The K/V page tensors and slot writes.
+"""The K/V page tensors (writes go through the attention backend: Backend.write).
 
 Layout: one K and one V tensor per storage slot, each [num_kv_heads, num_blocks, block_size, head_size].
 Layer ``group.layers[r]`` of every KV group keeps its pages in slot r, so a block id is used by exactly one
@@ -38,12 +38,6 @@ class KVCache:
     def bytes_per_block(*, num_slots: int, block_size: int, num_kv_heads: int, head_size: int, itemsize: int) -> int:
         """Bytes of K and V pages one block id costs across all storage slots."""
         return 2 * num_slots * block_size * num_kv_heads * head_size * itemsize
-
-    def write(self, slot: int, token_slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k/v [n, num_kv_heads, head_size] at token slots [n] int64 (block * block_size + offset)."""
-        heads, blocks, bs, dim = self.k[slot].shape
-        self.k[slot].view(heads, blocks * bs, dim).index_copy_(1, token_slots, k.transpose(0, 1))
-        self.v[slot].view(heads, blocks * bs, dim).index_copy_(1, token_slots, v.transpose(0, 1))
 
     def read(self, slot: int, token_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies k, v [n, num_kv_heads, head_size] of the tokens at slots [n] int64."""

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Protocol
 
 import torch
 
+from chunkattn_server.attention import plan
 from chunkattn_server.attention.plan import Piece
 
 
@@ -17,9 +19,12 @@ class AttentionBatch:
 
     q: [T, num_heads, head_size] the call's queries, packed in entry order.
     k, v: [T, num_kv_heads, head_size] the call's new keys/values (for a KV-sharing layer: read back from
-        its source's cache). Pieces read rows [row + cache_end - position, row + num_queries) of them.
+        its source's cache). A sequence's keys from its first new position on are these rows; earlier
+        keys of the current chunk are in the paged cache.
     k_pages, v_pages: [num_kv_heads, num_blocks, block_size, head_size] the layer's paged cache.
-    pieces: the chunk split of the batch (see attention.plan).
+    spans: per entry (first row, position of the first new token, number of new tokens).
+    tables: per entry, {logical block: physical block}; blocks before the current chunk may be gone.
+    chunk_size: C (0: a global layer). block_size: tokens per block.
     scale: softmax scale.
     alibi_slopes: [num_heads] float32, or None.
     """
@@ -29,15 +34,34 @@ class AttentionBatch:
     v: torch.Tensor
     k_pages: torch.Tensor
     v_pages: torch.Tensor
-    pieces: Sequence[Piece]
+    spans: Sequence[tuple[int, int, int]]
+    tables: Sequence[Mapping[int, int]]
+    chunk_size: int
+    block_size: int
     scale: float
     alibi_slopes: torch.Tensor | None
 
+    @cached_property
+    def pieces(self) -> list[Piece]:
+        """The chunk split on the host (see attention.plan), for backends that work piece by piece."""
+        tables = self.tables
+        return plan.split(
+            [(pos, n) for _, pos, n in self.spans],
+            self.chunk_size,
+            self.block_size,
+            lambda i, first, last: tuple([tables[i][b] for b in range(first, last)]),
+        )
+
 
 class Backend(Protocol):
-    """Computes chunked-local attention for a planned batch."""
+    """Writes K/V into the paged cache and computes chunked-local attention for a batch."""
 
     name: str
+
+    def write(
+        self, k_pages: torch.Tensor, v_pages: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """Store k/v [n, Hkv, D] (the pages' dtype) at cache slots [n] int64 (block * block_size + offset)."""
 
     def attend(self, batch: AttentionBatch, out: torch.Tensor) -> None:
         """Write the output [T, num_heads, head_size] (the cache's dtype) into ``out``."""

@@ -56,6 +56,13 @@ class TorchBackend:
         self._buf_k = torch.empty(0, device=device)
         self._buf_v = torch.empty(0, device=device)
 
+    def write(
+        self, k_pages: torch.Tensor, v_pages: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        heads, blocks, bs, dim = k_pages.shape
+        k_pages.view(heads, blocks * bs, dim).index_copy_(1, slots, k.transpose(0, 1))
+        v_pages.view(heads, blocks * bs, dim).index_copy_(1, slots, v.transpose(0, 1))
+
     def attend(self, batch: AttentionBatch, out: torch.Tensor) -> None:
         # [Hkv, num_blocks * block_size, D] views: a run of blocks is then one slice.
         pages = batch.k_pages.flatten(1, 2), batch.v_pages.flatten(1, 2)

@@ -1,0 +1,284 @@
+"""The triton backend: paged chunked-local attention in one kernel launch per call (two for mixed batches).
+
+``prepare`` checks the batch (shapes, strides, dtypes, devices: a clear ``TritonLaunchError`` before
+anything runs) and builds fixed-shape int32 metadata on the device: per sequence its first row, query
+count, first position and block-table base; per tile of queries its sequence and first query; the block
+tables. ``run`` only launches kernels, so a decode step whose metadata tensors are updated in place can be
+captured in a CUDA graph and replayed (benchmarks/gpu.py does). ``attend`` is prepare + run.
+
+Decodes (single-token entries) and prefill pieces are launched apart, each with its own tile height:
+a decode tile is one token with its query heads (rows padded to 16 for tl.dot), and long contexts over
+few sequences are split across programs (flash-decoding) and merged by ``combine_splits``.
+
+The kernels run on CUDA, and on the CPU under TRITON_INTERPRET=1 (tests only: slow, and bf16 math is
+wrong there).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from chunkattn_server.attention.backends.base import AttentionBatch
+from chunkattn_server.errors import ConfigError
+
+LOG2E = 1.4426950408889634
+HEAD_SIZES = (64, 80, 96, 128, 256)  # what the issue promises; any size up to 256 runs
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class TritonLaunchError(ValueError):
+    """A batch the kernels cannot take (a bug in the caller, not a client error)."""
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def check_device(device: torch.device) -> None:
+    """The triton backend needs CUDA, or the interpreter (TRITON_INTERPRET=1) on the CPU."""
+    if device.type != "cuda" and not interpreting():
+        raise ConfigError(
+            f"the triton backend runs on CUDA, not {device.type} (on the CPU only under TRITON_INTERPRET=1,"
+            " for tests); use --backend torch or --backend auto"
+        )
+
+
+@dataclass
+class _Launch:
+    """One kernel launch's metadata and scratch, all on the device."""
+
+    tile_seq: torch.Tensor  # [tiles] int32
+    tile_start: torch.Tensor  # [tiles] int32
+    block_m: int
+    num_splits: int
+    part_acc: torch.Tensor  # [tiles, Hkv, splits, R, BLOCK_D] float32 (empty when num_splits == 1)
+    part_ml: torch.Tensor  # [tiles, Hkv, splits, 2, R] float32
+
+
+@dataclass
+class Launch:
+    """Everything ``run`` needs; built by ``prepare``."""
+
+    batch: AttentionBatch
+    out: torch.Tensor
+    seq_row: torch.Tensor  # [B] int32: first row of each sequence in q/k/v/out
+    seq_len: torch.Tensor  # [B] int32: its new tokens
+    seq_pos: torch.Tensor  # [B] int32: the position of its first new token
+    seq_base: torch.Tensor  # [B] int32: the logical block of column 0 of its table row
+    tables: torch.Tensor  # [B, W] int32: physical blocks
+    slopes: torch.Tensor  # [H] float32 (a dummy when there is no ALiBi)
+    parts: list[_Launch]
+
+
+class TritonBackend:
+    """Chunked-local attention and KV writes with the kernels of ``triton_kernels``.
+
+    block_n: keys per inner-loop step. num_splits: "auto" (split long decodes when there are fewer
+    programs than twice the SMs) or a fixed count for decode launches. num_warps: per program.
+    """
+
+    name = "triton"
+
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        block_n: int = 64,
+        num_splits: int | str = "auto",
+        prefill_rows: int = 64,
+        num_warps: int = 4,
+    ) -> None:
+        check_device(device)
+        if block_n < 16 or block_n & (block_n - 1):
+            raise ConfigError(f"block_n must be a power of two >= 16, got {block_n}")
+        self.device = device
+        self.block_n = block_n
+        self.num_splits = num_splits
+        self.prefill_rows = prefill_rows
+        self.num_warps = num_warps
+        self._sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+    # -- KV writes -----------------------------------------------------------------------------------
+
+    def write(
+        self, k_pages: torch.Tensor, v_pages: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """Store k/v [n, Hkv, D] at cache slots [n] int64 (block * block_size + offset) of pages [Hkv, NB, BS, D]."""
+        from chunkattn_server.attention.backends import triton_kernels as kern
+
+        heads, _, block_size, head_size = k_pages.shape
+        _check(
+            k_pages.stride() == v_pages.stride() and k_pages.stride(3) == 1, "pages must share strides, D contiguous"
+        )
+        _check(
+            k.shape == v.shape == (slots.numel(), heads, head_size), f"k/v {tuple(k.shape)} for {slots.numel()} slots"
+        )
+        _check(k.dtype == v.dtype == k_pages.dtype == v_pages.dtype, f"k/v {k.dtype} into pages of {k_pages.dtype}")
+        _check(k.stride(2) == 1 and v.stride(2) == 1, "k/v need a contiguous last dimension")
+        if not slots.numel():
+            return
+        kern.write_kv[(slots.numel(), heads)](
+            k, v, k_pages, v_pages, slots,
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
+            BLOCK_SIZE=block_size, HEAD_D=head_size, BLOCK_D=_pow2(head_size),
+        )  # fmt: skip
+
+    # -- attention -----------------------------------------------------------------------------------
+
+    def attend(self, batch: AttentionBatch, out: torch.Tensor) -> None:
+        self.run(self.prepare(batch, out))
+
+    def prepare(self, batch: AttentionBatch, out: torch.Tensor) -> Launch:
+        """Check the batch and build the launch metadata on the device."""
+        q, k, v, kp, vp = batch.q, batch.k, batch.v, batch.k_pages, batch.v_pages
+        _check(q.dim() == 3 and k.dim() == 3 and v.dim() == 3, "q, k, v must be [T, heads, D]")
+        total, heads, head_size = q.shape
+        kv_heads, _, block_size, page_d = kp.shape
+        _check(k.shape == v.shape == (total, kv_heads, head_size), f"k/v {tuple(k.shape)} against q {tuple(q.shape)}")
+        _check(heads % kv_heads == 0, f"{heads} query heads are not a multiple of {kv_heads} KV heads")
+        _check(page_d == head_size and vp.shape == kp.shape, f"pages {tuple(kp.shape)} for head size {head_size}")
+        _check(1 <= head_size <= 256, f"head size {head_size}: the kernels take 1..256 ({HEAD_SIZES} are tested)")
+        _check(block_size == batch.block_size, f"pages of {block_size} tokens, batch says {batch.block_size}")
+        _check(out.shape == q.shape, f"out {tuple(out.shape)} must be q's shape {tuple(q.shape)}")
+        dtypes = {t.dtype for t in (q, k, v, kp, vp, out)}
+        _check(len(dtypes) == 1 and q.dtype in _DTYPES, f"q, k, v, pages and out must share one of {_DTYPES}")
+        for name, t in (("q", q), ("k", k), ("v", v), ("k_pages", kp), ("v_pages", vp), ("out", out)):
+            _check(t.device == self.device, f"{name} is on {t.device}, the backend on {self.device}")
+            _check(t.stride(-1) == 1, f"{name} needs a contiguous last dimension")
+        _check(kp.stride() == vp.stride(), "k_pages and v_pages must have the same strides")
+        slopes = batch.alibi_slopes
+        if slopes is not None:
+            _check(slopes.shape == (heads,) and slopes.dtype == torch.float32, "alibi_slopes must be [H] float32")
+
+        spans = batch.spans
+        chunk = batch.chunk_size
+        rows, lens, poss, bases, table_rows = [], [], [], [], []
+        for (row, pos, n), table in zip(spans, batch.tables, strict=True):
+            first = pos - pos % chunk if chunk else 0
+            base = first // block_size
+            needed = -(-pos // block_size) - base  # cache blocks of keys [first, pos)
+            rows.append(row)
+            lens.append(n)
+            poss.append(pos)
+            bases.append(base)
+            table_rows.append([_block(table, base + i) for i in range(max(needed, 0))])
+        width = max(1, max((len(t) for t in table_rows), default=1))
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in table_rows], dtype=torch.int32)
+        group = heads // kv_heads
+        g_pad = _pow2(group)
+        decodes = [i for i, n in enumerate(lens) if n == 1]
+        prefills = [i for i, n in enumerate(lens) if n > 1]
+        parts = []
+        if decodes:
+            block_m = max(1, 16 // g_pad)
+            ctx = max(poss[i] - (poss[i] - poss[i] % chunk if chunk else 0) + 1 for i in decodes)
+            parts.append(
+                self._part(
+                    decodes, lens, block_m, self._splits(len(decodes) * kv_heads, ctx), kv_heads, g_pad, head_size
+                )
+            )
+        if prefills:
+            block_m = max(1, self.prefill_rows // g_pad)
+            parts.append(self._part(prefills, lens, block_m, 1, kv_heads, g_pad, head_size))
+        dev = self.device
+        return Launch(
+            batch=batch,
+            out=out,
+            seq_row=torch.tensor(rows, dtype=torch.int32).to(dev),
+            seq_len=torch.tensor(lens, dtype=torch.int32).to(dev),
+            seq_pos=torch.tensor(poss, dtype=torch.int32).to(dev),
+            seq_base=torch.tensor(bases, dtype=torch.int32).to(dev),
+            tables=tables.to(dev),
+            slopes=slopes if slopes is not None else torch.zeros(1, dtype=torch.float32, device=dev),
+            parts=parts,
+        )
+
+    def run(self, launch: Launch) -> None:
+        """Launch the kernels (nothing else: capturable in a CUDA graph)."""
+        from chunkattn_server.attention.backends import triton_kernels as kern
+
+        b, out = launch.batch, launch.out
+        q, k, v, kp, vp = b.q, b.k, b.v, b.k_pages, b.v_pages
+        heads, head_size = q.shape[1], q.shape[2]
+        kv_heads, block_size = kp.shape[0], kp.shape[2]
+        group = heads // kv_heads
+        meta = {
+            "GROUP": group,
+            "G_PAD": _pow2(group),
+            "HEAD_D": head_size,
+            "BLOCK_D": max(16, _pow2(head_size)),
+        }
+        for part in launch.parts:
+            tiles = part.tile_seq.numel()
+            kern.chunked_paged_attention[(tiles, kv_heads, part.num_splits)](
+                out, part.part_acc, part.part_ml,
+                q, k, v, kp, vp, launch.tables,
+                part.tile_seq, part.tile_start, launch.seq_row, launch.seq_len, launch.seq_pos, launch.seq_base,
+                launch.slopes,
+                b.chunk_size, b.scale * LOG2E,
+                out.stride(0), out.stride(1), q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                v.stride(0), v.stride(1), kp.stride(0), kp.stride(1), kp.stride(2), launch.tables.stride(0),
+                BLOCK_M=part.block_m, BLOCK_N=self.block_n, BLOCK_SIZE=block_size,
+                NUM_SPLITS=part.num_splits, HAS_ALIBI=b.alibi_slopes is not None, IEEE=q.dtype == torch.float32,
+                num_warps=self.num_warps, **meta,
+            )  # fmt: skip
+            if part.num_splits > 1:
+                kern.combine_splits[(tiles, kv_heads)](
+                    out, part.part_acc, part.part_ml, part.tile_seq, part.tile_start, launch.seq_row,
+                    launch.seq_len, out.stride(0), out.stride(1),
+                    BLOCK_M=part.block_m, NUM_SPLITS=part.num_splits, num_warps=self.num_warps, **meta,
+                )  # fmt: skip
+
+    # -- helpers -------------------------------------------------------------------------------------
+
+    def _splits(self, programs: int, context: int) -> int:
+        """Decode splits: enough programs to fill the GPU (2 per SM), each with >= 4 key blocks to read."""
+        if isinstance(self.num_splits, int):
+            return self.num_splits
+        if self.device.type != "cuda":
+            return 1
+        want = math.ceil(2 * self._sms / max(programs, 1))
+        return max(1, min(want, 16, context // (4 * self.block_n)))
+
+    def _part(
+        self, seqs: Sequence[int], lens: Sequence[int], block_m: int, splits: int, kv_heads: int, g_pad: int, d: int
+    ) -> _Launch:
+        tile_seq = [i for i in seqs for _ in range(0, lens[i], block_m)]
+        tile_start = [s for i in seqs for s in range(0, lens[i], block_m)]
+        rows = block_m * g_pad
+        block_d = max(16, _pow2(d))
+        n = len(tile_seq) * kv_heads * splits if splits > 1 else 0
+        dev = self.device
+        return _Launch(
+            tile_seq=torch.tensor(tile_seq, dtype=torch.int32).to(dev),
+            tile_start=torch.tensor(tile_start, dtype=torch.int32).to(dev),
+            block_m=block_m,
+            num_splits=splits,
+            part_acc=torch.empty(max(n, 1) * rows * block_d, dtype=torch.float32, device=dev),
+            part_ml=torch.empty(max(n, 1) * 2 * rows, dtype=torch.float32, device=dev),
+        )
+
+
+def _block(table: Mapping[int, int], logical: int) -> int:
+    try:
+        return table[logical]
+    except KeyError:
+        raise TritonLaunchError(f"logical block {logical} is needed but not in the sequence's table") from None
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise TritonLaunchError(message)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+__all__ = ["HEAD_SIZES", "Launch", "TritonBackend", "TritonLaunchError", "check_device", "interpreting"]
