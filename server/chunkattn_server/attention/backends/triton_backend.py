@@ -54,7 +54,8 @@ class _Launch:
 
     tile_seq: torch.Tensor  # [tiles] int32
     tile_start: torch.Tensor  # [tiles] int32
-    block_m: int
+    rows: int  # ROWS: a power of two >= 16
+    block_m: int  # tokens per tile: rows // GROUP
     num_splits: int
     part_acc: torch.Tensor  # [tiles, Hkv, splits, R, BLOCK_D] float32 (empty when num_splits == 1)
     part_ml: torch.Tensor  # [tiles, Hkv, splits, 2, R] float32
@@ -171,21 +172,25 @@ class TritonBackend:
         width = max(1, max((len(t) for t in table_rows), default=1))
         tables = torch.tensor([t + [0] * (width - len(t)) for t in table_rows], dtype=torch.int32)
         group = heads // kv_heads
-        g_pad = _pow2(group)
         decodes = [i for i, n in enumerate(lens) if n == 1]
         prefills = [i for i, n in enumerate(lens) if n > 1]
         parts = []
         if decodes:
-            block_m = max(1, 16 // g_pad)
             ctx = max(poss[i] - (poss[i] - poss[i] % chunk if chunk else 0) + 1 for i in decodes)
             parts.append(
                 self._part(
-                    decodes, lens, block_m, self._splits(len(decodes) * kv_heads, ctx), kv_heads, g_pad, head_size
+                    decodes,
+                    lens,
+                    _pow2(max(16, group)),
+                    self._splits(len(decodes) * kv_heads, ctx),
+                    group,
+                    kv_heads,
+                    head_size,
                 )
             )
         if prefills:
-            block_m = max(1, self.prefill_rows // g_pad)
-            parts.append(self._part(prefills, lens, block_m, 1, kv_heads, g_pad, head_size))
+            prefill_rows = _pow2(max(self.prefill_rows, group))
+            parts.append(self._part(prefills, lens, prefill_rows, 1, group, kv_heads, head_size))
         dev = self.device
         return Launch(
             batch=batch,
@@ -210,7 +215,6 @@ class TritonBackend:
         group = heads // kv_heads
         meta = {
             "GROUP": group,
-            "G_PAD": _pow2(group),
             "HEAD_D": head_size,
             "BLOCK_D": max(16, _pow2(head_size)),
         }
@@ -224,7 +228,7 @@ class TritonBackend:
                 b.chunk_size, b.scale * LOG2E,
                 out.stride(0), out.stride(1), q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                 v.stride(0), v.stride(1), kp.stride(0), kp.stride(1), kp.stride(2), launch.tables.stride(0),
-                BLOCK_M=part.block_m, BLOCK_N=self.block_n, BLOCK_SIZE=block_size,
+                ROWS=part.rows, BLOCK_M=part.block_m, BLOCK_N=self.block_n, BLOCK_SIZE=block_size,
                 NUM_SPLITS=part.num_splits, HAS_ALIBI=b.alibi_slopes is not None, IEEE=q.dtype == torch.float32,
                 num_warps=self.num_warps, **meta,
             )  # fmt: skip
@@ -232,7 +236,8 @@ class TritonBackend:
                 kern.combine_splits[(tiles, kv_heads)](
                     out, part.part_acc, part.part_ml, part.tile_seq, part.tile_start, launch.seq_row,
                     launch.seq_len, out.stride(0), out.stride(1),
-                    BLOCK_M=part.block_m, NUM_SPLITS=part.num_splits, num_warps=self.num_warps, **meta,
+                    ROWS=part.rows, BLOCK_M=part.block_m, NUM_SPLITS=part.num_splits, num_warps=self.num_warps,
+                    **meta,
                 )  # fmt: skip
 
     # -- helpers -------------------------------------------------------------------------------------
@@ -247,17 +252,18 @@ class TritonBackend:
         return max(1, min(want, 16, context // (4 * self.block_n)))
 
     def _part(
-        self, seqs: Sequence[int], lens: Sequence[int], block_m: int, splits: int, kv_heads: int, g_pad: int, d: int
+        self, seqs: Sequence[int], lens: Sequence[int], rows: int, splits: int, group: int, kv_heads: int, d: int
     ) -> _Launch:
+        block_m = rows // group
         tile_seq = [i for i in seqs for _ in range(0, lens[i], block_m)]
         tile_start = [s for i in seqs for s in range(0, lens[i], block_m)]
-        rows = block_m * g_pad
         block_d = max(16, _pow2(d))
         n = len(tile_seq) * kv_heads * splits if splits > 1 else 0
         dev = self.device
         return _Launch(
             tile_seq=torch.tensor(tile_seq, dtype=torch.int32).to(dev),
             tile_start=torch.tensor(tile_start, dtype=torch.int32).to(dev),
+            rows=rows,
             block_m=block_m,
             num_splits=splits,
             part_acc=torch.empty(max(n, 1) * rows * block_d, dtype=torch.float32, device=dev),

@@ -7,12 +7,12 @@ Layouts (every stride is passed, so views work):
 
 ``chunked_paged_attention`` serves a mixed batch (prefill pieces and decodes) with no host-side chunk
 split. A program owns BLOCK_M queries of one sequence and one KV head, with all GROUP query heads of that
-KV head packed as rows, so each K/V block is loaded once for the whole group. From its queries' positions
-it derives the chunk start (``p - p % C``; 0 when C == 0) and visits only keys in
-[chunk start of its first query, its last query]: keys before the sequence's first new position from the
-paged cache through the block table, later ones from the call's rows. Softmax is online, in float32
-(base 2). With NUM_SPLITS > 1 (flash-decoding), the key range is split across programs that write
-partial results, and ``combine_splits`` merges them exactly.
+KV head packed as rows (BLOCK_M * GROUP of ROWS, a power of two >= 16 for tl.dot), so each K/V block is
+loaded once for the whole group. From its queries' positions it derives the chunk start (``p - p % C``;
+0 when C == 0) and visits only keys in [chunk start of its first query, its last query]: keys before the
+sequence's first new position from the paged cache through the block table, later ones from the call's
+rows. Softmax is online, in float32 (base 2). With NUM_SPLITS > 1 (flash-decoding), the key range is
+split across programs that write partial results, and ``combine_splits`` merges them exactly.
 """
 
 from __future__ import annotations
@@ -69,18 +69,19 @@ def _update(
 @triton.jit
 def _tile_rows(
     tile, h, tile_seq_ptr, tile_start_ptr, seq_row_ptr, seq_len_ptr,
-    GROUP: tl.constexpr, G_PAD: tl.constexpr, R: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, R: tl.constexpr,
 ):  # fmt: skip
-    """A tile's R rows (BLOCK_M tokens x G_PAD heads): sequence, first query, and per row the token's index
-    in its sequence, its row in q/out, the query head and whether the row is real (not padding)."""
+    """A tile's R rows (BLOCK_M tokens x GROUP heads, then padding up to R, a power of two): sequence, first
+    query, and per row the token's index in its sequence, its row in q/out, the query head and whether the
+    row is real."""
     b = tl.load(tile_seq_ptr + tile)
     start = tl.load(tile_start_ptr + tile)
     n = tl.load(seq_len_ptr + b)
     r = tl.arange(0, R)
-    tok = start + r // G_PAD
-    g = r % G_PAD
+    tok = start + r // GROUP
+    g = r % GROUP
     row = (tl.load(seq_row_ptr + b) + tok).to(tl.int64)
-    return b, start, n, tok, row, h * GROUP + g, (tok < n) & (g < GROUP)
+    return b, start, n, tok, row, h * GROUP + g, (r < BLOCK_M * GROUP) & (tok < n)
 
 
 @triton.jit
@@ -98,17 +99,17 @@ def chunked_paged_attention(
     chunk_size, scale_log2,
     stride_ot, stride_oh, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ph, stride_pb, stride_ps, stride_tb,
-    GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr, HAS_ALIBI: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     """Grid (tiles, Hkv, NUM_SPLITS). Tile i holds queries tile_start[i].. of sequence tile_seq[i]."""
-    R: tl.constexpr = BLOCK_M * G_PAD
+    R: tl.constexpr = ROWS
     tile = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
     b, start, n, tok, row, head, valid = _tile_rows(
-        tile, h, tile_seq_ptr, tile_start_ptr, seq_row_ptr, seq_len_ptr, GROUP, G_PAD, R
+        tile, h, tile_seq_ptr, tile_start_ptr, seq_row_ptr, seq_len_ptr, GROUP, BLOCK_M, R
     )
     row0 = tl.load(seq_row_ptr + b)
     pos0 = tl.load(seq_pos_ptr + b)
@@ -191,15 +192,15 @@ def chunked_paged_attention(
 def combine_splits(
     out_ptr, part_acc_ptr, part_ml_ptr, tile_seq_ptr, tile_start_ptr, seq_row_ptr, seq_len_ptr,
     stride_ot, stride_oh,
-    GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_D: tl.constexpr,
+    GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_D: tl.constexpr,
     BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
 ):  # fmt: skip
     """Grid (tiles, Hkv): merge the splits' partial results by their maxima (exact, like log-sum-exp)."""
-    R: tl.constexpr = BLOCK_M * G_PAD
+    R: tl.constexpr = ROWS
     tile = tl.program_id(0)
     h = tl.program_id(1)
     _, _, _, _, row, head, valid = _tile_rows(
-        tile, h, tile_seq_ptr, tile_start_ptr, seq_row_ptr, seq_len_ptr, GROUP, G_PAD, R
+        tile, h, tile_seq_ptr, tile_start_ptr, seq_row_ptr, seq_len_ptr, GROUP, BLOCK_M, R
     )
     r = tl.arange(0, R)
     d = tl.arange(0, BLOCK_D)

@@ -1,0 +1,34 @@
+"""benchmarks/gpu.py --dry-run: the GPU script's code paths at tiny shapes on the CPU, under the interpreter,
+so the script a lent GPU runs cannot rot."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_benchmark_dry_run_checks_times_and_reports(tmp_path: Path) -> None:
+    out = tmp_path / "gpu.json"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--dry-run", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    data = json.loads(out.read_text())
+    assert data["dry_run"] is True
+    assert [c["case"] for c in data["checks"]] == [
+        "scout heads, float16", "scout heads, float32", "head size 64, GQA 4", "ALiBi, chunked and global",
+    ]  # fmt: skip
+    assert set(data["prefill"]["seconds"]) == {"triton", "torch", "flex", "sdpa_per_chunk"}
+    assert set(data["decode"]["seconds"]) == {"triton", "triton_prepare_and_run", "torch", "sdpa_contiguous"}
+    assert all(t > 0 for t in [*data["prefill"]["seconds"].values(), *data["decode"]["seconds"].values()])
+    assert data["decode"]["max_error_vs_sdpa"] < 1e-2  # the kernels against SDPA on a contiguous copy
+    assert data["decode"]["graph"] == {"captured": False, "matches_eager": None}  # no CUDA here
+    assert "flex / triton" in result.stdout
+    assert "not measured: a dry run" in result.stdout
