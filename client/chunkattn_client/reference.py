@@ -184,6 +184,12 @@ class ReferenceModel:
             )
         return np.concatenate(outs, axis=0)
 
+    def fork(self, parent: str, child: str) -> None:
+        """``child`` starts with ``parent``'s history in every layer (the server's Fork)."""
+        for (seq_id, layer), kv in list(self._kv.items()):
+            if seq_id == parent:
+                self._kv[(child, layer)] = kv  # arrays are never modified in place: sharing them is safe
+
     def release(self, seq_id: str) -> None:
         """Forget a sequence in every layer."""
         for key in [key for key in self._kv if key[0] == seq_id]:

@@ -28,6 +28,7 @@ from chunkattn_server.errors import (
     InvalidTensor,
     OutOfBlocks,
     PositionMismatch,
+    SequenceExists,
     UnknownLayer,
     UnknownSequence,
 )
@@ -179,7 +180,8 @@ class Engine:
         self._check_positions(layer, spec, entries, states)
         group = self._group_of[layer]
         writes = self._plan_writes(layer, spec, entries, states)
-        needed = sum(len(missing) for _, missing in writes)
+        shared = self._shared_blocks_written(group, entries, writes, states)
+        needed = sum(len(missing) for _, missing in writes) + sum(len(s) for s in shared)
         if not self.pool.can_allocate(needed):
             raise OutOfBlocks(
                 f"layer {layer}: the batch needs {needed} new KV blocks of {self.block_size} tokens and the"
@@ -189,6 +191,7 @@ class Engine:
 
         created: list[str] = []
         taken: list[tuple[dict[int, int], int]] = []
+        copied: list[tuple[dict[int, int], int, int]] = []  # (table, logical, the shared block it had)
         try:
             live: list[SequenceState] = []
             for e, state in zip(entries, states, strict=True):
@@ -205,8 +208,21 @@ class Engine:
                     ):
                         table[logical] = physical
                         taken.append((table, logical))
+            for state, logicals in zip(live, shared, strict=True):
+                table = state.tables[group.index]
+                for logical in logicals:  # copy-on-write: never write into a block another sequence reads
+                    old = table[logical]
+                    (new,) = self.pool.allocate(1, after=table.get(logical - 1))
+                    self.cache.copy_block(old, new)
+                    table[logical] = new
+                    self.pool.free([old])
+                    copied.append((table, logical, old))
             out = self._compute(layer, spec, entries, live, writes, q, k, v).to(q.dtype)
         except BaseException:
+            for table, logical, old in reversed(copied):
+                self.pool.share([old])
+                self.pool.free([table[logical]])
+                table[logical] = old
             self.pool.free(table.pop(logical) for table, logical in taken)
             for seq_id in created:
                 del self._seqs[seq_id]
@@ -309,7 +325,45 @@ class Engine:
             writes.append((start, missing))
         return writes
 
+    def _shared_blocks_written(
+        self,
+        group: KVGroup,
+        entries: Sequence[BatchEntry],
+        writes: list[tuple[int, list[int]]],
+        states: list[SequenceState | None],
+    ) -> list[list[int]]:
+        """Per entry: the logical blocks the call writes into that have other owners (after a fork)."""
+        bs = self.block_size
+        out: list[list[int]] = []
+        for e, (start, _), state in zip(entries, writes, states, strict=True):
+            end = e.position + e.num_tokens
+            if state is None or start >= end:
+                out.append([])
+                continue
+            table = state.tables[group.index]
+            out.append([b for b in range(start // bs, -(-end // bs)) if b in table and self.pool.owners(table[b]) > 1])
+        return out
+
     # -- the control plane ---------------------------------------------------------------------------
+
+    def fork(self, parent: str, child: str) -> int:
+        """A new sequence ``child`` with ``parent``'s tokens in every layer, sharing its blocks copy-on-write
+        (parallel sampling, beam search): no copy now; whichever of the two first writes into a shared block
+        gets its own copy then. Returns the number of blocks shared.
+
+        Raises UnknownSequence (no parent), SequenceExists (child taken) or InvalidBatch (a bad id).
+        """
+        state = self._seqs.get(parent)
+        if state is None:
+            raise UnknownSequence(f"cannot fork sequence {parent!r}: it does not exist")
+        if not isinstance(child, str) or not child:
+            raise InvalidBatch(f"the new sequence's id must be a non-empty string, got {child!r}")
+        if child in self._seqs:
+            raise SequenceExists(f"cannot fork into {child!r}: a sequence with that id exists; pick a new id")
+        blocks = state.blocks()
+        self.pool.share(blocks)
+        self._seqs[child] = SequenceState(child, list(state.lengths), [dict(t) for t in state.tables])
+        return len(blocks)
 
     def release(self, seq_ids: Iterable[str], *, missing_ok: bool = False) -> int:
         """Drop sequences and return their blocks; returns how many existed.

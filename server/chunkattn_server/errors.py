@@ -38,6 +38,10 @@ class UnknownSequence(EngineError):
     """The sequence does not exist and the call does not start it (position > 0)."""
 
 
+class SequenceExists(EngineError):
+    """A sequence id that is already in use where a new one is required (fork, import)."""
+
+
 class PositionMismatch(EngineError):
     """The position disagrees with the sequence's state in that layer."""
 
@@ -52,6 +56,7 @@ _STATUS: dict[type[BaseException], grpc.StatusCode] = {
     MemoryError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     UnknownSequence: grpc.StatusCode.NOT_FOUND,
+    SequenceExists: grpc.StatusCode.ALREADY_EXISTS,
     PositionMismatch: grpc.StatusCode.FAILED_PRECONDITION,
     OutOfBlocks: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }

@@ -3,6 +3,10 @@
 Callers ask before they act (``can_allocate`` then ``allocate``), so a request that cannot be served is
 refused before anything changes.
 
+A used block may have several owners (forked sequences share blocks copy-on-write): ``share`` adds an
+owner, ``free`` drops one, and the block returns to the pool with its last owner. A shared block counts
+once in ``num_used``.
+
 Placement keeps each sequence's blocks contiguous where it can, because attention reads a run of
 consecutive blocks as one strided view and must gather scattered ones (a copy):
 - a sequence that grows continues its run (``after``) while the next ids are free;
@@ -19,7 +23,8 @@ from chunkattn_server.errors import OutOfBlocks
 
 
 class BlockPool:
-    """Free/used bookkeeping for block ids 0..num_blocks-1. Every id is either free or used, never both."""
+    """Free/used bookkeeping for block ids 0..num_blocks-1. Every id is either free or used (by one or more
+    owners), never both."""
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks <= 0:
@@ -29,6 +34,7 @@ class BlockPool:
         # Free extents [start, start + length), kept merged: start -> length, and end -> start.
         self._extent: dict[int, int] = {0: num_blocks}
         self._extent_at_end: dict[int, int] = {num_blocks: 0}
+        self._extra_owners: dict[int, int] = {}  # used blocks with more than one owner: owners - 1
 
     @property
     def num_free(self) -> int:
@@ -40,6 +46,19 @@ class BlockPool:
 
     def is_free(self, block: int) -> bool:
         return block in self._free
+
+    def owners(self, block: int) -> int:
+        """How many owners a block has (0: free)."""
+        return 0 if block in self._free else 1 + self._extra_owners.get(block, 0)
+
+    def share(self, blocks: Iterable[int]) -> None:
+        """Add an owner to each used block. A free or unknown id is a bug: ValueError, nothing changed."""
+        blocks = list(blocks)
+        bad = [b for b in blocks if not 0 <= b < self.num_blocks or b in self._free]
+        if bad:
+            raise ValueError(f"sharing blocks that are not in use: {sorted(bad)}")
+        for b in blocks:
+            self._extra_owners[b] = self._extra_owners.get(b, 0) + 1
 
     def can_allocate(self, n: int) -> bool:
         return 0 <= n <= len(self._free)
@@ -66,12 +85,18 @@ class BlockPool:
         return taken
 
     def free(self, blocks: Iterable[int]) -> None:
-        """Return used ids to the pool. A free, duplicate or unknown id is a bug: ValueError, nothing changed."""
+        """Drop one owner of each id; an id whose last owner goes returns to the pool. A free, duplicate or
+        unknown id is a bug: ValueError, nothing changed."""
         blocks = list(blocks)
         bad = [b for b in blocks if not 0 <= b < self.num_blocks or b in self._free]
         if bad or len(set(blocks)) != len(blocks):
             raise ValueError(f"freeing blocks that are not in use (or twice): {sorted(bad) or blocks}")
         for b in blocks:
+            extra = self._extra_owners.pop(b, 0)
+            if extra:
+                if extra > 1:
+                    self._extra_owners[b] = extra - 1
+                continue
             self._free.add(b)
             start, end = b, b + 1
             if b in self._extent_at_end:  # merge with the extent that ends at b

@@ -39,6 +39,11 @@ class KVCache:
         """Bytes of K and V pages one block id costs across all storage slots."""
         return 2 * num_slots * block_size * num_kv_heads * head_size * itemsize
 
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy block ``src`` into ``dst`` in every slot (a copy-on-write of a shared block)."""
+        for pages in (*self.k, *self.v):
+            pages[:, dst].copy_(pages[:, src])
+
     def read(self, slot: int, token_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies k, v [n, num_kv_heads, head_size] of the tokens at slots [n] int64."""
         heads, blocks, bs, dim = self.k[slot].shape
