@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -24,10 +24,13 @@ from chunkattn_server.attention.backends import AttentionBatch, Backend, TorchBa
 from chunkattn_server.config import EngineConfig, KVGroup, LayerSpec
 from chunkattn_server.errors import (
     ConfigError,
+    DataLoss,
+    IncompatibleKV,
     InvalidBatch,
     InvalidTensor,
     OutOfBlocks,
     PositionMismatch,
+    SequenceChanged,
     SequenceExists,
     UnknownLayer,
     UnknownSequence,
@@ -35,6 +38,7 @@ from chunkattn_server.errors import (
 from chunkattn_server.kv.block_pool import BlockPool
 from chunkattn_server.kv.cache import KVCache
 from chunkattn_server.kv.sequences import Retention, SequenceState, chunk_start
+from chunkattn_server.kv.transfer import BlockRecord, KVManifest, ModelFingerprint, record_bytes
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -365,6 +369,143 @@ class Engine:
         self._seqs[child] = SequenceState(child, list(state.lengths), [dict(t) for t in state.tables])
         return len(blocks)
 
+    # -- KV transfer (see kv/transfer.py) ---------------------------------------------------------------
+
+    def fingerprint(self) -> ModelFingerprint:
+        model = self.config.model
+        return ModelFingerprint(
+            num_heads=model.num_heads,
+            num_kv_heads=model.num_kv_heads,
+            head_size=model.head_size,
+            block_size=self.block_size,
+            chunk_sizes=tuple(x.chunk_size for x in model.layers),
+            kv_sources=tuple(x.kv_source for x in model.layers),
+            cache_dtype=str(self.dtype).removeprefix("torch."),
+        )
+
+    def export_manifest(self, seq_id: str, layers: Sequence[int] | None = None) -> KVManifest:
+        """What an export of ``seq_id`` (every layer, or ``layers``) sends. Raises UnknownSequence,
+        UnknownLayer, or InvalidBatch for a KV-sharing layer listed without its source."""
+        state = self._seqs.get(seq_id)
+        if state is None:
+            raise UnknownSequence(f"cannot export sequence {seq_id!r}: it does not exist")
+        model = self.config.model
+        listed = sorted(set(range(model.num_layers) if layers is None else layers))
+        for layer in listed:
+            spec = self._layer_spec(layer)
+            if spec.kv_source is not None and spec.kv_source not in listed:
+                raise InvalidBatch(
+                    f"layer {layer} reads layer {spec.kv_source}'s KV: export layer {spec.kv_source} too"
+                )
+        writing = tuple(x for x in listed if model.layers[x].kv_source is None)
+        groups = {self._group_of[x].index for x in writing}
+        return KVManifest(
+            seq_id=seq_id,
+            model=self.fingerprint(),
+            lengths=tuple(state.lengths[x] if x in listed else 0 for x in range(model.num_layers)),
+            layers=writing,
+            blocks=tuple(tuple(sorted(t)) if g in groups else () for g, t in enumerate(state.tables)),
+            group_of=tuple(g.index for g in self._group_of),
+        )
+
+    def export_records(self, manifest: KVManifest, items: Sequence[tuple[int, int]]) -> list[BlockRecord]:
+        """The records (layer, logical block) of an export, copied to host memory with their checksums.
+
+        Raises SequenceChanged when the sequence is no longer what the manifest describes."""
+        state = self._seqs.get(manifest.seq_id)
+        current = None if state is None else self.export_manifest(manifest.seq_id, _listed(manifest))
+        if current != manifest or state is None:
+            raise SequenceChanged(f"sequence {manifest.seq_id!r} changed during its export; export it again")
+        records: list[BlockRecord] = []
+        for layer in dict.fromkeys(x for x, _ in items):
+            logicals = [b for x, b in items if x == layer]
+            table = state.tables[self._group_of[layer].index]
+            index = torch.tensor([table[b] for b in logicals], device=self.device)
+            slot = self._slot_of[layer]
+            k, v = (_host_bytes(p[slot].index_select(1, index).transpose(0, 1)) for p in (self.cache.k, self.cache.v))
+            size = len(k) // len(logicals)
+            for i, b in enumerate(logicals):
+                kb, vb = k[i * size : (i + 1) * size], v[i * size : (i + 1) * size]
+                records.append(BlockRecord(layer, b, kb, vb, BlockRecord.checksum(layer, b, kb, vb)))
+        return records
+
+    def begin_import(self, manifest: KVManifest) -> ImportSession:
+        """Check a manifest against this engine and reserve every block it needs (see kv/transfer.py).
+
+        Raises IncompatibleKV, SequenceExists or OutOfBlocks, having reserved nothing."""
+        diffs = self.fingerprint().differences(manifest.model)
+        if diffs:
+            raise IncompatibleKV("the KV comes from another model shape: " + "; ".join(diffs))
+        model = self.config.model
+        groups = len(self.groups)
+        if (
+            len(manifest.lengths) != model.num_layers
+            or len(manifest.blocks) != groups
+            or manifest.group_of != tuple(g.index for g in self._group_of)
+            or any(n < 0 for n in manifest.lengths)
+            or any(model.layers[x].kv_source is not None for x in manifest.layers)
+        ):
+            raise IncompatibleKV("the KV manifest contradicts this model's layers and KV groups")
+        probe = SequenceState(manifest.seq_id, list(manifest.lengths), [dict.fromkeys(b, 0) for b in manifest.blocks])
+        for group in self.groups:
+            needed = {b for lo, hi in self._retention.needed_blocks(probe, group) for b in range(lo, hi)}
+            if not needed <= set(manifest.blocks[group.index]):
+                raise IncompatibleKV(f"the KV manifest lacks blocks of KV group {group.index} that its lengths need")
+        if not manifest.seq_id or manifest.seq_id in self._seqs:
+            raise SequenceExists(f"cannot import into {manifest.seq_id!r}: a sequence with that id exists")
+        total = sum(len(b) for b in manifest.blocks)
+        if not self.pool.can_allocate(total):
+            raise OutOfBlocks(
+                f"the import needs {total} KV blocks and the pool has {self.pool.num_free} free of"
+                f" {self.pool.num_blocks}; release sequences or start the server with a larger pool"
+            )
+        tables: list[dict[int, int]] = []
+        for logicals in manifest.blocks:
+            tables.append(dict(zip(logicals, self.pool.allocate(len(logicals)), strict=True)))
+        return ImportSession(
+            manifest, tables, set(manifest.expected()), record_bytes(manifest.model, self.dtype.itemsize)
+        )
+
+    def import_records(self, session: ImportSession, records: Sequence[BlockRecord]) -> None:
+        """Check and write records of an import. Raises IncompatibleKV (unexpected, repeated or misshapen
+        record) or DataLoss (checksum); the caller then aborts the session."""
+        model = self.config.model
+        shape = (model.num_kv_heads, self.block_size, model.head_size)
+        for r in records:
+            key = (r.layer, r.logical)
+            if key not in session.expected or key in session.received:
+                raise IncompatibleKV(f"record (layer {r.layer}, block {r.logical}) is not expected or came twice")
+            if len(r.k) + len(r.v) != session.record_bytes or len(r.k) != len(r.v):
+                raise IncompatibleKV(f"record (layer {r.layer}, block {r.logical}) has the wrong size")
+            if not r.intact():
+                raise DataLoss(f"record (layer {r.layer}, block {r.logical}) fails its checksum: the data is damaged")
+            block = session.tables[self._group_of[r.layer].index][r.logical]
+            slot = self._slot_of[r.layer]
+            for pages, data in ((self.cache.k[slot], r.k), (self.cache.v[slot], r.v)):
+                pages[:, block] = _from_bytes(data, self.dtype, shape).to(self.device)
+            session.received.add(key)
+
+    def commit_import(self, session: ImportSession) -> int:
+        """Make the imported sequence visible; returns its block count. Raises DataLoss when records are
+        missing or SequenceExists when the id was taken meanwhile; the caller then aborts the session."""
+        missing = len(session.expected) - len(session.received)
+        if missing:
+            raise DataLoss(
+                f"the KV stream ended with {missing} of {len(session.expected)} records missing: it was cut short"
+            )
+        seq_id = session.manifest.seq_id
+        if seq_id in self._seqs:
+            raise SequenceExists(f"cannot import into {seq_id!r}: a sequence with that id was created meanwhile")
+        self._seqs[seq_id] = SequenceState(seq_id, list(session.manifest.lengths), session.tables)
+        session.committed = True
+        return sum(len(t) for t in session.tables)
+
+    def abort_import(self, session: ImportSession) -> None:
+        """Return an unfinished import's blocks (idempotent; nothing to do after a commit)."""
+        if not session.committed:
+            self.pool.free(b for t in session.tables for b in t.values())
+            session.tables = [{} for _ in session.tables]
+
     def release(self, seq_ids: Iterable[str], *, missing_ok: bool = False) -> int:
         """Drop sequences and return their blocks; returns how many existed.
 
@@ -511,6 +652,33 @@ def _check_tensor(name: str, t: object, shape: tuple[int, ...], meaning: str, dt
         raise InvalidTensor(f"{name} has dtype {t.dtype}; expected q's dtype {dtype}")
     if tuple(t.shape) != shape:
         raise InvalidTensor(f"{name} has shape {list(t.shape)}; expected {list(shape)} {meaning}")
+
+
+@dataclass
+class ImportSession:
+    """An import in progress: its reserved blocks (per KV group), the records expected and received."""
+
+    manifest: KVManifest
+    tables: list[dict[int, int]]
+    expected: set[tuple[int, int]]
+    record_bytes: int
+    received: set[tuple[int, int]] = field(default_factory=set)
+    committed: bool = False
+
+
+def _listed(manifest: KVManifest) -> list[int]:
+    """The layers an export covered: its writing layers and the sharers it carried lengths for."""
+    return [x for x, n in enumerate(manifest.lengths) if x in manifest.layers or n > 0]
+
+
+def _host_bytes(t: torch.Tensor) -> bytes:
+    """The raw bytes of a tensor (any dtype), C-contiguous, on the host."""
+    t = t.contiguous().cpu()
+    return bytes(t.view(torch.uint8).numpy()) if t.numel() else b""
+
+
+def _from_bytes(data: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).view(shape)
 
 
 def _slots(table: dict[int, int], start: int, end: int, block_size: int) -> np.ndarray:

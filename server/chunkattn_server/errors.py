@@ -38,6 +38,18 @@ class UnknownSequence(EngineError):
     """The sequence does not exist and the call does not start it (position > 0)."""
 
 
+class IncompatibleKV(InvalidArgument):
+    """Imported KV does not fit this engine: another model shape, or a manifest that contradicts itself."""
+
+
+class DataLoss(EngineError):
+    """Imported KV arrived damaged or incomplete (a checksum mismatch, a truncated stream)."""
+
+
+class SequenceChanged(EngineError):
+    """A sequence changed while it was being exported (a call to it ran in between): export it again."""
+
+
 class SequenceExists(EngineError):
     """A sequence id that is already in use where a new one is required (fork, import)."""
 
@@ -57,6 +69,8 @@ _STATUS: dict[type[BaseException], grpc.StatusCode] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     UnknownSequence: grpc.StatusCode.NOT_FOUND,
     SequenceExists: grpc.StatusCode.ALREADY_EXISTS,
+    DataLoss: grpc.StatusCode.DATA_LOSS,
+    SequenceChanged: grpc.StatusCode.ABORTED,
     PositionMismatch: grpc.StatusCode.FAILED_PRECONDITION,
     OutOfBlocks: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }

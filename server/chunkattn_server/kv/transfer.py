@@ -1,0 +1,91 @@
+"""A sequence's live KV as data that can leave one engine and enter another (no protobuf here).
+
+An export is a ``KVManifest`` (the model it came from, the sequence's length in every layer, and per KV
+group the logical blocks it holds) followed by one ``BlockRecord`` per (exported writing layer, logical
+block): that layer's K and V pages of the block, as raw bytes, with a CRC-32 over the layer, the block
+index and the bytes. Only live blocks exist to be sent: a chunked group holds its current chunk, a
+global group everything, so a 128K-token prompt with C = 8192 sends at most 8K tokens' worth for each
+chunked layer.
+
+An import is a session: ``begin`` checks the manifest against this engine (model, free id, free
+blocks) and reserves every block; ``add`` checks each record (expected, not seen, CRC) and writes it;
+``commit`` checks that every expected record arrived and only then makes the sequence visible.
+``abort`` (or any failure) returns every reserved block: a broken stream leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelFingerprint:
+    """What two engines must agree on for KV to move between them."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+    chunk_sizes: tuple[int, ...]
+    kv_sources: tuple[int | None, ...]
+    cache_dtype: str
+
+    def differences(self, other: ModelFingerprint) -> list[str]:
+        """Human descriptions of every field that differs ("head_size: 128 here, 64 in the stream")."""
+        return [
+            f"{name}: {getattr(self, name)} here, {getattr(other, name)} in the stream"
+            for name in self.__dataclass_fields__
+            if getattr(self, name) != getattr(other, name)
+        ]
+
+
+@dataclass(frozen=True)
+class KVManifest:
+    """Everything about an export but the data.
+
+    lengths: tokens per layer (0 for a layer that is not exported).
+    layers: the exported writing layers, whose blocks follow.
+    blocks: per KV group, the logical blocks the sequence holds there (sorted).
+    """
+
+    seq_id: str
+    model: ModelFingerprint
+    lengths: tuple[int, ...]
+    layers: tuple[int, ...]
+    blocks: tuple[tuple[int, ...], ...]
+    group_of: tuple[int, ...]  # per layer: its KV group
+
+    def expected(self) -> list[tuple[int, int]]:
+        """(layer, logical block) of every record, in the order an export sends them."""
+        return [(layer, b) for layer in self.layers for b in self.blocks[self.group_of[layer]]]
+
+
+@dataclass(frozen=True)
+class BlockRecord:
+    """One layer's K and V pages of one logical block: bytes of [num_kv_heads, block_size, head_size]."""
+
+    layer: int
+    logical: int
+    k: bytes
+    v: bytes
+    crc32: int
+
+    @staticmethod
+    def checksum(layer: int, logical: int, k: bytes | memoryview, v: bytes | memoryview) -> int:
+        crc = zlib.crc32(f"{layer}:{logical}:".encode())
+        return zlib.crc32(v, zlib.crc32(k, crc))
+
+    def intact(self) -> bool:
+        return self.checksum(self.layer, self.logical, self.k, self.v) == self.crc32
+
+
+def record_bytes(model: ModelFingerprint, itemsize: int) -> int:
+    """Bytes of K plus V in one record."""
+    return 2 * model.num_kv_heads * model.block_size * model.head_size * itemsize
+
+
+def batches(items: Sequence[tuple[int, int]], per_batch: int) -> list[Sequence[tuple[int, int]]]:
+    """``items`` cut into runs of at most ``per_batch``."""
+    return [items[i : i + per_batch] for i in range(0, len(items), per_batch)]

@@ -1,0 +1,170 @@
+"""Moving a sequence's live KV between engines: export, import, and what a broken import leaves (nothing)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from chunkattn_client import BatchEntry
+from chunkattn_server import CacheConfig, Engine, EngineConfig, LayerSpec, ModelShape
+from chunkattn_server.errors import DataLoss, IncompatibleKV, OutOfBlocks, SequenceChanged, SequenceExists
+from chunkattn_server.kv.transfer import BlockRecord, KVManifest, batches
+from tests.harness import MODELS, snapshot
+
+
+def engine(model: ModelShape, num_blocks: int = 512) -> Engine:
+    return Engine(EngineConfig(model, CacheConfig(block_size=4, num_blocks=num_blocks), device="cpu"))
+
+
+def move(src: Engine, dst: Engine, seq_id: str, *, new_id: str | None = None, per_batch: int = 3) -> KVManifest:
+    """Export ``seq_id`` from src and import it into dst, a few records at a time, as a stream would."""
+    manifest = src.export_manifest(seq_id)
+    session = dst.begin_import(dataclasses.replace(manifest, seq_id=new_id or seq_id))
+    try:
+        for batch in batches(manifest.expected(), per_batch):
+            dst.import_records(session, src.export_records(manifest, batch))
+        dst.commit_import(session)
+    finally:
+        dst.abort_import(session)
+    return manifest
+
+
+class Feed:
+    """The same random tensors for every engine it drives."""
+
+    def __init__(self, model: ModelShape) -> None:
+        self.model = model
+        self.g = torch.Generator().manual_seed(0)
+
+    def step(self, engines: list[Engine], seq_ids: list[str], position: int, n: int) -> list[list[torch.Tensor]]:
+        outs: list[list[torch.Tensor]] = [[] for _ in engines]
+        m = self.model
+        for layer, spec in enumerate(m.layers):
+            q = torch.randn(n, m.num_heads, m.head_size, generator=self.g)
+            kv = [torch.randn(n, m.num_kv_heads, m.head_size, generator=self.g) for _ in range(2)]
+            k, v = (None, None) if spec.kv_source is not None else kv
+            for i, (e, s) in enumerate(zip(engines, seq_ids, strict=True)):
+                outs[i].append(e.attend(layer, [BatchEntry(s, position, n)], q, k, v))
+        return outs
+
+
+@pytest.mark.parametrize("model", ["gqa", "sharing", "alibi"])
+@pytest.mark.parametrize("prompt", [7, 16, 35])  # mid-chunk, on a boundary, across several
+def test_decoding_after_a_transfer_equals_decoding_without_one_bit_for_bit(model: str, prompt: int) -> None:
+    shape = MODELS[model]
+    src, dst, twin = engine(shape), engine(shape), engine(shape)
+    feed = Feed(shape)
+    feed.step([src, twin], ["s", "s"], 0, prompt)
+    before = snapshot(src)
+    move(src, dst, "s", new_id="moved")
+    assert snapshot(src) == before  # an export changes nothing
+    for i in range(20):  # across the next chunk boundaries of every chunked layer
+        ours, theirs = feed.step([dst, twin], ["moved", "s"], prompt + i, 1)
+        for a, b in zip(ours, theirs, strict=True):
+            assert torch.equal(a, b)
+
+
+def test_chunked_layers_send_at_most_one_chunk_and_a_block_whatever_the_prompt() -> None:
+    c, bs = 8, 4
+    shape = ModelShape(num_heads=4, num_kv_heads=2, head_size=8, layers=(LayerSpec(c), LayerSpec(c), LayerSpec(0)))
+    src, dst = engine(shape), engine(shape)
+    Feed(shape).step([src], ["s"], 0, 10 * c + 3)
+    manifest = move(src, dst, "s")
+    per_layer = {layer: sum(1 for x, _ in manifest.expected() if x == layer) for layer in range(3)}
+    assert per_layer[0] * bs <= c + bs
+    assert per_layer[1] * bs <= c + bs
+    assert per_layer[2] == -(-(10 * c + 3) // bs)  # the global layer sends everything
+    assert dst.sequence("s").lengths == (83, 83, 83)
+
+
+def _ready(shape: ModelShape = MODELS["gqa"]) -> tuple[Engine, Engine, KVManifest, list[BlockRecord]]:
+    src, dst = engine(shape), engine(shape)
+    Feed(shape).step([src], ["s"], 0, 21)
+    manifest = src.export_manifest("s")
+    return src, dst, manifest, src.export_records(manifest, manifest.expected())
+
+
+def _unchanged(dst: Engine) -> None:
+    assert dst.pool.num_free == dst.pool.num_blocks
+    assert dst.sequence_ids() == []
+
+
+def test_a_damaged_record_is_data_loss_and_leaves_nothing() -> None:
+    src, dst, manifest, records = _ready()
+    before = snapshot(src)
+    bad = dataclasses.replace(records[3], k=bytes([records[3].k[0] ^ 1]) + records[3].k[1:])
+    session = dst.begin_import(manifest)
+    with pytest.raises(DataLoss, match="fails its checksum"):
+        dst.import_records(session, [*records[:3], bad])
+    dst.abort_import(session)
+    _unchanged(dst)
+    assert snapshot(src) == before
+
+
+def test_a_truncated_stream_is_data_loss_and_leaves_nothing() -> None:
+    _, dst, manifest, records = _ready()
+    session = dst.begin_import(manifest)
+    dst.import_records(session, records[:-1])
+    with pytest.raises(DataLoss, match=r"1 of \d+ records missing"):
+        dst.commit_import(session)
+    dst.abort_import(session)
+    _unchanged(dst)
+
+
+@pytest.mark.parametrize("which", ["unexpected", "twice", "size"])
+def test_records_that_do_not_belong_are_refused(which: str) -> None:
+    _, dst, manifest, records = _ready()
+    session = dst.begin_import(manifest)
+    bad = {
+        "unexpected": [dataclasses.replace(records[0], logical=999)],
+        "twice": [records[0], records[0]],
+        "size": [dataclasses.replace(records[0], k=records[0].k[:-2], v=records[0].v[:-2])],
+    }[which]
+    with pytest.raises(IncompatibleKV):
+        dst.import_records(session, bad)
+    dst.abort_import(session)
+    _unchanged(dst)
+
+
+def test_another_model_shape_is_refused_by_name() -> None:
+    _, _, manifest, _ = _ready()
+    other = engine(dataclasses.replace(MODELS["gqa"], head_size=32))
+    with pytest.raises(IncompatibleKV, match="head_size: 32 here, 16 in the stream"):
+        other.begin_import(manifest)
+    _unchanged(other)
+
+
+def test_an_existing_id_and_a_full_pool_are_refused_before_anything_is_reserved() -> None:
+    _, dst, manifest, _ = _ready()
+    Feed(MODELS["gqa"]).step([dst], ["s"], 0, 3)
+    before = snapshot(dst)
+    with pytest.raises(SequenceExists, match="'s'"):
+        dst.begin_import(manifest)
+    assert snapshot(dst) == before
+    small = engine(MODELS["gqa"], num_blocks=4)
+    with pytest.raises(OutOfBlocks, match="the import needs"):
+        small.begin_import(manifest)
+    _unchanged(small)
+
+
+def test_an_id_taken_during_the_import_fails_the_commit_and_leaves_the_other_sequence() -> None:
+    _, dst, manifest, records = _ready()
+    session = dst.begin_import(manifest)
+    dst.import_records(session, records)
+    Feed(MODELS["gqa"]).step([dst], ["s"], 0, 2)
+    before = snapshot(dst)
+    with pytest.raises(SequenceExists, match="meanwhile"):
+        dst.commit_import(session)
+    dst.abort_import(session)
+    after = snapshot(dst)
+    assert after[0] == before[0]  # the other "s" is intact
+    assert after[1].used_blocks == before[1].used_blocks - sum(len(t) for t in session.manifest.blocks)
+
+
+def test_a_sequence_that_changes_during_its_export_is_reported() -> None:
+    src, _, manifest, _ = _ready()
+    Feed(MODELS["gqa"]).step([src], ["s"], 21, 1)
+    with pytest.raises(SequenceChanged, match="export it again"):
+        src.export_records(manifest, manifest.expected()[:1])
