@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Sequence
 from typing import Any
 
 import grpc
@@ -24,11 +24,15 @@ from chunkattn_client.client import (
     ATTEND_STREAM,
     DEFAULT_MAX_MESSAGE_BYTES,
     ChunkAttnError,
+    KVImport,
+    KVTransfer,
     ServerInfo,
     attend_request,
     decode_attend_response,
     open_channel,
+    renamed,
     rpc_errors,
+    transfer_request,
 )
 
 
@@ -94,6 +98,41 @@ class AsyncChunkAttnClient:
         with rpc_errors():
             r = await self._stub.Release(request, timeout=self.timeout_s)
         return int(r.released)
+
+    async def fork(self, parent: str, child: str) -> int:
+        with rpc_errors():
+            r = await self._stub.Fork(pb.ForkRequest(parent=parent, child=child), timeout=self.timeout_s)
+        return int(r.shared_blocks)
+
+    async def export_kv(
+        self, seq_id: str, *, layers: Sequence[int] = (), max_message_bytes: int = 0
+    ) -> AsyncIterator[pb.KVChunk]:
+        request = pb.ExportKVRequest(seq_id=seq_id, layers=list(layers), max_message_bytes=max_message_bytes)
+        with rpc_errors():
+            async for chunk in self._stub.ExportKV(request, timeout=self.timeout_s):
+                yield chunk
+
+    async def import_kv(self, chunks: AsyncIterable[pb.KVChunk], *, seq_id: str | None = None) -> KVImport:
+        async def feed() -> AsyncIterator[pb.KVChunk]:
+            async for c in chunks:
+                yield renamed(c, seq_id)
+
+        with rpc_errors():
+            r = await self._stub.ImportKV(feed(), timeout=self.timeout_s)
+        return KVImport(r.seq_id, r.blocks, r.records, r.bytes)
+
+    async def transfer_kv(
+        self,
+        seq_id: str,
+        target: str,
+        *,
+        new_seq_id: str = "",
+        release_after: bool = False,
+        layers: Sequence[int] = (),
+    ) -> KVTransfer:
+        request = transfer_request(seq_id, target, new_seq_id, release_after, layers)
+        with rpc_errors():
+            return KVTransfer.from_pb(await self._stub.TransferKV(request, timeout=self.timeout_s))
 
     def stream(self) -> AsyncAttendStream:
         return AsyncAttendStream(

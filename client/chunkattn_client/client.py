@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -116,6 +116,49 @@ class ServerInfo:
             active_sequences=r.active_sequences,
             max_message_bytes=r.max_message_bytes,
         )
+
+
+@dataclass(frozen=True)
+class KVImport:
+    """What ImportKV created: the sequence, its blocks, and the blocks (records) and bytes received."""
+
+    seq_id: str
+    blocks: int
+    records: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class KVTransfer:
+    """What TransferKV moved, how long it took, and whether the source released the sequence."""
+
+    blocks: int
+    records: int
+    bytes: int
+    seconds: float
+    released: bool
+
+    @classmethod
+    def from_pb(cls, r: pb.TransferKVResponse) -> KVTransfer:
+        return cls(r.blocks, r.records, r.bytes, r.seconds, r.released)
+
+
+def renamed(chunk: pb.KVChunk, seq_id: str | None) -> pb.KVChunk:
+    """The chunk, with its header's sequence id replaced when ``seq_id`` is given (import under a new id)."""
+    if not seq_id or chunk.WhichOneof("part") != "header":
+        return chunk
+    copy = pb.KVChunk()
+    copy.CopyFrom(chunk)
+    copy.header.seq_id = seq_id
+    return copy
+
+
+def transfer_request(
+    seq_id: str, target: str, new_seq_id: str, release_after: bool, layers: Sequence[int]
+) -> pb.TransferKVRequest:
+    return pb.TransferKVRequest(
+        seq_id=seq_id, target=target, new_seq_id=new_seq_id, release_after=release_after, layers=list(layers)
+    )
 
 
 def open_channel(
@@ -245,6 +288,43 @@ class ChunkAttnClient:
                 pb.ReleaseRequest(seq_ids=list(seq_ids), missing_ok=missing_ok), timeout=self.timeout_s
             )
         return int(r.released)
+
+    def fork(self, parent: str, child: str) -> int:
+        """A new sequence ``child`` sharing ``parent``'s KV copy-on-write; returns the blocks shared."""
+        with rpc_errors():
+            r = self._stub.Fork(pb.ForkRequest(parent=parent, child=child), timeout=self.timeout_s)
+        return int(r.shared_blocks)
+
+    def export_kv(self, seq_id: str, *, layers: Sequence[int] = (), max_message_bytes: int = 0) -> Iterator[pb.KVChunk]:
+        """A sequence's live KV as KVChunk messages (header, blocks, trailer), e.g. for ``kvfile.write``."""
+        request = pb.ExportKVRequest(seq_id=seq_id, layers=list(layers), max_message_bytes=max_message_bytes)
+        call = self._stub.ExportKV(request, timeout=self.timeout_s)
+
+        def chunks() -> Iterator[pb.KVChunk]:
+            with rpc_errors():
+                yield from call
+
+        return chunks()
+
+    def import_kv(self, chunks: Iterable[pb.KVChunk], *, seq_id: str | None = None) -> KVImport:
+        """Import an exported KV stream as a new sequence (named ``seq_id``, else the exported id)."""
+        with rpc_errors():
+            r = self._stub.ImportKV((renamed(c, seq_id) for c in chunks), timeout=self.timeout_s)
+        return KVImport(r.seq_id, r.blocks, r.records, r.bytes)
+
+    def transfer_kv(
+        self,
+        seq_id: str,
+        target: str,
+        *,
+        new_seq_id: str = "",
+        release_after: bool = False,
+        layers: Sequence[int] = (),
+    ) -> KVTransfer:
+        """Have this server stream ``seq_id``'s KV straight into the server at ``target`` ("host:port")."""
+        request = transfer_request(seq_id, target, new_seq_id, release_after, layers)
+        with rpc_errors():
+            return KVTransfer.from_pb(self._stub.TransferKV(request, timeout=self.timeout_s))
 
     def stream(self) -> AttendStream:
         """A bidirectional stream for a long-lived model runner: one round trip per call, no new RPC."""

@@ -462,9 +462,7 @@ class Engine:
         tables: list[dict[int, int]] = []
         for logicals in manifest.blocks:
             tables.append(dict(zip(logicals, self.pool.allocate(len(logicals)), strict=True)))
-        return ImportSession(
-            manifest, tables, set(manifest.expected()), record_bytes(manifest.model, self.dtype.itemsize)
-        )
+        return ImportSession(manifest, tables, set(manifest.expected()), record_bytes(manifest.model))
 
     def import_records(self, session: ImportSession, records: Sequence[BlockRecord]) -> None:
         """Check and write records of an import. Raises IncompatibleKV (unexpected, repeated or misshapen

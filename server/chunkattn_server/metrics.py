@@ -48,3 +48,26 @@ class Metrics:
         self.released = Counter(
             "chunkattn_sequences_released_total", "Sequences released by Release or end_of_sequence.", registry=r
         )
+        self.forked = Counter("chunkattn_sequences_forked_total", "Sequences created by Fork.", registry=r)
+        self.kv_transfers = Counter(
+            "chunkattn_kv_transfers_total",
+            "KV transfers by direction (out: ExportKV and TransferKV; in: ImportKV) and gRPC status code.",
+            ["direction", "code"],
+            registry=r,
+        )
+        self.kv_transfer_bytes = Counter(
+            "chunkattn_kv_transfer_bytes_total", "K/V bytes of blocks sent or received.", ["direction"], registry=r
+        )
+        self.kv_transfer_blocks = Counter(
+            "chunkattn_kv_transfer_blocks_total",
+            "Blocks (one layer's K and V of one logical block) sent or received.",
+            ["direction"],
+            registry=r,
+        )
+        self.kv_transfer_seconds = Histogram(
+            "chunkattn_kv_transfer_seconds",
+            "Duration of KV transfers, by direction.",
+            ["direction"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )

@@ -20,6 +20,7 @@ from chunkattn_client.batch import BatchEntry
 from chunkattn_server import __version__
 from chunkattn_server.engine import DTYPES, Engine, EngineStats
 from chunkattn_server.errors import InvalidArgument, InvalidTensor, status_code
+from chunkattn_server.kv_service import KVService
 from chunkattn_server.metrics import Metrics
 from chunkattn_server.worker import EngineWorker
 
@@ -63,7 +64,7 @@ _REQUEST_FIELDS = frozenset(_REQUEST_TENSORS)
 
 
 class ChunkAttnService:
-    """Info, Attend, AttendStream and Release over one engine worker.
+    """Info, Attend, AttendStream and Release over one engine worker (and the KV RPCs, from KVService).
 
     Attend and AttendStream answer with serialized AttendResponses (``wire``), which ``add_to_server``
     registers with an identity serializer: protobuf's own serializer is slow on MiBs of tensor bytes.
@@ -74,6 +75,7 @@ class ChunkAttnService:
         self._metrics = metrics
         self._engine_info = _static_info(worker.engine, max_message_bytes)
         self._draining = False
+        self._kv = KVService(self._run, self._count, metrics, max_message_bytes=max_message_bytes)
         metrics.kv_blocks_total.set(worker.engine.stats().num_blocks)
 
     async def Info(self, request: pb.InfoRequest, context: Context) -> pb.InfoResponse:  # noqa: N802
@@ -87,7 +89,7 @@ class ChunkAttnService:
         return response
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
-        """Register the four RPCs of chunkattn.v1.ChunkAttn."""
+        """Register the RPCs of chunkattn.v1.ChunkAttn (the KV ones live in kv_service.py)."""
         # Attend messages bypass protobuf for their tensor bytes (see chunkattn_client.wire).
         request, response = wire.identity, wire.identity
         handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
@@ -103,6 +105,7 @@ class ChunkAttnService:
             "Release": grpc.unary_unary_rpc_method_handler(
                 self.Release, request_deserializer=pb.ReleaseRequest.FromString, response_serializer=_serialize
             ),
+            **self._kv.handlers(),
         }
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("chunkattn.v1.ChunkAttn", handlers),))
 

@@ -81,9 +81,12 @@ class BlockRecord:
         return self.checksum(self.layer, self.logical, self.k, self.v) == self.crc32
 
 
-def record_bytes(model: ModelFingerprint, itemsize: int) -> int:
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def record_bytes(model: ModelFingerprint) -> int:
     """Bytes of K plus V in one record."""
-    return 2 * model.num_kv_heads * model.block_size * model.head_size * itemsize
+    return 2 * model.num_kv_heads * model.block_size * model.head_size * ITEMSIZE[model.cache_dtype]
 
 
 def batches(items: Sequence[tuple[int, int]], per_batch: int) -> list[Sequence[tuple[int, int]]]:

@@ -143,3 +143,145 @@ class InfoResponse(_message.Message):
     active_sequences: int
     max_message_bytes: int
     def __init__(self, version: _Optional[str] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerInfo, _Mapping]]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., cache_dtype: _Optional[_Union[DType, str]] = ..., dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., active_sequences: _Optional[int] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
+
+class ForkRequest(_message.Message):
+    __slots__ = ("parent", "child")
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    CHILD_FIELD_NUMBER: _ClassVar[int]
+    parent: str
+    child: str
+    def __init__(self, parent: _Optional[str] = ..., child: _Optional[str] = ...) -> None: ...
+
+class ForkResponse(_message.Message):
+    __slots__ = ("shared_blocks",)
+    SHARED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    shared_blocks: int
+    def __init__(self, shared_blocks: _Optional[int] = ...) -> None: ...
+
+class ExportKVRequest(_message.Message):
+    __slots__ = ("seq_id", "layers", "max_message_bytes")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    layers: _containers.RepeatedScalarFieldContainer[int]
+    max_message_bytes: int
+    def __init__(self, seq_id: _Optional[str] = ..., layers: _Optional[_Iterable[int]] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
+
+class KVModel(_message.Message):
+    __slots__ = ("num_heads", "num_kv_heads", "head_size", "block_size", "chunk_sizes", "kv_sources", "cache_dtype")
+    NUM_HEADS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_SIZES_FIELD_NUMBER: _ClassVar[int]
+    KV_SOURCES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+    chunk_sizes: _containers.RepeatedScalarFieldContainer[int]
+    kv_sources: _containers.RepeatedScalarFieldContainer[int]
+    cache_dtype: DType
+    def __init__(self, num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., block_size: _Optional[int] = ..., chunk_sizes: _Optional[_Iterable[int]] = ..., kv_sources: _Optional[_Iterable[int]] = ..., cache_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+
+class KVGroupBlocks(_message.Message):
+    __slots__ = ("logical",)
+    LOGICAL_FIELD_NUMBER: _ClassVar[int]
+    logical: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, logical: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class KVHeader(_message.Message):
+    __slots__ = ("seq_id", "model", "lengths", "layers", "groups", "group_of", "num_records")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_OF_FIELD_NUMBER: _ClassVar[int]
+    NUM_RECORDS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    model: KVModel
+    lengths: _containers.RepeatedScalarFieldContainer[int]
+    layers: _containers.RepeatedScalarFieldContainer[int]
+    groups: _containers.RepeatedCompositeFieldContainer[KVGroupBlocks]
+    group_of: _containers.RepeatedScalarFieldContainer[int]
+    num_records: int
+    def __init__(self, seq_id: _Optional[str] = ..., model: _Optional[_Union[KVModel, _Mapping]] = ..., lengths: _Optional[_Iterable[int]] = ..., layers: _Optional[_Iterable[int]] = ..., groups: _Optional[_Iterable[_Union[KVGroupBlocks, _Mapping]]] = ..., group_of: _Optional[_Iterable[int]] = ..., num_records: _Optional[int] = ...) -> None: ...
+
+class KVBlock(_message.Message):
+    __slots__ = ("layer", "logical", "crc32", "k", "v")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    LOGICAL_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    V_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    logical: int
+    crc32: int
+    k: bytes
+    v: bytes
+    def __init__(self, layer: _Optional[int] = ..., logical: _Optional[int] = ..., crc32: _Optional[int] = ..., k: _Optional[bytes] = ..., v: _Optional[bytes] = ...) -> None: ...
+
+class KVBlocks(_message.Message):
+    __slots__ = ("blocks",)
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    blocks: _containers.RepeatedCompositeFieldContainer[KVBlock]
+    def __init__(self, blocks: _Optional[_Iterable[_Union[KVBlock, _Mapping]]] = ...) -> None: ...
+
+class KVTrailer(_message.Message):
+    __slots__ = ("num_records",)
+    NUM_RECORDS_FIELD_NUMBER: _ClassVar[int]
+    num_records: int
+    def __init__(self, num_records: _Optional[int] = ...) -> None: ...
+
+class KVChunk(_message.Message):
+    __slots__ = ("header", "blocks", "trailer")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TRAILER_FIELD_NUMBER: _ClassVar[int]
+    header: KVHeader
+    blocks: KVBlocks
+    trailer: KVTrailer
+    def __init__(self, header: _Optional[_Union[KVHeader, _Mapping]] = ..., blocks: _Optional[_Union[KVBlocks, _Mapping]] = ..., trailer: _Optional[_Union[KVTrailer, _Mapping]] = ...) -> None: ...
+
+class ImportKVResponse(_message.Message):
+    __slots__ = ("seq_id", "blocks", "records", "bytes")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    blocks: int
+    records: int
+    bytes: int
+    def __init__(self, seq_id: _Optional[str] = ..., blocks: _Optional[int] = ..., records: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class TransferKVRequest(_message.Message):
+    __slots__ = ("seq_id", "target", "new_seq_id", "release_after", "layers")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    NEW_SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_AFTER_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    target: str
+    new_seq_id: str
+    release_after: bool
+    layers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[str] = ..., target: _Optional[str] = ..., new_seq_id: _Optional[str] = ..., release_after: _Optional[bool] = ..., layers: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class TransferKVResponse(_message.Message):
+    __slots__ = ("blocks", "records", "bytes", "seconds", "released")
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    blocks: int
+    records: int
+    bytes: int
+    seconds: float
+    released: bool
+    def __init__(self, blocks: _Optional[int] = ..., records: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., released: _Optional[bool] = ...) -> None: ...

@@ -29,7 +29,9 @@ class ChunkAttnStub:
     """The attention service. Errors use the standard gRPC status codes: INVALID_ARGUMENT (malformed request),
     NOT_FOUND (unknown sequence at position > 0), FAILED_PRECONDITION (position differs from the sequence's
     length in that layer), RESOURCE_EXHAUSTED (KV pool full, message too large, too many concurrent calls),
-    UNAVAILABLE (the server is shutting down). A refused request changes nothing on the server.
+    UNAVAILABLE (the server is shutting down), ALREADY_EXISTS (Fork or ImportKV into an id in use), DATA_LOSS
+    (imported KV damaged or cut short), ABORTED (a sequence changed while it was exported). A refused request
+    changes nothing on the server.
     """
 
     def __init__(self, channel):
@@ -58,13 +60,35 @@ class ChunkAttnStub:
                 request_serializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.Fork = channel.unary_unary(
+                '/chunkattn.v1.ChunkAttn/Fork',
+                request_serializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.ForkRequest.SerializeToString,
+                response_deserializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.ForkResponse.FromString,
+                _registered_method=True)
+        self.ExportKV = channel.unary_stream(
+                '/chunkattn.v1.ChunkAttn/ExportKV',
+                request_serializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.ExportKVRequest.SerializeToString,
+                response_deserializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.KVChunk.FromString,
+                _registered_method=True)
+        self.ImportKV = channel.stream_unary(
+                '/chunkattn.v1.ChunkAttn/ImportKV',
+                request_serializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.KVChunk.SerializeToString,
+                response_deserializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.ImportKVResponse.FromString,
+                _registered_method=True)
+        self.TransferKV = channel.unary_unary(
+                '/chunkattn.v1.ChunkAttn/TransferKV',
+                request_serializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.TransferKVRequest.SerializeToString,
+                response_deserializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.TransferKVResponse.FromString,
+                _registered_method=True)
 
 
 class ChunkAttnServicer:
     """The attention service. Errors use the standard gRPC status codes: INVALID_ARGUMENT (malformed request),
     NOT_FOUND (unknown sequence at position > 0), FAILED_PRECONDITION (position differs from the sequence's
     length in that layer), RESOURCE_EXHAUSTED (KV pool full, message too large, too many concurrent calls),
-    UNAVAILABLE (the server is shutting down). A refused request changes nothing on the server.
+    UNAVAILABLE (the server is shutting down), ALREADY_EXISTS (Fork or ImportKV into an id in use), DATA_LOSS
+    (imported KV damaged or cut short), ABORTED (a sequence changed while it was exported). A refused request
+    changes nothing on the server.
     """
 
     def Info(self, request, context):
@@ -97,6 +121,39 @@ class ChunkAttnServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Fork(self, request, context):
+        """A new sequence with the parent's tokens in every layer, sharing its KV blocks copy-on-write (parallel
+        sampling, beam search): nothing is copied until one of the two writes into a shared block.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ExportKV(self, request, context):
+        """A sequence's live KV as a stream: a header, messages of blocks (each at most max_message_bytes), a
+        trailer. Live means what the server keeps: a chunked layer's current chunk, a global layer's all.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ImportKV(self, request_iterator, context):
+        """Such a stream in, as a new sequence on a server of the same model shape. All or nothing: a damaged or
+        cut-short stream (DATA_LOSS), another shape (INVALID_ARGUMENT), an id in use (ALREADY_EXISTS) or too
+        few free blocks (RESOURCE_EXHAUSTED) leave nothing behind.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TransferKV(self, request, context):
+        """This server streams a sequence's KV straight into another server's ImportKV (disaggregated
+        prefill/decode), and optionally releases it here once the target has it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ChunkAttnServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -120,6 +177,26 @@ def add_ChunkAttnServicer_to_server(servicer, server):
                     request_deserializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.ReleaseRequest.FromString,
                     response_serializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.ReleaseResponse.SerializeToString,
             ),
+            'Fork': grpc.unary_unary_rpc_method_handler(
+                    servicer.Fork,
+                    request_deserializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.ForkRequest.FromString,
+                    response_serializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.ForkResponse.SerializeToString,
+            ),
+            'ExportKV': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExportKV,
+                    request_deserializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.ExportKVRequest.FromString,
+                    response_serializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.KVChunk.SerializeToString,
+            ),
+            'ImportKV': grpc.stream_unary_rpc_method_handler(
+                    servicer.ImportKV,
+                    request_deserializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.KVChunk.FromString,
+                    response_serializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.ImportKVResponse.SerializeToString,
+            ),
+            'TransferKV': grpc.unary_unary_rpc_method_handler(
+                    servicer.TransferKV,
+                    request_deserializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.TransferKVRequest.FromString,
+                    response_serializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.TransferKVResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'chunkattn.v1.ChunkAttn', rpc_method_handlers)
@@ -132,7 +209,9 @@ class ChunkAttn:
     """The attention service. Errors use the standard gRPC status codes: INVALID_ARGUMENT (malformed request),
     NOT_FOUND (unknown sequence at position > 0), FAILED_PRECONDITION (position differs from the sequence's
     length in that layer), RESOURCE_EXHAUSTED (KV pool full, message too large, too many concurrent calls),
-    UNAVAILABLE (the server is shutting down). A refused request changes nothing on the server.
+    UNAVAILABLE (the server is shutting down), ALREADY_EXISTS (Fork or ImportKV into an id in use), DATA_LOSS
+    (imported KV damaged or cut short), ABORTED (a sequence changed while it was exported). A refused request
+    changes nothing on the server.
     """
 
     @staticmethod
@@ -233,6 +312,114 @@ class ChunkAttn:
             '/chunkattn.v1.ChunkAttn/Release',
             chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.ReleaseRequest.SerializeToString,
             chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Fork(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/chunkattn.v1.ChunkAttn/Fork',
+            chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.ForkRequest.SerializeToString,
+            chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.ForkResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/chunkattn.v1.ChunkAttn/ExportKV',
+            chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.ExportKVRequest.SerializeToString,
+            chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.KVChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ImportKV(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/chunkattn.v1.ChunkAttn/ImportKV',
+            chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.KVChunk.SerializeToString,
+            chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.ImportKVResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TransferKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/chunkattn.v1.ChunkAttn/TransferKV',
+            chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.TransferKVRequest.SerializeToString,
+            chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.TransferKVResponse.FromString,
             options,
             channel_credentials,
             insecure,

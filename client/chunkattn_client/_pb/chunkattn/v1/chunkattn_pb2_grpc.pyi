@@ -36,7 +36,9 @@ class ChunkAttnStub:
     """The attention service. Errors use the standard gRPC status codes: INVALID_ARGUMENT (malformed request),
     NOT_FOUND (unknown sequence at position > 0), FAILED_PRECONDITION (position differs from the sequence's
     length in that layer), RESOURCE_EXHAUSTED (KV pool full, message too large, too many concurrent calls),
-    UNAVAILABLE (the server is shutting down). A refused request changes nothing on the server.
+    UNAVAILABLE (the server is shutting down), ALREADY_EXISTS (Fork or ImportKV into an id in use), DATA_LOSS
+    (imported KV damaged or cut short), ABORTED (a sequence changed while it was exported). A refused request
+    changes nothing on the server.
     """
 
     @_typing.overload
@@ -54,13 +56,32 @@ class ChunkAttnStub:
     """
     Release: _grpc.UnaryUnaryMultiCallable[_chunkattn_pb2.ReleaseRequest, _chunkattn_pb2.ReleaseResponse]
     """Release sequences now, returning all of their KV blocks to the pool."""
+    Fork: _grpc.UnaryUnaryMultiCallable[_chunkattn_pb2.ForkRequest, _chunkattn_pb2.ForkResponse]
+    """A new sequence with the parent's tokens in every layer, sharing its KV blocks copy-on-write (parallel
+    sampling, beam search): nothing is copied until one of the two writes into a shared block.
+    """
+    ExportKV: _grpc.UnaryStreamMultiCallable[_chunkattn_pb2.ExportKVRequest, _chunkattn_pb2.KVChunk]
+    """A sequence's live KV as a stream: a header, messages of blocks (each at most max_message_bytes), a
+    trailer. Live means what the server keeps: a chunked layer's current chunk, a global layer's all.
+    """
+    ImportKV: _grpc.StreamUnaryMultiCallable[_chunkattn_pb2.KVChunk, _chunkattn_pb2.ImportKVResponse]
+    """Such a stream in, as a new sequence on a server of the same model shape. All or nothing: a damaged or
+    cut-short stream (DATA_LOSS), another shape (INVALID_ARGUMENT), an id in use (ALREADY_EXISTS) or too
+    few free blocks (RESOURCE_EXHAUSTED) leave nothing behind.
+    """
+    TransferKV: _grpc.UnaryUnaryMultiCallable[_chunkattn_pb2.TransferKVRequest, _chunkattn_pb2.TransferKVResponse]
+    """This server streams a sequence's KV straight into another server's ImportKV (disaggregated
+    prefill/decode), and optionally releases it here once the target has it.
+    """
 
 @_typing.type_check_only
 class ChunkAttnAsyncStub(ChunkAttnStub):
     """The attention service. Errors use the standard gRPC status codes: INVALID_ARGUMENT (malformed request),
     NOT_FOUND (unknown sequence at position > 0), FAILED_PRECONDITION (position differs from the sequence's
     length in that layer), RESOURCE_EXHAUSTED (KV pool full, message too large, too many concurrent calls),
-    UNAVAILABLE (the server is shutting down). A refused request changes nothing on the server.
+    UNAVAILABLE (the server is shutting down), ALREADY_EXISTS (Fork or ImportKV into an id in use), DATA_LOSS
+    (imported KV damaged or cut short), ABORTED (a sequence changed while it was exported). A refused request
+    changes nothing on the server.
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -75,12 +96,31 @@ class ChunkAttnAsyncStub(ChunkAttnStub):
     """
     Release: _aio.UnaryUnaryMultiCallable[_chunkattn_pb2.ReleaseRequest, _chunkattn_pb2.ReleaseResponse]  # type: ignore[assignment]
     """Release sequences now, returning all of their KV blocks to the pool."""
+    Fork: _aio.UnaryUnaryMultiCallable[_chunkattn_pb2.ForkRequest, _chunkattn_pb2.ForkResponse]  # type: ignore[assignment]
+    """A new sequence with the parent's tokens in every layer, sharing its KV blocks copy-on-write (parallel
+    sampling, beam search): nothing is copied until one of the two writes into a shared block.
+    """
+    ExportKV: _aio.UnaryStreamMultiCallable[_chunkattn_pb2.ExportKVRequest, _chunkattn_pb2.KVChunk]  # type: ignore[assignment]
+    """A sequence's live KV as a stream: a header, messages of blocks (each at most max_message_bytes), a
+    trailer. Live means what the server keeps: a chunked layer's current chunk, a global layer's all.
+    """
+    ImportKV: _aio.StreamUnaryMultiCallable[_chunkattn_pb2.KVChunk, _chunkattn_pb2.ImportKVResponse]  # type: ignore[assignment]
+    """Such a stream in, as a new sequence on a server of the same model shape. All or nothing: a damaged or
+    cut-short stream (DATA_LOSS), another shape (INVALID_ARGUMENT), an id in use (ALREADY_EXISTS) or too
+    few free blocks (RESOURCE_EXHAUSTED) leave nothing behind.
+    """
+    TransferKV: _aio.UnaryUnaryMultiCallable[_chunkattn_pb2.TransferKVRequest, _chunkattn_pb2.TransferKVResponse]  # type: ignore[assignment]
+    """This server streams a sequence's KV straight into another server's ImportKV (disaggregated
+    prefill/decode), and optionally releases it here once the target has it.
+    """
 
 class ChunkAttnServicer(metaclass=_abc_1.ABCMeta):
     """The attention service. Errors use the standard gRPC status codes: INVALID_ARGUMENT (malformed request),
     NOT_FOUND (unknown sequence at position > 0), FAILED_PRECONDITION (position differs from the sequence's
     length in that layer), RESOURCE_EXHAUSTED (KV pool full, message too large, too many concurrent calls),
-    UNAVAILABLE (the server is shutting down). A refused request changes nothing on the server.
+    UNAVAILABLE (the server is shutting down), ALREADY_EXISTS (Fork or ImportKV into an id in use), DATA_LOSS
+    (imported KV damaged or cut short), ABORTED (a sequence changed while it was exported). A refused request
+    changes nothing on the server.
     """
 
     @_abc_1.abstractmethod
@@ -117,5 +157,46 @@ class ChunkAttnServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_chunkattn_pb2.ReleaseResponse, _abc.Awaitable[_chunkattn_pb2.ReleaseResponse]]:
         """Release sequences now, returning all of their KV blocks to the pool."""
+
+    @_abc_1.abstractmethod
+    def Fork(
+        self,
+        request: _chunkattn_pb2.ForkRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_chunkattn_pb2.ForkResponse, _abc.Awaitable[_chunkattn_pb2.ForkResponse]]:
+        """A new sequence with the parent's tokens in every layer, sharing its KV blocks copy-on-write (parallel
+        sampling, beam search): nothing is copied until one of the two writes into a shared block.
+        """
+
+    @_abc_1.abstractmethod
+    def ExportKV(
+        self,
+        request: _chunkattn_pb2.ExportKVRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_chunkattn_pb2.KVChunk], _abc.AsyncIterator[_chunkattn_pb2.KVChunk]]:
+        """A sequence's live KV as a stream: a header, messages of blocks (each at most max_message_bytes), a
+        trailer. Live means what the server keeps: a chunked layer's current chunk, a global layer's all.
+        """
+
+    @_abc_1.abstractmethod
+    def ImportKV(
+        self,
+        request_iterator: _MaybeAsyncIterator[_chunkattn_pb2.KVChunk],
+        context: _ServicerContext,
+    ) -> _typing.Union[_chunkattn_pb2.ImportKVResponse, _abc.Awaitable[_chunkattn_pb2.ImportKVResponse]]:
+        """Such a stream in, as a new sequence on a server of the same model shape. All or nothing: a damaged or
+        cut-short stream (DATA_LOSS), another shape (INVALID_ARGUMENT), an id in use (ALREADY_EXISTS) or too
+        few free blocks (RESOURCE_EXHAUSTED) leave nothing behind.
+        """
+
+    @_abc_1.abstractmethod
+    def TransferKV(
+        self,
+        request: _chunkattn_pb2.TransferKVRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_chunkattn_pb2.TransferKVResponse, _abc.Awaitable[_chunkattn_pb2.TransferKVResponse]]:
+        """This server streams a sequence's KV straight into another server's ImportKV (disaggregated
+        prefill/decode), and optionally releases it here once the target has it.
+        """
 
 def add_ChunkAttnServicer_to_server(servicer: ChunkAttnServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,235 @@
+"""The KV RPCs: Fork, ExportKV, ImportKV and TransferKV (server-to-server), over the engine worker.
+
+As in service.py, each reads as decode -> run on the engine worker -> encode, and errors become
+statuses through ``errors.status_code`` alone. An export reads the sequence in batches (one engine job
+each, so calls to other sequences interleave) and fails with ABORTED if the sequence changes in
+between. An import reserves its blocks when the header arrives and returns them unless the stream ends
+with every block intact and a trailer.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+import grpc
+
+from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
+from chunkattn_client.client import channel_options
+from chunkattn_server.engine import Engine, ImportSession
+from chunkattn_server.errors import DataLoss, IncompatibleKV, status_code
+from chunkattn_server.kv.transfer import BlockRecord, KVManifest, batches, record_bytes
+from chunkattn_server.kvwire import manifest_from_pb, manifest_to_pb, records_from_pb, records_to_pb
+from chunkattn_server.metrics import Metrics
+
+T = TypeVar("T")
+Context = grpc.aio.ServicerContext[Any, Any]
+Run = Callable[[str, Callable[[Engine], T]], Awaitable[T]]
+
+DEFAULT_KV_MESSAGE_BYTES = 4 << 20
+IMPORT_KV = "/chunkattn.v1.ChunkAttn/ImportKV"
+
+
+class KVService:
+    """The KV RPCs. ``run`` runs a function on the engine worker; ``count`` records a finished RPC."""
+
+    def __init__(
+        self,
+        run: Run[Any],
+        count: Callable[[str, grpc.StatusCode], None],
+        metrics: Metrics,
+        *,
+        max_message_bytes: int,
+    ) -> None:
+        self._run = run
+        self._count = count
+        self._metrics = metrics
+        self._max_message_bytes = max_message_bytes
+
+    def handlers(self) -> dict[str, grpc.RpcMethodHandler[Any, Any]]:
+        def ser(m: Any) -> bytes:
+            return bytes(m.SerializeToString())
+
+        return {
+            "Fork": grpc.unary_unary_rpc_method_handler(
+                self.Fork, request_deserializer=pb.ForkRequest.FromString, response_serializer=ser
+            ),
+            "ExportKV": grpc.unary_stream_rpc_method_handler(
+                self.ExportKV, request_deserializer=pb.ExportKVRequest.FromString, response_serializer=ser
+            ),
+            "ImportKV": grpc.stream_unary_rpc_method_handler(
+                self.ImportKV, request_deserializer=pb.KVChunk.FromString, response_serializer=ser
+            ),
+            "TransferKV": grpc.unary_unary_rpc_method_handler(
+                self.TransferKV, request_deserializer=pb.TransferKVRequest.FromString, response_serializer=ser
+            ),
+        }
+
+    async def Fork(self, request: pb.ForkRequest, context: Context) -> pb.ForkResponse:  # noqa: N802
+        try:
+            shared = await self._run("Fork", lambda e: e.fork(request.parent, request.child))
+        except Exception as e:
+            await self._fail("Fork", context, e)
+        self._metrics.forked.inc()
+        self._count("Fork", grpc.StatusCode.OK)
+        return pb.ForkResponse(shared_blocks=shared)
+
+    async def ExportKV(self, request: pb.ExportKVRequest, context: Context) -> AsyncIterator[pb.KVChunk]:  # noqa: N802
+        started = time.perf_counter()
+        limit = request.max_message_bytes or DEFAULT_KV_MESSAGE_BYTES
+        try:
+            manifest = await self._manifest(request.seq_id, list(request.layers))
+            async for chunk in self._chunks(manifest, limit):
+                yield chunk
+        except Exception as e:
+            self._transferred("out", status_code(e), started)
+            await self._fail("ExportKV", context, e)
+        self._transferred("out", grpc.StatusCode.OK, started)
+        self._count("ExportKV", grpc.StatusCode.OK)
+
+    async def ImportKV(self, request_iterator: AsyncIterator[pb.KVChunk], context: Context) -> pb.ImportKVResponse:  # noqa: N802
+        started = time.perf_counter()
+        try:
+            response = await self._import(request_iterator)
+        except Exception as e:
+            self._transferred("in", status_code(e), started)
+            await self._fail("ImportKV", context, e)
+        self._transferred("in", grpc.StatusCode.OK, started)
+        self._count("ImportKV", grpc.StatusCode.OK)
+        return response
+
+    async def TransferKV(self, request: pb.TransferKVRequest, context: Context) -> pb.TransferKVResponse:  # noqa: N802
+        started = time.perf_counter()
+        try:
+            response = await self._transfer(request, context.time_remaining())
+        except Exception as e:
+            self._transferred("out", status_code(e), started)
+            await self._fail("TransferKV", context, e)
+        response.seconds = time.perf_counter() - started
+        self._transferred("out", grpc.StatusCode.OK, started)
+        self._count("TransferKV", grpc.StatusCode.OK)
+        return response
+
+    # -- the work --------------------------------------------------------------------------------------
+
+    async def _manifest(self, seq_id: str, layers: list[int]) -> KVManifest:
+        result: KVManifest = await self._run("ExportKV", lambda e: e.export_manifest(seq_id, layers or None))
+        return result
+
+    async def _chunks(
+        self, manifest: KVManifest, limit: int, *, as_id: str = "", failure: list[BaseException] | None = None
+    ) -> AsyncIterator[pb.KVChunk]:
+        """Header, blocks in messages of at most ``limit`` bytes (at least one block each), trailer.
+
+        With ``failure``, an error ends the stream early (no trailer: the importer sees it cut short) and is
+        kept there for the caller, instead of being raised into the consumer (gRPC's request stream)."""
+        header = manifest_to_pb(manifest)
+        if as_id:
+            header.seq_id = as_id
+        yield pb.KVChunk(header=header)
+        expected = manifest.expected()
+        per_message = max(1, limit // (record_bytes(manifest.model) + 64))
+        for batch in batches(expected, per_message):
+            try:
+                records: list[BlockRecord] = await self._run("ExportKV", _exporter(manifest, batch))
+            except Exception as e:
+                if failure is None:
+                    raise
+                failure.append(e)
+                return
+            self._metrics.kv_transfer_blocks.labels("out").inc(len(records))
+            self._metrics.kv_transfer_bytes.labels("out").inc(sum(len(r.k) + len(r.v) for r in records))
+            yield pb.KVChunk(blocks=records_to_pb(records))
+        yield pb.KVChunk(trailer=pb.KVTrailer(num_records=len(expected)))
+
+    async def _import(self, chunks: AsyncIterator[pb.KVChunk]) -> pb.ImportKVResponse:
+        it = chunks.__aiter__()
+        first = await anext(it, None)
+        if first is None:
+            raise DataLoss("the KV stream is empty; it must start with its header")
+        if first.WhichOneof("part") != "header":
+            raise IncompatibleKV("a KV stream must start with its header")
+        manifest = manifest_from_pb(first.header)
+        session = await self._run("ImportKV", lambda e: e.begin_import(manifest))
+        records = nbytes = 0
+        try:
+            trailer = False
+            async for chunk in it:
+                part = chunk.WhichOneof("part")
+                if trailer or part not in ("blocks", "trailer"):
+                    raise IncompatibleKV(f"unexpected {part or 'empty'} message in the KV stream after its header")
+                if part == "trailer":
+                    trailer = True
+                    continue
+                batch = records_from_pb(chunk.blocks)
+                await self._run("ImportKV", _importer(session, batch))
+                records += len(batch)
+                nbytes += sum(len(r.k) + len(r.v) for r in batch)
+                self._metrics.kv_transfer_blocks.labels("in").inc(len(batch))
+                self._metrics.kv_transfer_bytes.labels("in").inc(sum(len(r.k) + len(r.v) for r in batch))
+            if not trailer:
+                raise DataLoss(f"the KV stream ended before its trailer, after {records} blocks: it was cut short")
+            blocks = await self._run("ImportKV", lambda e: e.commit_import(session))
+        finally:
+            await self._run("ImportKV", lambda e: e.abort_import(session))  # nothing to do after a commit
+        return pb.ImportKVResponse(seq_id=manifest.seq_id, blocks=blocks, records=records, bytes=nbytes)
+
+    async def _transfer(self, request: pb.TransferKVRequest, timeout: float | None) -> pb.TransferKVResponse:
+        manifest = await self._manifest(request.seq_id, list(request.layers))  # NOT_FOUND before any connection
+        failure: list[BaseException] = []
+        options = channel_options(self._max_message_bytes, None)
+        async with grpc.aio.insecure_channel(request.target, options=options) as channel:
+            method: grpc.aio.StreamUnaryMultiCallable[pb.KVChunk, pb.ImportKVResponse] = channel.stream_unary(
+                IMPORT_KV,
+                request_serializer=lambda m: bytes(m.SerializeToString()),
+                response_deserializer=pb.ImportKVResponse.FromString,
+            )
+            chunks = self._chunks(manifest, DEFAULT_KV_MESSAGE_BYTES, as_id=request.new_seq_id, failure=failure)
+            try:
+                imported: pb.ImportKVResponse = await method(chunks, timeout=timeout)
+            except grpc.RpcError as e:
+                if failure:  # our export failed first; the target only saw the stream stop
+                    raise failure[0] from None
+                raise TargetError(e, request.target) from None
+        if failure:
+            raise failure[0]
+        released = False
+        if request.release_after:
+            await self._run("TransferKV", lambda e: e.release([request.seq_id], missing_ok=True))
+            released = True
+        return pb.TransferKVResponse(
+            blocks=imported.blocks, records=imported.records, bytes=imported.bytes, released=released
+        )
+
+    # -- helpers -----------------------------------------------------------------------------------------
+
+    def _transferred(self, direction: str, code: grpc.StatusCode, started: float) -> None:
+        self._metrics.kv_transfers.labels(direction, code.name).inc()
+        self._metrics.kv_transfer_seconds.labels(direction).observe(time.perf_counter() - started)
+
+    async def _fail(self, rpc: str, context: Context, e: BaseException) -> None:
+        if isinstance(e, TargetError):
+            code, message = e.code, str(e)
+        else:
+            code, message = status_code(e), str(e)
+        self._count(rpc, code)
+        await context.abort(code, message)
+
+
+def _exporter(manifest: KVManifest, batch: Sequence[tuple[int, int]]) -> Callable[[Engine], list[BlockRecord]]:
+    return lambda e: e.export_records(manifest, batch)
+
+
+def _importer(session: ImportSession, batch: list[BlockRecord]) -> Callable[[Engine], None]:
+    return lambda e: e.import_records(session, batch)
+
+
+class TargetError(Exception):
+    """TransferKV's target refused or failed the import; carries its status code."""
+
+    def __init__(self, err: grpc.RpcError, target: str) -> None:
+        code = getattr(err, "code", lambda: None)()
+        details = getattr(err, "details", lambda: None)()
+        self.code = code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.UNKNOWN
+        super().__init__(f"the target {target} did not import the KV: {self.code.name}: {details or err}")
