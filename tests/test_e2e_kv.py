@@ -232,3 +232,28 @@ def test_the_asyncio_client_forks_exports_imports_and_transfers(a: ServerProcess
             assert await xa.release(["aio-fork"]) == 1
 
     asyncio.run(main())
+
+
+def test_the_kv_command_line(
+    a: ServerProcess, b: ServerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from chunkattn_client.cli import main
+
+    with client(a) as ca:
+        Feed(7).step([ca], ["cli"], 0, 19)
+    path = str(tmp_path / "cli.kv")
+    assert main(["kv", "fork", "--target", a.target, "cli", "cli-fork"]) == 0
+    assert "blocks shared copy-on-write" in capsys.readouterr().out
+    assert main(["kv", "export", "--target", a.target, "cli-fork", "--out", path]) == 0
+    assert "exported 'cli-fork'" in capsys.readouterr().out
+    assert main(["kv", "import", "--target", b.target, path, "--seq-id", "cli-copy"]) == 0
+    assert "imported 'cli-copy'" in capsys.readouterr().out
+    assert main(["kv", "transfer", "--target", a.target, "cli", "--to", b.target, "--release"]) == 0
+    assert "released at the source" in capsys.readouterr().out
+    assert main(["kv", "import", "--target", b.target, path]) == 0  # under the exported id, "cli-fork"
+    capsys.readouterr()
+    assert main(["kv", "import", "--target", b.target, path]) == 1  # now the id is taken: ALREADY_EXISTS
+    assert "ALREADY_EXISTS" in capsys.readouterr().err
+    with client(a) as ca, client(b) as cb:
+        ca.release(["cli-fork"])
+        assert cb.release(["cli", "cli-copy", "cli-fork"]) == 3

@@ -3,9 +3,11 @@
     chunkattn info --target localhost:50051
     chunkattn health --target localhost:50051 --wait 60
     chunkattn bench --target localhost:50051 --concurrency 8 --duration 30 --html report.html
+    chunkattn kv transfer --target prefill:50051 seq-1 --to decode:50051 --release
 
-Exit codes: 0 success; 1 failed calls (bench; unless --allow-errors) or not serving (health);
-2 bad arguments or no server to talk to; 3 bench --verify found outputs that differ from the reference.
+Exit codes: 0 success; 1 failed calls (bench; unless --allow-errors), not serving (health), or a refused
+request (kv); 2 bad arguments or no server to talk to; 3 bench --verify found outputs that differ from the
+reference or checked fewer calls than asked.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import grpc
+
 from chunkattn_client.aio import AsyncChunkAttnClient
 from chunkattn_client.bench.promtext import MetricsError
 from chunkattn_client.client import ChunkAttnClient, ChunkAttnError, ServerInfo
@@ -35,9 +39,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except ChunkAttnError as e:
+    except ChunkAttnError as e:  # no server to talk to (2), or it refused what was asked (1)
         print(f"chunkattn: {args.target}: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return EXIT_USAGE if e.code == grpc.StatusCode.UNAVAILABLE else EXIT_FAILED
     except (ValueError, OSError, MetricsError) as e:  # WorkloadError is a ValueError
         print(f"chunkattn: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -61,6 +65,36 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--wait", type=float, default=0.0, metavar="S", help="wait up to S seconds for SERVING")
     c.add_argument("--timeout", type=float, default=5.0, metavar="S")
     c.set_defaults(func=_health)
+
+    kv = sub.add_parser("kv", help="Move, save and fork sequences' KV.", description="Move, save and fork KV.")
+    kv_sub = kv.add_subparsers(required=True, metavar="ACTION")
+
+    def kv_command(name: str, help: str) -> argparse.ArgumentParser:
+        c = kv_sub.add_parser(name, help=help, description=help)
+        c.add_argument("--target", default=DEFAULT_TARGET, help="HOST:PORT (default $CHUNKATTN_TARGET or %(default)s)")
+        c.add_argument("--timeout", type=float, default=300.0, metavar="S")
+        return c
+
+    c = kv_command("export", "Save a sequence's live KV to a file.")
+    c.add_argument("seq_id")
+    c.add_argument("--out", required=True, metavar="FILE")
+    c.add_argument("--layers", default="", help="comma-separated layers (default: all)")
+    c.set_defaults(func=_kv_export)
+    c = kv_command("import", "Load a file written by `kv export` as a new sequence.")
+    c.add_argument("file")
+    c.add_argument("--seq-id", help="the new sequence's id (default: the exported one)")
+    c.set_defaults(func=_kv_import)
+    c = kv_command("transfer", "Have the target server send a sequence's KV straight to another server.")
+    c.add_argument("seq_id")
+    c.add_argument("--to", required=True, metavar="HOST:PORT", help="the importing server, as the source sees it")
+    c.add_argument("--new-seq-id", default="", help="its id there (default: the same)")
+    c.add_argument("--release", action="store_true", help="release it on the source once the target has it")
+    c.add_argument("--layers", default="", help="comma-separated layers (default: all)")
+    c.set_defaults(func=_kv_transfer)
+    c = kv_command("fork", "Start a sequence that shares another's KV copy-on-write.")
+    c.add_argument("parent")
+    c.add_argument("child")
+    c.set_defaults(func=_kv_fork)
 
     c = command("bench", "Load-test the server with a synthetic model-runner workload.")
     w = c.add_argument_group("workload")
@@ -138,6 +172,81 @@ def _health(args: argparse.Namespace) -> int:
             time.sleep(0.25)
     print(status)
     return EXIT_OK if status == "SERVING" else EXIT_FAILED
+
+
+# -- kv -----------------------------------------------------------------------------------------------------
+
+
+def _layers(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")] if text else []
+    except ValueError:
+        raise ValueError(f"--layers: expected comma-separated layer numbers, got {text!r}") from None
+
+
+def _kv_export(args: argparse.Namespace) -> int:
+    from chunkattn_client import kvfile
+
+    with ChunkAttnClient(args.target, timeout_s=args.timeout) as c:
+        start = time.perf_counter()
+        chunks = c.export_kv(args.seq_id, layers=_layers(args.layers))
+        counted = _Counted(chunks)
+        messages, size = kvfile.write(args.out, counted)
+    print(
+        f"exported {args.seq_id!r}: {counted.records} blocks, {counted.kv_bytes} bytes of K/V in {messages}"
+        f" messages ({size} bytes) to {args.out} in {time.perf_counter() - start:.2f} s"
+    )
+    return EXIT_OK
+
+
+class _Counted:
+    """Passes KV chunks through, counting their blocks and K/V bytes."""
+
+    def __init__(self, chunks: Any) -> None:
+        self._chunks = chunks
+        self.records = self.kv_bytes = 0
+
+    def __iter__(self) -> Any:
+        for chunk in self._chunks:
+            for b in chunk.blocks.blocks:
+                self.records += 1
+                self.kv_bytes += len(b.k) + len(b.v)
+            yield chunk
+
+
+def _kv_import(args: argparse.Namespace) -> int:
+    from chunkattn_client import kvfile
+
+    if not os.path.exists(args.file):
+        raise ValueError(f"no such file: {args.file}")
+    with ChunkAttnClient(args.target, timeout_s=args.timeout) as c:
+        start = time.perf_counter()
+        r = c.import_kv(kvfile.read(args.file), seq_id=args.seq_id)
+    print(
+        f"imported {r.seq_id!r}: {r.blocks} blocks allocated, {r.records} received ({r.bytes} bytes of K/V)"
+        f" in {time.perf_counter() - start:.2f} s"
+    )
+    return EXIT_OK
+
+
+def _kv_transfer(args: argparse.Namespace) -> int:
+    with ChunkAttnClient(args.target, timeout_s=args.timeout) as c:
+        r = c.transfer_kv(
+            args.seq_id, args.to, new_seq_id=args.new_seq_id, release_after=args.release, layers=_layers(args.layers)
+        )
+    where = f"{args.to} as {args.new_seq_id!r}" if args.new_seq_id else args.to
+    print(
+        f"transferred {args.seq_id!r} to {where}: {r.records} blocks, {r.bytes} bytes of K/V in {r.seconds:.3f} s"
+        f" ({r.bytes / max(r.seconds, 1e-9) / 1e6:.0f} MB/s){'; released at the source' if r.released else ''}"
+    )
+    return EXIT_OK
+
+
+def _kv_fork(args: argparse.Namespace) -> int:
+    with ChunkAttnClient(args.target, timeout_s=args.timeout) as c:
+        shared = c.fork(args.parent, args.child)
+    print(f"forked {args.parent!r} into {args.child!r}: {shared} blocks shared copy-on-write")
+    return EXIT_OK
 
 
 # -- bench ------------------------------------------------------------------------------------------------
