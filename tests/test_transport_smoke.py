@@ -31,3 +31,8 @@ def test_transport_benchmark_smoke_run_writes_the_documented_json(tmp_path: Path
             assert r["ours_mbps"] > 0
             assert r["echo_mbps"] > 0
     assert set(data["unary"]) == set(data["stream"])
+    kv = data["kv_transfer"]
+    assert kv["kv_bytes"] > 0
+    assert kv["stream_bytes"] > kv["kv_bytes"]  # K/V plus headers and checksums
+    assert kv["ours_mbps"] > 0
+    assert kv["echo_mbps"] > 0
