@@ -68,3 +68,24 @@ def test_split_takes_tensors_out_of_protobuf_built_messages_without_copying() ->
 def test_split_refuses_malformed_or_repeated_tensor_fields(bad: bytes) -> None:
     with pytest.raises(wire.WireError):
         wire.split(bad, frozenset({3}))
+
+
+def test_kv_blocks_encode_as_protobuf_does_and_decode_as_views() -> None:
+    records = [(3, 17, 0xDEADBEEF, b"k" * 300, b"v" * 300), (0, 0, 0, b"", b"\x00\x01")]
+    data = wire.encode_kv_blocks(records)
+    parsed = pb.KVChunk.FromString(data)
+    assert [(b.layer, b.logical, b.crc32, b.k, b.v) for b in parsed.blocks.blocks] == records
+    same = pb.KVChunk(
+        blocks=pb.KVBlocks(blocks=[pb.KVBlock(layer=a, logical=b, crc32=c, k=k, v=v) for a, b, c, k, v in records])
+    )
+    part, decoded = wire.decode_kv_chunk(same.SerializeToString())
+    assert part == "blocks"
+    assert isinstance(decoded, list)
+    assert [(a, b, c, bytes(k), bytes(v)) for a, b, c, k, v in decoded] == records
+    header = pb.KVChunk(header=pb.KVHeader(seq_id="s", num_records=2)).SerializeToString()
+    part, body = wire.decode_kv_chunk(header)
+    assert part == "header"
+    assert pb.KVHeader.FromString(bytes(body)).seq_id == "s"  # type: ignore[arg-type]
+    assert wire.decode_kv_chunk(b"")[0] == ""
+    with pytest.raises(wire.WireError):
+        wire.decode_kv_chunk(data[:-5])

@@ -75,6 +75,63 @@ def encode_attend_response(request_id: int, output: RawTensor | None, code: int 
     return b"".join(parts)
 
 
+# -- KV transfer: KVChunk messages of blocks, built and read without copying the K/V bytes -------------------
+
+KVRecord = tuple[int, int, int, Buffer, Buffer]  # (layer, logical block, crc32, k bytes, v bytes)
+
+
+def encode_kv_blocks(records: Sequence[KVRecord]) -> bytes:
+    """A serialized KVChunk{blocks: KVBlocks{blocks: [KVBlock...]}}; each K/V buffer is copied once."""
+    parts: list[Buffer] = []
+    for layer, logical, crc, k, v in records:
+        head = b"".join([b"\x08", _varint(layer), b"\x10", _varint(logical), b"\x1d", crc.to_bytes(4, "little")])
+        k_key, v_key = _varint(len(k)), _varint(len(v))
+        size = len(head) + 1 + len(k_key) + len(k) + 1 + len(v_key) + len(v)
+        parts += [b"\x0a", _varint(size), head, b"\x22", k_key, k, b"\x2a", v_key, v]
+    body_size = sum(len(p) for p in parts)
+    return b"".join([b"\x12", _varint(body_size), *parts])
+
+
+def decode_kv_chunk(data: bytes) -> tuple[str, memoryview | list[KVRecord]]:
+    """A serialized KVChunk: ("blocks", its records, the K/V as views of ``data``), or ("header" or
+    "trailer", the submessage's bytes), or ("", empty) for a message with none. WireError when malformed."""
+    buf = memoryview(data)
+    found: tuple[str, memoryview | list[KVRecord]] = ("", memoryview(b""))
+    for field, kind, start, end in _fields(buf):
+        if kind != 2 or field not in (1, 2, 3):
+            continue
+        _, body_start = _read_varint(buf, _read_varint(buf, start)[1])
+        body = buf[body_start:end]
+        if field == 2:
+            found = ("blocks", [_kv_record(body[s:e]) for f, k, s, e in _fields(body) if f == 1 and k == 2])
+        else:
+            found = ("header" if field == 1 else "trailer", body)
+    return found
+
+
+def _kv_record(field: memoryview) -> KVRecord:
+    """One KVBlock (given with its key and length)."""
+    _, start = _read_varint(field, _read_varint(field, 0)[1])
+    body = field[start:]
+    layer = logical = crc = 0
+    k = v = memoryview(b"")
+    for f, kind, s, e in _fields(body):
+        _, value_at = _read_varint(body, s)
+        if f == 1 and kind == 0:
+            layer = _read_varint(body, value_at)[0]
+        elif f == 2 and kind == 0:
+            logical = _read_varint(body, value_at)[0]
+        elif f == 3 and kind == 5:
+            crc = int.from_bytes(body[value_at : value_at + 4], "little")
+        elif f in (4, 5) and kind == 2:
+            _, data_at = _read_varint(body, value_at)
+            if f == 4:
+                k = body[data_at:e]
+            else:
+                v = body[data_at:e]
+    return layer, logical, crc, k, v
+
+
 class WireError(ValueError):
     """Bytes that are not a valid message of the expected kind."""
 

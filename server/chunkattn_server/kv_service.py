@@ -9,18 +9,20 @@ with every block intact and a trailer.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
 
+from chunkattn_client import wire
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_client.client import channel_options
+from chunkattn_server import kvwire
 from chunkattn_server.engine import Engine, ImportSession
 from chunkattn_server.errors import DataLoss, IncompatibleKV, status_code
 from chunkattn_server.kv.transfer import BlockRecord, KVManifest, batches, record_bytes
-from chunkattn_server.kvwire import manifest_from_pb, manifest_to_pb, records_from_pb, records_to_pb
 from chunkattn_server.metrics import Metrics
 
 T = TypeVar("T")
@@ -55,11 +57,12 @@ class KVService:
             "Fork": grpc.unary_unary_rpc_method_handler(
                 self.Fork, request_deserializer=pb.ForkRequest.FromString, response_serializer=ser
             ),
+            # KV chunks travel as bytes built and read by kvwire (no copies of the K/V through protobuf).
             "ExportKV": grpc.unary_stream_rpc_method_handler(
-                self.ExportKV, request_deserializer=pb.ExportKVRequest.FromString, response_serializer=ser
+                self.ExportKV, request_deserializer=pb.ExportKVRequest.FromString, response_serializer=wire.identity
             ),
             "ImportKV": grpc.stream_unary_rpc_method_handler(
-                self.ImportKV, request_deserializer=pb.KVChunk.FromString, response_serializer=ser
+                self.ImportKV, request_deserializer=wire.identity, response_serializer=ser
             ),
             "TransferKV": grpc.unary_unary_rpc_method_handler(
                 self.TransferKV, request_deserializer=pb.TransferKVRequest.FromString, response_serializer=ser
@@ -75,7 +78,7 @@ class KVService:
         self._count("Fork", grpc.StatusCode.OK)
         return pb.ForkResponse(shared_blocks=shared)
 
-    async def ExportKV(self, request: pb.ExportKVRequest, context: Context) -> AsyncIterator[pb.KVChunk]:  # noqa: N802
+    async def ExportKV(self, request: pb.ExportKVRequest, context: Context) -> AsyncIterator[bytes]:  # noqa: N802
         started = time.perf_counter()
         limit = request.max_message_bytes or DEFAULT_KV_MESSAGE_BYTES
         try:
@@ -88,7 +91,7 @@ class KVService:
         self._transferred("out", grpc.StatusCode.OK, started)
         self._count("ExportKV", grpc.StatusCode.OK)
 
-    async def ImportKV(self, request_iterator: AsyncIterator[pb.KVChunk], context: Context) -> pb.ImportKVResponse:  # noqa: N802
+    async def ImportKV(self, request_iterator: AsyncIterator[bytes], context: Context) -> pb.ImportKVResponse:  # noqa: N802
         started = time.perf_counter()
         try:
             response = await self._import(request_iterator)
@@ -119,55 +122,66 @@ class KVService:
 
     async def _chunks(
         self, manifest: KVManifest, limit: int, *, as_id: str = "", failure: list[BaseException] | None = None
-    ) -> AsyncIterator[pb.KVChunk]:
-        """Header, blocks in messages of at most ``limit`` bytes (at least one block each), trailer.
+    ) -> AsyncIterator[bytes]:
+        """Serialized KVChunks: header, blocks in messages of at most ``limit`` bytes (at least one block
+        each), trailer. The next message's engine job runs while this one is on the wire.
 
         With ``failure``, an error ends the stream early (no trailer: the importer sees it cut short) and is
         kept there for the caller, instead of being raised into the consumer (gRPC's request stream)."""
-        header = manifest_to_pb(manifest)
-        if as_id:
-            header.seq_id = as_id
-        yield pb.KVChunk(header=header)
+        yield kvwire.encode_header(manifest, as_id)
         expected = manifest.expected()
         per_message = max(1, limit // (record_bytes(manifest.model) + 64))
-        for batch in batches(expected, per_message):
-            try:
-                records: list[BlockRecord] = await self._run("ExportKV", _exporter(manifest, batch))
-            except Exception as e:
-                if failure is None:
-                    raise
-                failure.append(e)
-                return
-            self._metrics.kv_transfer_blocks.labels("out").inc(len(records))
-            self._metrics.kv_transfer_bytes.labels("out").inc(sum(len(r.k) + len(r.v) for r in records))
-            yield pb.KVChunk(blocks=records_to_pb(records))
-        yield pb.KVChunk(trailer=pb.KVTrailer(num_records=len(expected)))
+        todo = batches(expected, per_message)
+        pending = asyncio.ensure_future(self._run("ExportKV", _exporter(manifest, todo[0]))) if todo else None
+        try:
+            for i in range(len(todo)):
+                assert pending is not None
+                try:
+                    records: list[BlockRecord] = await pending
+                except Exception as e:
+                    if failure is None:
+                        raise
+                    failure.append(e)
+                    return
+                pending = (
+                    asyncio.ensure_future(self._run("ExportKV", _exporter(manifest, todo[i + 1])))
+                    if i + 1 < len(todo)
+                    else None
+                )
+                self._metrics.kv_transfer_blocks.labels("out").inc(len(records))
+                self._metrics.kv_transfer_bytes.labels("out").inc(sum(len(r.k) + len(r.v) for r in records))
+                yield kvwire.encode_blocks(records)
+        finally:
+            if pending is not None:
+                pending.cancel()
+        yield kvwire.encode_trailer(len(expected))
 
-    async def _import(self, chunks: AsyncIterator[pb.KVChunk]) -> pb.ImportKVResponse:
+    async def _import(self, chunks: AsyncIterator[bytes]) -> pb.ImportKVResponse:
         it = chunks.__aiter__()
         first = await anext(it, None)
         if first is None:
             raise DataLoss("the KV stream is empty; it must start with its header")
-        if first.WhichOneof("part") != "header":
+        part, manifest = kvwire.decode(first)
+        if part != "header" or not isinstance(manifest, KVManifest):
             raise IncompatibleKV("a KV stream must start with its header")
-        manifest = manifest_from_pb(first.header)
         session = await self._run("ImportKV", lambda e: e.begin_import(manifest))
         records = nbytes = 0
         try:
             trailer = False
-            async for chunk in it:
-                part = chunk.WhichOneof("part")
+            async for data in it:
+                part, body = kvwire.decode(data)
                 if trailer or part not in ("blocks", "trailer"):
                     raise IncompatibleKV(f"unexpected {part or 'empty'} message in the KV stream after its header")
                 if part == "trailer":
                     trailer = True
                     continue
-                batch = records_from_pb(chunk.blocks)
-                await self._run("ImportKV", _importer(session, batch))
-                records += len(batch)
-                nbytes += sum(len(r.k) + len(r.v) for r in batch)
-                self._metrics.kv_transfer_blocks.labels("in").inc(len(batch))
-                self._metrics.kv_transfer_bytes.labels("in").inc(sum(len(r.k) + len(r.v) for r in batch))
+                assert isinstance(body, list)
+                await self._run("ImportKV", _importer(session, body))
+                size = sum(len(r.k) + len(r.v) for r in body)
+                records += len(body)
+                nbytes += size
+                self._metrics.kv_transfer_blocks.labels("in").inc(len(body))
+                self._metrics.kv_transfer_bytes.labels("in").inc(size)
             if not trailer:
                 raise DataLoss(f"the KV stream ended before its trailer, after {records} blocks: it was cut short")
             blocks = await self._run("ImportKV", lambda e: e.commit_import(session))
@@ -180,10 +194,8 @@ class KVService:
         failure: list[BaseException] = []
         options = channel_options(self._max_message_bytes, None)
         async with grpc.aio.insecure_channel(request.target, options=options) as channel:
-            method: grpc.aio.StreamUnaryMultiCallable[pb.KVChunk, pb.ImportKVResponse] = channel.stream_unary(
-                IMPORT_KV,
-                request_serializer=lambda m: bytes(m.SerializeToString()),
-                response_deserializer=pb.ImportKVResponse.FromString,
+            method: grpc.aio.StreamUnaryMultiCallable[bytes, pb.ImportKVResponse] = channel.stream_unary(
+                IMPORT_KV, request_serializer=wire.identity, response_deserializer=pb.ImportKVResponse.FromString
             )
             chunks = self._chunks(manifest, DEFAULT_KV_MESSAGE_BYTES, as_id=request.new_seq_id, failure=failure)
             try:

@@ -1,10 +1,16 @@
-"""KV transfer messages <-> the engine's transfer types (kv/transfer.py). Protobuf stays at this edge."""
+"""KV transfer messages <-> the engine's transfer types (kv/transfer.py). Protobuf stays at this edge.
+
+Block messages carry almost all the bytes, so they are built and read by ``chunkattn_client.wire`` without
+copying K/V (protobuf would copy each buffer twice per side); headers and trailers go through protobuf.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from chunkattn_client import codec
+from google.protobuf.message import DecodeError
+
+from chunkattn_client import codec, wire
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_server.errors import IncompatibleKV
 from chunkattn_server.kv.transfer import BlockRecord, KVManifest, ModelFingerprint
@@ -63,11 +69,36 @@ def manifest_from_pb(h: pb.KVHeader) -> KVManifest:
     return manifest
 
 
-def records_to_pb(records: Sequence[BlockRecord]) -> pb.KVBlocks:
-    return pb.KVBlocks(
-        blocks=[pb.KVBlock(layer=r.layer, logical=r.logical, crc32=r.crc32, k=r.k, v=r.v) for r in records]
-    )
+def encode_header(m: KVManifest, as_id: str = "") -> bytes:
+    """A serialized KVChunk holding the manifest's header (under ``as_id`` when given)."""
+    header = manifest_to_pb(m)
+    if as_id:
+        header.seq_id = as_id
+    return bytes(pb.KVChunk(header=header).SerializeToString())
 
 
-def records_from_pb(blocks: pb.KVBlocks) -> list[BlockRecord]:
-    return [BlockRecord(b.layer, b.logical, b.k, b.v, b.crc32) for b in blocks.blocks]
+def encode_trailer(num_records: int) -> bytes:
+    return bytes(pb.KVChunk(trailer=pb.KVTrailer(num_records=num_records)).SerializeToString())
+
+
+def encode_blocks(records: Sequence[BlockRecord]) -> bytes:
+    """A serialized KVChunk of blocks; each K/V buffer is copied once, into the message."""
+    return wire.encode_kv_blocks([(r.layer, r.logical, r.crc32, r.k, r.v) for r in records])
+
+
+def decode(data: bytes) -> tuple[str, KVManifest | list[BlockRecord] | int | None]:
+    """A serialized KVChunk: ("header", manifest), ("blocks", records viewing ``data``), ("trailer", count)
+    or ("", None). IncompatibleKV when it does not parse."""
+    try:
+        part, body = wire.decode_kv_chunk(data)
+        if part == "blocks":
+            assert isinstance(body, list)
+            return part, [BlockRecord(layer, logical, k, v, crc) for layer, logical, crc, k, v in body]
+        assert isinstance(body, memoryview)
+        if part == "header":
+            return part, manifest_from_pb(pb.KVHeader.FromString(bytes(body)))
+        if part == "trailer":
+            return part, int(pb.KVTrailer.FromString(bytes(body)).num_records)
+    except (wire.WireError, DecodeError) as e:
+        raise IncompatibleKV(f"a KV stream message does not parse: {e}") from None
+    return "", None

@@ -64,12 +64,13 @@ class KVManifest:
 
 @dataclass(frozen=True)
 class BlockRecord:
-    """One layer's K and V pages of one logical block: bytes of [num_kv_heads, block_size, head_size]."""
+    """One layer's K and V pages of one logical block: bytes of [num_kv_heads, block_size, head_size]
+    (views into a bigger buffer, often: a received message, or an export's host copy)."""
 
     layer: int
     logical: int
-    k: bytes
-    v: bytes
+    k: bytes | memoryview
+    v: bytes | memoryview
     crc32: int
 
     @staticmethod
