@@ -7,8 +7,6 @@ checked on a GPU by benchmarks/gpu.py.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -59,12 +57,21 @@ def test_every_model_kind_in_both_dtypes(model: str, dtype: str) -> None:
 
 
 @pytest.mark.parametrize("splits", [2, 3])
-def test_split_decodes_merge_exactly(splits: int) -> None:
+@pytest.mark.parametrize(("model", "layer"), [("gqa", 2), ("gqa", 3), ("alibi", 0)])  # global; C = 16; ALiBi C = 8
+def test_split_decodes_merge_exactly(splits: int, model: str, layer: int) -> None:
     """Flash-decoding: each split sees part of the context; the combine kernel merges them."""
-    h = Harness.build(MODELS["gqa"], impl="triton", splits=splits)
-    h.call(2, [BatchEntry("a", 0, 37), BatchEntry("b", 0, 5)])  # layer 2 is global: a long context
-    for pos in range(37, 40):
-        h.call(2, [BatchEntry("a", pos, 1), BatchEntry("b", pos - 32, 1)])
+    h = Harness.build(MODELS[model], impl="triton", splits=splits)
+    h.call(layer, [BatchEntry("a", 0, 37), BatchEntry("b", 0, 5)])
+    for pos in range(37, 41):  # chunked layers: 40 starts a chunk with C = 8, not with C = 16
+        h.call(layer, [BatchEntry("a", pos, 1), BatchEntry("b", pos - 32, 1)])
+
+
+@pytest.mark.parametrize("group", [3, 5])  # not powers of two (Llama-4-Scout has 5 query heads per KV head)
+@pytest.mark.parametrize("splits", [1, 3])
+def test_query_head_groups_that_are_not_powers_of_two(group: int, splits: int) -> None:
+    model = ModelShape(num_heads=2 * group, num_kv_heads=2, head_size=32, layers=(LayerSpec(8), LayerSpec(0)))
+    h = Harness.build(model, impl="triton", splits=splits)
+    _scenario(h)
 
 
 @st.composite
@@ -147,12 +154,18 @@ def test_the_engine_picks_triton_on_cuda_and_torch_on_the_cpu(monkeypatch: pytes
         make_backend("triton", CPU)
     with pytest.raises(ConfigError, match="backend must be one of auto, torch, triton"):
         EngineConfig(MODELS["gqa"], CacheConfig(block_size=4), backend="cudnn")
-    assert os.environ.get("TRITON_INTERPRET") is None
+    for bad in ({"block_n": 24}, {"num_splits": 0}, {"prefill_rows": 8}):
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        with pytest.raises(ConfigError, match="must be"):
+            TritonBackend(CPU, **bad)
 
 
 def test_an_engine_configured_for_triton_serves_through_it() -> None:
-    config = EngineConfig(MODELS["mqa"], CacheConfig(block_size=4, num_blocks=32), device="cpu", backend="triton")
-    engine = Engine(config)
-    assert engine.backend.name == "triton"
-    out = engine.attend(0, [BatchEntry("s", 0, 5)], torch.randn(5, 4, 8), torch.randn(5, 1, 8), torch.randn(5, 1, 8))
-    assert out.shape == (5, 4, 8)
+    engines = [
+        Engine(EngineConfig(MODELS["mqa"], CacheConfig(block_size=4, num_blocks=32), device="cpu", backend=name))
+        for name in ("triton", "torch")
+    ]
+    assert [e.backend.name for e in engines] == ["triton", "torch"]
+    q, k, v = torch.randn(5, 4, 8), torch.randn(5, 1, 8), torch.randn(5, 1, 8)
+    ours, theirs = (e.attend(0, [BatchEntry("s", 0, 5)], q, k, v) for e in engines)
+    assert float((ours - theirs).abs().max()) <= 1e-5

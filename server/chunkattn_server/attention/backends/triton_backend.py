@@ -1,10 +1,13 @@
 """The triton backend: paged chunked-local attention in one kernel launch per call (two for mixed batches).
 
 ``prepare`` checks the batch (shapes, strides, dtypes, devices: a clear ``TritonLaunchError`` before
-anything runs) and builds fixed-shape int32 metadata on the device: per sequence its first row, query
-count, first position and block-table base; per tile of queries its sequence and first query; the block
-tables. ``run`` only launches kernels, so a decode step whose metadata tensors are updated in place can be
-captured in a CUDA graph and replayed (benchmarks/gpu.py does). ``attend`` is prepare + run.
+anything runs) and builds int32 metadata on the device: per sequence its first row, query count, first
+position and block-table base; per tile of queries its sequence and first query; the block tables.
+``run`` only launches kernels, so a prepared step can be captured in a CUDA graph and replayed
+(benchmarks/gpu.py does, and checks the replay against eager). Replaying a *later* step is not built yet:
+the table width, the split count and the scratch buffers change as contexts grow, so that needs
+fixed-width tables (C / block_size columns), splits fixed at capture and an in-place update of the
+metadata. ``attend`` is prepare + run.
 
 Decodes (single-token entries) and prefill pieces are launched apart, each with its own tile height:
 a decode tile is one token with its query heads (rows padded to 16 for tl.dot), and long contexts over
@@ -21,6 +24,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from chunkattn_server.attention.backends.base import AttentionBatch
@@ -49,7 +53,7 @@ def check_device(device: torch.device) -> None:
 
 
 @dataclass
-class _Launch:
+class _Part:
     """One kernel launch's metadata and scratch, all on the device."""
 
     tile_seq: torch.Tensor  # [tiles] int32
@@ -73,7 +77,7 @@ class Launch:
     seq_base: torch.Tensor  # [B] int32: the logical block of column 0 of its table row
     tables: torch.Tensor  # [B, W] int32: physical blocks
     slopes: torch.Tensor  # [H] float32 (a dummy when there is no ALiBi)
-    parts: list[_Launch]
+    parts: list[_Part]
 
 
 class TritonBackend:
@@ -95,8 +99,11 @@ class TritonBackend:
         num_warps: int = 4,
     ) -> None:
         check_device(device)
-        if block_n < 16 or block_n & (block_n - 1):
-            raise ConfigError(f"block_n must be a power of two >= 16, got {block_n}")
+        for name, value in (("block_n", block_n), ("prefill_rows", prefill_rows)):
+            if value < 16 or value & (value - 1):
+                raise ConfigError(f"{name} must be a power of two >= 16, got {value}")
+        if isinstance(num_splits, int) and num_splits < 1:
+            raise ConfigError(f"num_splits must be 'auto' or >= 1, got {num_splits}")
         self.device = device
         self.block_n = block_n
         self.num_splits = num_splits
@@ -159,48 +166,36 @@ class TritonBackend:
 
         spans = batch.spans
         chunk = batch.chunk_size
-        rows, lens, poss, bases, table_rows = [], [], [], [], []
-        for (row, pos, n), table in zip(spans, batch.tables, strict=True):
-            first = pos - pos % chunk if chunk else 0
-            base = first // block_size
-            needed = -(-pos // block_size) - base  # cache blocks of keys [first, pos)
-            rows.append(row)
-            lens.append(n)
-            poss.append(pos)
-            bases.append(base)
-            table_rows.append([_block(table, base + i) for i in range(max(needed, 0))])
-        width = max(1, max((len(t) for t in table_rows), default=1))
-        tables = torch.tensor([t + [0] * (width - len(t)) for t in table_rows], dtype=torch.int32)
+        meta = np.array([(row, n, pos) for row, pos, n in spans], dtype=np.int64).reshape(-1, 3)
+        rows, lens, poss = meta[:, 0], meta[:, 1], meta[:, 2]
+        bases = (poss - poss % chunk if chunk else np.zeros_like(poss)) // block_size
+        needed = np.maximum(-(-poss // block_size) - bases, 0)  # cache blocks of keys [chunk start, pos)
+        tables = np.zeros((len(spans), max(1, int(needed.max(initial=0)))), dtype=np.int32)
+        for i, table in enumerate(batch.tables):
+            base = int(bases[i])
+            tables[i, : needed[i]] = [_block(table, base + j) for j in range(int(needed[i]))]
         group = heads // kv_heads
-        decodes = [i for i, n in enumerate(lens) if n == 1]
-        prefills = [i for i, n in enumerate(lens) if n > 1]
+        counts = lens.tolist()
+        decodes = [i for i, n in enumerate(counts) if n == 1]
+        prefills = [i for i, n in enumerate(counts) if n > 1]
         parts = []
         if decodes:
-            ctx = max(poss[i] - (poss[i] - poss[i] % chunk if chunk else 0) + 1 for i in decodes)
-            parts.append(
-                self._part(
-                    decodes,
-                    lens,
-                    _pow2(max(16, group)),
-                    self._splits(len(decodes) * kv_heads, ctx),
-                    group,
-                    kv_heads,
-                    head_size,
-                )
-            )
+            ctx = int(max(poss[i] - (poss[i] - poss[i] % chunk if chunk else 0) + 1 for i in decodes))
+            splits = self._splits(len(decodes) * kv_heads, ctx)
+            parts.append(self._part(decodes, counts, _pow2(max(16, group)), splits, group, kv_heads, head_size))
         if prefills:
             prefill_rows = _pow2(max(self.prefill_rows, group))
-            parts.append(self._part(prefills, lens, prefill_rows, 1, group, kv_heads, head_size))
-        dev = self.device
+            parts.append(self._part(prefills, counts, prefill_rows, 1, group, kv_heads, head_size))
+        seq = torch.from_numpy(np.concatenate([rows, lens, poss, bases]).astype(np.int32)).to(self.device)
         return Launch(
             batch=batch,
             out=out,
-            seq_row=torch.tensor(rows, dtype=torch.int32).to(dev),
-            seq_len=torch.tensor(lens, dtype=torch.int32).to(dev),
-            seq_pos=torch.tensor(poss, dtype=torch.int32).to(dev),
-            seq_base=torch.tensor(bases, dtype=torch.int32).to(dev),
-            tables=tables.to(dev),
-            slopes=slopes if slopes is not None else torch.zeros(1, dtype=torch.float32, device=dev),
+            seq_row=seq[0 : len(spans)],
+            seq_len=seq[len(spans) : 2 * len(spans)],
+            seq_pos=seq[2 * len(spans) : 3 * len(spans)],
+            seq_base=seq[3 * len(spans) :],
+            tables=torch.from_numpy(tables).to(self.device),
+            slopes=slopes if slopes is not None else torch.zeros(1, dtype=torch.float32, device=self.device),
             parts=parts,
         )
 
@@ -213,6 +208,11 @@ class TritonBackend:
         heads, head_size = q.shape[1], q.shape[2]
         kv_heads, block_size = kp.shape[0], kp.shape[2]
         group = heads // kv_heads
+        fp32 = q.dtype == torch.float32
+        # fp32 tiles and head sizes over 128 need fewer pipeline stages (and fp32 narrower key blocks) to fit
+        # in shared memory (fp32 with head size 256 would not fit an H200's 227 KiB otherwise).
+        block_n = min(self.block_n, 32) if fp32 else self.block_n
+        tuning = {"num_stages": 2} if fp32 or head_size > 128 else {}
         meta = {
             "GROUP": group,
             "HEAD_D": head_size,
@@ -228,9 +228,9 @@ class TritonBackend:
                 b.chunk_size, b.scale * LOG2E,
                 out.stride(0), out.stride(1), q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                 v.stride(0), v.stride(1), kp.stride(0), kp.stride(1), kp.stride(2), launch.tables.stride(0),
-                ROWS=part.rows, BLOCK_M=part.block_m, BLOCK_N=self.block_n, BLOCK_SIZE=block_size,
-                NUM_SPLITS=part.num_splits, HAS_ALIBI=b.alibi_slopes is not None, IEEE=q.dtype == torch.float32,
-                num_warps=self.num_warps, **meta,
+                ROWS=part.rows, BLOCK_M=part.block_m, BLOCK_N=block_n, BLOCK_SIZE=block_size,
+                NUM_SPLITS=part.num_splits, HAS_ALIBI=b.alibi_slopes is not None, IEEE=fp32,
+                num_warps=self.num_warps, **meta, **tuning,
             )  # fmt: skip
             if part.num_splits > 1:
                 kern.combine_splits[(tiles, kv_heads)](
@@ -249,18 +249,18 @@ class TritonBackend:
         if self.device.type != "cuda":
             return 1
         want = math.ceil(2 * self._sms / max(programs, 1))
-        return max(1, min(want, 16, context // (4 * self.block_n)))
+        return _pow2(max(1, min(want, 16, context // (4 * self.block_n))))  # powers of two: few compiled variants
 
     def _part(
         self, seqs: Sequence[int], lens: Sequence[int], rows: int, splits: int, group: int, kv_heads: int, d: int
-    ) -> _Launch:
+    ) -> _Part:
         block_m = rows // group
         tile_seq = [i for i in seqs for _ in range(0, lens[i], block_m)]
         tile_start = [s for i in seqs for s in range(0, lens[i], block_m)]
         block_d = max(16, _pow2(d))
         n = len(tile_seq) * kv_heads * splits if splits > 1 else 0
         dev = self.device
-        return _Launch(
+        return _Part(
             tile_seq=torch.tensor(tile_seq, dtype=torch.int32).to(dev),
             tile_start=torch.tensor(tile_start, dtype=torch.int32).to(dev),
             rows=rows,

@@ -34,7 +34,7 @@ def write_kv(
     slot = tl.load(slots_ptr + t).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     dm = d < HEAD_D
-    dst = h * stride_ph + (slot // BLOCK_SIZE) * stride_pb + (slot % BLOCK_SIZE) * stride_ps + d
+    dst = h.to(tl.int64) * stride_ph + (slot // BLOCK_SIZE) * stride_pb + (slot % BLOCK_SIZE) * stride_ps + d
     tl.store(k_pages_ptr + dst, tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=dm), mask=dm)
     tl.store(v_pages_ptr + dst, tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=dm), mask=dm)
 
@@ -91,7 +91,7 @@ def _store_rows(out_ptr, o, row, head, valid, stride_ot, stride_oh, HEAD_D: tl.c
     tl.store(out_ptr + dst, o.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (d < HEAD_D)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["chunk_size", "stride_tb"])  # they vary call to call: no recompiles
 def chunked_paged_attention(
     out_ptr, part_acc_ptr, part_ml_ptr,
     q_ptr, k_ptr, v_ptr, k_pages_ptr, v_pages_ptr, tables_ptr,
@@ -156,7 +156,7 @@ def chunked_paged_attention(
         j = j0 + jj
         jm = j < c_hi
         block = tl.load(tables_ptr + b * stride_tb + (j // BLOCK_SIZE - base), mask=jm, other=0).to(tl.int64)
-        at = h * stride_ph + block * stride_pb + (j % BLOCK_SIZE) * stride_ps
+        at = h.to(tl.int64) * stride_ph + block * stride_pb + (j % BLOCK_SIZE) * stride_ps
         kv_mask = jm[:, None] & dm[None, :]
         k = tl.load(k_pages_ptr + at[:, None] + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_pages_ptr + at[:, None] + d[None, :], mask=kv_mask, other=0.0)
