@@ -208,16 +208,7 @@ class TritonBackend:
         heads, head_size = q.shape[1], q.shape[2]
         kv_heads, block_size = kp.shape[0], kp.shape[2]
         group = heads // kv_heads
-        fp32 = q.dtype == torch.float32
-        # fp32 tiles and head sizes over 128 need fewer pipeline stages (and fp32 narrower key blocks) to fit
-        # in shared memory (fp32 with head size 256 would not fit an H200's 227 KiB otherwise).
-        block_n = min(self.block_n, 32) if fp32 else self.block_n
-        tuning = {"num_stages": 2} if fp32 or head_size > 128 else {}
-        meta = {
-            "GROUP": group,
-            "HEAD_D": head_size,
-            "BLOCK_D": max(16, _pow2(head_size)),
-        }
+        meta = {"GROUP": group, "HEAD_D": head_size, "BLOCK_D": max(16, _pow2(head_size))}
         for part in launch.parts:
             tiles = part.tile_seq.numel()
             kern.chunked_paged_attention[(tiles, kv_heads, part.num_splits)](
@@ -228,9 +219,10 @@ class TritonBackend:
                 b.chunk_size, b.scale * LOG2E,
                 out.stride(0), out.stride(1), q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                 v.stride(0), v.stride(1), kp.stride(0), kp.stride(1), kp.stride(2), launch.tables.stride(0),
-                ROWS=part.rows, BLOCK_M=part.block_m, BLOCK_N=block_n, BLOCK_SIZE=block_size,
-                NUM_SPLITS=part.num_splits, HAS_ALIBI=b.alibi_slopes is not None, IEEE=fp32,
-                num_warps=self.num_warps, **meta, **tuning,
+                **attention_config(
+                    q.dtype, head_size, group, block_size, part.rows, part.num_splits, b.alibi_slopes is not None,
+                    self.block_n, self.num_warps,
+                ),
             )  # fmt: skip
             if part.num_splits > 1:
                 kern.combine_splits[(tiles, kv_heads)](
@@ -271,6 +263,42 @@ class TritonBackend:
         )
 
 
+def attention_config(
+    dtype: torch.dtype,
+    head_size: int,
+    group: int,
+    block_size: int,
+    rows: int,
+    splits: int,
+    alibi: bool,
+    block_n: int,
+    num_warps: int,
+) -> dict[str, int | bool]:
+    """The compile-time constants and launch options of one ``chunked_paged_attention`` launch.
+
+    fp32 tiles and head sizes over 128 get fewer pipeline stages (and fp32 narrower key blocks) to fit in
+    shared memory: fp32 with head size 256 would need 344 KB on sm_90 otherwise (an H200 has 227 KiB).
+    tests/test_triton_compile.py compiles these for sm_90 ahead of time and checks the shared memory.
+    """
+    fp32 = dtype == torch.float32
+    config: dict[str, int | bool] = {
+        "GROUP": group,
+        "ROWS": rows,
+        "BLOCK_M": rows // group,
+        "BLOCK_N": min(block_n, 32) if fp32 else block_n,
+        "BLOCK_SIZE": block_size,
+        "HEAD_D": head_size,
+        "BLOCK_D": max(16, _pow2(head_size)),
+        "NUM_SPLITS": splits,
+        "HAS_ALIBI": alibi,
+        "IEEE": fp32,
+        "num_warps": num_warps,
+    }
+    if fp32 or head_size > 128:
+        config["num_stages"] = 2
+    return config
+
+
 def _block(table: Mapping[int, int], logical: int) -> int:
     try:
         return table[logical]
@@ -287,4 +315,12 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-__all__ = ["HEAD_SIZES", "Launch", "TritonBackend", "TritonLaunchError", "check_device", "interpreting"]
+__all__ = [
+    "HEAD_SIZES",
+    "Launch",
+    "TritonBackend",
+    "TritonLaunchError",
+    "attention_config",
+    "check_device",
+    "interpreting",
+]
