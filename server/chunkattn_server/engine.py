@@ -483,7 +483,7 @@ class Engine:
             block = session.tables[self._group_of[r.layer].index][r.logical]
             slot = self._slot_of[r.layer]
             for pages, data in ((self.cache.k[slot], r.k), (self.cache.v[slot], r.v)):
-                pages[:, block] = _from_bytes(data, self.dtype, shape).to(self.device)
+                _store_block(pages, block, data, shape)
             session.received.add(key)
 
     def commit_import(self, session: ImportSession) -> int:
@@ -672,25 +672,41 @@ def _listed(manifest: KVManifest) -> list[int]:
     return [x for x, n in enumerate(manifest.lengths) if x in manifest.layers or n > 0]
 
 
+# Block copies for KV transfer. On the CPU they go through numpy: torch hands each ~100 KiB strided copy to
+# its intra-op thread pool, which on a busy 2-core machine costs milliseconds per copy instead of
+# microseconds (measured: 8 ms against 0.05 ms with one thread).
+
+
 def _gather_blocks(pages: torch.Tensor, blocks: list[int]) -> memoryview:
     """The bytes of pages [Hkv, num_blocks, bs, D] at ``blocks``, laid out [len(blocks), Hkv, bs, D], on the host."""
-    out = torch.empty((len(blocks), *pages[:, 0].shape), dtype=pages.dtype, device=pages.device)
+    if pages.device.type == "cpu":
+        src = _bytes_of(pages)
+        out: Any = np.empty((len(blocks), src.shape[0], *src.shape[2:]), dtype=np.uint8)
+        for i, b in enumerate(blocks):
+            np.copyto(out[i], src[:, b])
+        return memoryview(out).cast("B")
+    gathered = torch.empty((len(blocks), *pages[:, 0].shape), dtype=pages.dtype, device=pages.device)
     for i, b in enumerate(blocks):
-        out[i].copy_(pages[:, b])
-    return _host_view(out)
-
-
-def _host_view(t: torch.Tensor) -> memoryview:
-    """The raw bytes of a contiguous tensor (any dtype), on the host, without a copy there."""
-    array: Any = t.contiguous().cpu().view(torch.uint8).numpy()
+        gathered[i].copy_(pages[:, b])
+    array: Any = gathered.cpu().view(torch.uint8).numpy()
     return memoryview(array).cast("B")
 
 
-def _from_bytes(data: bytes | memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """A read-only view of the bytes as a tensor (the caller copies it into the pages)."""
+def _store_block(pages: torch.Tensor, block: int, data: bytes | memoryview, shape: tuple[int, ...]) -> None:
+    """Write one block's bytes, laid out [Hkv, bs, D], into pages [Hkv, num_blocks, bs, D]."""
+    if pages.device.type == "cpu":
+        dst = _bytes_of(pages)[:, block]
+        np.copyto(dst, np.frombuffer(data, dtype=np.uint8).reshape(dst.shape))
+        return
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        return torch.frombuffer(data, dtype=torch.uint8).view(dtype).view(shape)
+        src = torch.frombuffer(data, dtype=torch.uint8).view(pages.dtype).view(shape)
+    pages[:, block] = src.to(pages.device)
+
+
+def _bytes_of(pages: torch.Tensor) -> Any:
+    """A uint8 numpy view [Hkv, num_blocks, bs, D * itemsize] of CPU pages (any dtype, bfloat16 included)."""
+    return pages.view(torch.uint8).numpy()
 
 
 def _slots(table: dict[int, int], start: int, end: int, block_size: int) -> np.ndarray:
