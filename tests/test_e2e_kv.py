@@ -257,3 +257,32 @@ def test_the_kv_command_line(
     with client(a) as ca, client(b) as cb:
         ca.release(["cli-fork"])
         assert cb.release(["cli", "cli-copy", "cli-fork"]) == 3
+
+
+def test_an_import_cancelled_mid_stream_returns_every_reserved_block(
+    b: ServerProcess, exported: list[pb.KVChunk]
+) -> None:
+    import threading
+    import time
+
+    from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2_grpc as pb_grpc
+
+    free_before, active_before = pool(b)
+    release = threading.Event()
+
+    def stalled() -> Iterator[pb.KVChunk]:
+        yield from exported[:2]  # the header and some blocks, then nothing
+        release.wait(30)
+
+    with grpc.insecure_channel(b.target) as channel:
+        call = pb_grpc.ChunkAttnStub(channel).ImportKV.future(stalled())
+        deadline = time.monotonic() + 30
+        while pool(b)[0] == free_before:  # the header arrived: the import reserved its blocks
+            assert time.monotonic() < deadline, "the import never reserved its blocks"
+            time.sleep(0.05)
+        call.cancel()
+        release.set()
+    deadline = time.monotonic() + 30
+    while pool(b) != (free_before, active_before):
+        assert time.monotonic() < deadline, f"blocks not returned: {pool(b)} vs {(free_before, active_before)}"
+        time.sleep(0.05)

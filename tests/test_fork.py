@@ -102,3 +102,30 @@ def test_a_failure_after_the_copy_rolls_it_back() -> None:
     owners_are_exact(h.engine)
     h.engine.backend = backend
     h.step([BatchEntry("c", 6, 1), BatchEntry("p", 6, 1)])  # and both still match the reference
+
+
+def test_parent_and_child_decoding_in_one_batch_copy_once_and_roll_back_cleanly() -> None:
+    """The beam-search pattern: both write into their shared last block in the same call."""
+    h = Harness.build(MODELS["mqa"])
+    h.step([BatchEntry("p", 0, 6)])
+    h.engine.fork("p", "c")
+    h.reference.fork("p", "c")
+    before = snapshot(h.engine)
+    backend = h.engine.backend
+    h.engine.backend = _Exploding(torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="fell over"):
+        h.engine.attend(
+            0, [BatchEntry("p", 6, 1), BatchEntry("c", 6, 1)], torch.randn(2, 4, 8), torch.randn(2, 1, 8),
+            torch.randn(2, 1, 8),
+        )  # fmt: skip
+    assert snapshot(h.engine) == before
+    owners_are_exact(h.engine)
+    h.engine.backend = backend
+    used = h.engine.pool.num_used
+    h.call(0, [BatchEntry("p", 6, 1), BatchEntry("c", 6, 1)])  # one copy: the second writer owns the original
+    assert h.engine.pool.num_used == used + 1
+    owners_are_exact(h.engine)
+    h.call(1, [BatchEntry("p", 6, 1), BatchEntry("c", 6, 1)])  # the global layer catches up
+    for i in range(7, 14):  # then both decode apart, across the chunk boundary at 8 and 12
+        h.step([BatchEntry("p", i, 1), BatchEntry("c", i, 1)])
+    owners_are_exact(h.engine)

@@ -9,7 +9,14 @@ import torch
 
 from chunkattn_client import BatchEntry
 from chunkattn_server import CacheConfig, Engine, EngineConfig, LayerSpec, ModelShape
-from chunkattn_server.errors import DataLoss, IncompatibleKV, OutOfBlocks, SequenceChanged, SequenceExists
+from chunkattn_server.errors import (
+    DataLoss,
+    IncompatibleKV,
+    InvalidBatch,
+    OutOfBlocks,
+    SequenceChanged,
+    SequenceExists,
+)
 from chunkattn_server.kv.transfer import BlockRecord, KVManifest, batches
 from tests.harness import MODELS, snapshot
 
@@ -168,3 +175,32 @@ def test_a_sequence_that_changes_during_its_export_is_reported() -> None:
     Feed(MODELS["gqa"]).step([src], ["s"], 21, 1)
     with pytest.raises(SequenceChanged, match="export it again"):
         src.export_records(manifest, manifest.expected()[:1])
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"lengths": (21, 21, 10**15, 21, 21, 10**15)}, "lacks blocks"),  # a forged length: refused at once
+        ({"blocks": None}, "more than once"),
+        ({"layers": (0, 1, 2, 3)}, "layer 4 has 21 tokens but its KV is not in the stream"),
+        ({"seq_id": ""}, "non-empty id"),
+    ],
+)
+def test_forged_manifests_are_refused_before_anything_is_reserved(change: dict[str, object], message: str) -> None:
+    _, dst, manifest, _ = _ready()
+    if change.get("blocks", 0) is None:
+        first = manifest.blocks[0]
+        change = {"blocks": ((*first, first[0]), *manifest.blocks[1:])}
+    with pytest.raises((IncompatibleKV, InvalidBatch), match=message):
+        dst.begin_import(dataclasses.replace(manifest, **change))  # type: ignore[arg-type]
+    _unchanged(dst)
+
+
+def test_release_after_an_export_refuses_a_sequence_that_changed_since() -> None:
+    src, _, manifest, _ = _ready()
+    Feed(MODELS["gqa"]).step([src], ["s"], 21, 1)
+    with pytest.raises(SequenceChanged, match="not released"):
+        src.release_exported(manifest)
+    assert "s" in src.sequence_ids()
+    src.release_exported(src.export_manifest("s"))
+    assert src.sequence_ids() == []

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -191,7 +192,12 @@ def _kv_export(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         chunks = c.export_kv(args.seq_id, layers=_layers(args.layers))
         counted = _Counted(chunks)
-        messages, size = kvfile.write(args.out, counted)
+        try:
+            messages, size = kvfile.write(args.out, counted)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(args.out)  # no half-written export left behind
+            raise
     print(
         f"exported {args.seq_id!r}: {counted.records} blocks, {counted.kv_bytes} bytes of K/V in {messages}"
         f" messages ({size} bytes) to {args.out} in {time.perf_counter() - start:.2f} s"

@@ -221,12 +221,10 @@ class Engine:
                     (new,) = self.pool.allocate(1, after=table.get(logical - 1))
                     self.cache.copy_block(old, new)
                     table[logical] = new
-                    self.pool.free([old])
                     copied.append((table, logical, old))
             out = self._compute(layer, spec, entries, live, writes, q, k, v).to(q.dtype)
         except BaseException:
             for table, logical, old in reversed(copied):
-                self.pool.share([old])
                 self.pool.free([table[logical]])
                 table[logical] = old
             self.pool.free(table.pop(logical) for table, logical in taken)
@@ -234,6 +232,8 @@ class Engine:
                 del self._seqs[seq_id]
             raise
 
+        for _, _, shared_block in copied:  # the copies are in use: drop this call's owners of the originals
+            self.pool.free([shared_block])
         now = time.monotonic()
         for e, state in zip(entries, live, strict=True):
             old = state.lengths[layer]
@@ -338,16 +338,28 @@ class Engine:
         writes: list[tuple[int, list[int]]],
         states: list[SequenceState | None],
     ) -> list[list[int]]:
-        """Per entry: the logical blocks the call writes into that have other owners (after a fork)."""
+        """Per entry: the logical blocks the call must copy before writing into them (after a fork).
+
+        A block with n owners is copied by the first n - 1 of the call's entries that write into it; the
+        last writer (a parent and its child decoding in one batch) then owns it alone and writes in place.
+        """
         bs = self.block_size
+        owners: dict[int, int] = {}
         out: list[list[int]] = []
         for e, (start, _), state in zip(entries, writes, states, strict=True):
             end = e.position + e.num_tokens
-            if state is None or start >= end:
-                out.append([])
-                continue
-            table = state.tables[group.index]
-            out.append([b for b in range(start // bs, -(-end // bs)) if b in table and self.pool.owners(table[b]) > 1])
+            copies: list[int] = []
+            if state is not None and start < end:
+                table = state.tables[group.index]
+                for b in range(start // bs, -(-end // bs)):
+                    block = table.get(b)
+                    if block is None:
+                        continue
+                    left = owners.setdefault(block, self.pool.owners(block))
+                    if left > 1:
+                        copies.append(b)
+                        owners[block] = left - 1
+            out.append(copies)
         return out
 
     # -- the control plane ---------------------------------------------------------------------------
@@ -449,12 +461,25 @@ class Engine:
             or any(model.layers[x].kv_source is not None for x in manifest.layers)
         ):
             raise IncompatibleKV("the KV manifest contradicts this model's layers and KV groups")
+        for g, logicals in enumerate(manifest.blocks):
+            if len(set(logicals)) != len(logicals) or any(b < 0 for b in logicals):
+                raise IncompatibleKV(f"the KV manifest lists KV group {g}'s blocks more than once, or negative ones")
+        for x, spec in enumerate(model.layers):
+            source = spec.kv_source
+            if manifest.lengths[x] and (x if source is None else source) not in manifest.layers:
+                raise IncompatibleKV(f"layer {x} has {manifest.lengths[x]} tokens but its KV is not in the stream")
         probe = SequenceState(manifest.seq_id, list(manifest.lengths), [dict.fromkeys(b, 0) for b in manifest.blocks])
         for group in self.groups:
-            needed = {b for lo, hi in self._retention.needed_blocks(probe, group) for b in range(lo, hi)}
-            if not needed <= set(manifest.blocks[group.index]):
-                raise IncompatibleKV(f"the KV manifest lacks blocks of KV group {group.index} that its lengths need")
-        if not manifest.seq_id or manifest.seq_id in self._seqs:
+            held = set(manifest.blocks[group.index])
+            for lo, hi in self._retention.needed_blocks(probe, group):
+                # Length checked first: a forged length must not make us enumerate a huge range.
+                if hi - lo > len(held) or not set(range(lo, hi)) <= held:
+                    raise IncompatibleKV(
+                        f"the KV manifest lacks blocks of KV group {group.index} that its lengths need"
+                    )
+        if not manifest.seq_id:
+            raise InvalidBatch("the imported sequence needs a non-empty id")
+        if manifest.seq_id in self._seqs:
             raise SequenceExists(f"cannot import into {manifest.seq_id!r}: a sequence with that id exists")
         total = sum(len(b) for b in manifest.blocks)
         if not self.pool.can_allocate(total):
@@ -500,6 +525,14 @@ class Engine:
         self._seqs[seq_id] = SequenceState(seq_id, list(session.manifest.lengths), session.tables)
         session.committed = True
         return sum(len(t) for t in session.tables)
+
+    def release_exported(self, manifest: KVManifest) -> None:
+        """Release a sequence that was exported, unless it changed since (SequenceChanged: then a call
+        to it ran after the export, and releasing would lose what it wrote)."""
+        state = self._seqs.get(manifest.seq_id)
+        if state is None or self.export_manifest(manifest.seq_id, _listed(manifest)) != manifest:
+            raise SequenceChanged(f"sequence {manifest.seq_id!r} changed after its export, so it was not released here")
+        self.release([manifest.seq_id])
 
     def abort_import(self, session: ImportSession) -> None:
         """Return an unfinished import's blocks (idempotent; nothing to do after a commit)."""

@@ -30,6 +30,7 @@ Context = grpc.aio.ServicerContext[Any, Any]
 Run = Callable[[str, Callable[[Engine], T]], Awaitable[T]]
 
 DEFAULT_KV_MESSAGE_BYTES = 4 << 20
+DEFAULT_TRANSFER_TIMEOUT_S = 600.0  # when the caller sets no deadline: a hung target must not pin us forever
 IMPORT_KV = "/chunkattn.v1.ChunkAttn/ImportKV"
 
 
@@ -80,7 +81,7 @@ class KVService:
 
     async def ExportKV(self, request: pb.ExportKVRequest, context: Context) -> AsyncIterator[bytes]:  # noqa: N802
         started = time.perf_counter()
-        limit = request.max_message_bytes or DEFAULT_KV_MESSAGE_BYTES
+        limit = min(request.max_message_bytes or DEFAULT_KV_MESSAGE_BYTES, self._max_message_bytes)
         try:
             manifest = await self._manifest(request.seq_id, list(request.layers))
             async for chunk in self._chunks(manifest, limit):
@@ -105,9 +106,10 @@ class KVService:
     async def TransferKV(self, request: pb.TransferKVRequest, context: Context) -> pb.TransferKVResponse:  # noqa: N802
         started = time.perf_counter()
         try:
-            response = await self._transfer(request, context.time_remaining())
+            remaining = context.time_remaining()
+            response = await self._transfer(request, DEFAULT_TRANSFER_TIMEOUT_S if remaining is None else remaining)
         except Exception as e:
-            self._transferred("out", status_code(e), started)
+            self._transferred("out", e.code if isinstance(e, TargetError) else status_code(e), started)
             await self._fail("TransferKV", context, e)
         response.seconds = time.perf_counter() - started
         self._transferred("out", grpc.StatusCode.OK, started)
@@ -164,9 +166,19 @@ class KVService:
         part, manifest = kvwire.decode(first)
         if part != "header" or not isinstance(manifest, KVManifest):
             raise IncompatibleKV("a KV stream must start with its header")
-        session = await self._run("ImportKV", lambda e: e.begin_import(manifest))
+        holder: list[ImportSession] = []  # set on the worker, so that no cancellation can lose the session
+
+        def begin(e: Engine) -> ImportSession:
+            holder.append(e.begin_import(manifest))
+            return holder[0]
+
+        def abort(e: Engine) -> None:
+            if holder:
+                e.abort_import(holder[0])  # nothing to do after a commit
+
         records = nbytes = 0
         try:
+            session: ImportSession = await self._run("ImportKV", begin)
             trailer = False
             async for data in it:
                 part, body = kvwire.decode(data)
@@ -186,7 +198,9 @@ class KVService:
                 raise DataLoss(f"the KV stream ended before its trailer, after {records} blocks: it was cut short")
             blocks = await self._run("ImportKV", lambda e: e.commit_import(session))
         finally:
-            await self._run("ImportKV", lambda e: e.abort_import(session))  # nothing to do after a commit
+            # Queued behind the begin job (one worker, in order) and shielded: a cancelled RPC still returns
+            # every reserved block, even when it was cancelled while the begin job ran.
+            await asyncio.shield(self._run("ImportKV", abort))
         return pb.ImportKVResponse(seq_id=manifest.seq_id, blocks=blocks, records=records, bytes=nbytes)
 
     async def _transfer(self, request: pb.TransferKVRequest, timeout: float | None) -> pb.TransferKVResponse:
@@ -207,8 +221,8 @@ class KVService:
         if failure:
             raise failure[0]
         released = False
-        if request.release_after:
-            await self._run("TransferKV", lambda e: e.release([request.seq_id], missing_ok=True))
+        if request.release_after:  # only if no call changed it since the export (else ABORTED)
+            await self._run("TransferKV", lambda e: e.release_exported(manifest))
             released = True
         return pb.TransferKVResponse(
             blocks=imported.blocks, records=imported.records, bytes=imported.bytes, released=released
@@ -217,6 +231,7 @@ class KVService:
     # -- helpers -----------------------------------------------------------------------------------------
 
     def _transferred(self, direction: str, code: grpc.StatusCode, started: float) -> None:
+        """Count a finished transfer (``code``: what the caller is told)."""
         self._metrics.kv_transfers.labels(direction, code.name).inc()
         self._metrics.kv_transfer_seconds.labels(direction).observe(time.perf_counter() - started)
 
