@@ -88,7 +88,9 @@ class _Exploding(TorchBackend):
         raise RuntimeError("device fell over")
 
 
-def test_a_failure_after_the_copy_rolls_it_back() -> None:
+def _failing_call_changes_nothing(entries: list[BatchEntry]) -> Harness:
+    """A forked "p"/"c" pair (6 tokens each, MQA model); a call on ``entries`` whose attention fails after
+    the copy-on-write must leave everything as it was. Returns the harness, backend restored."""
     h = Harness.build(MODELS["mqa"])
     h.step([BatchEntry("p", 0, 6)])
     h.engine.fork("p", "c")
@@ -96,31 +98,23 @@ def test_a_failure_after_the_copy_rolls_it_back() -> None:
     before = snapshot(h.engine)
     backend = h.engine.backend
     h.engine.backend = _Exploding(torch.device("cpu"))
+    n = len(entries)
     with pytest.raises(RuntimeError, match="fell over"):
-        h.engine.attend(0, [BatchEntry("c", 6, 1)], torch.randn(1, 4, 8), torch.randn(1, 1, 8), torch.randn(1, 1, 8))
+        h.engine.attend(0, entries, torch.randn(n, 4, 8), torch.randn(n, 1, 8), torch.randn(n, 1, 8))
     assert snapshot(h.engine) == before
     owners_are_exact(h.engine)
     h.engine.backend = backend
+    return h
+
+
+def test_a_failure_after_the_copy_rolls_it_back() -> None:
+    h = _failing_call_changes_nothing([BatchEntry("c", 6, 1)])
     h.step([BatchEntry("c", 6, 1), BatchEntry("p", 6, 1)])  # and both still match the reference
 
 
 def test_parent_and_child_decoding_in_one_batch_copy_once_and_roll_back_cleanly() -> None:
     """The beam-search pattern: both write into their shared last block in the same call."""
-    h = Harness.build(MODELS["mqa"])
-    h.step([BatchEntry("p", 0, 6)])
-    h.engine.fork("p", "c")
-    h.reference.fork("p", "c")
-    before = snapshot(h.engine)
-    backend = h.engine.backend
-    h.engine.backend = _Exploding(torch.device("cpu"))
-    with pytest.raises(RuntimeError, match="fell over"):
-        h.engine.attend(
-            0, [BatchEntry("p", 6, 1), BatchEntry("c", 6, 1)], torch.randn(2, 4, 8), torch.randn(2, 1, 8),
-            torch.randn(2, 1, 8),
-        )  # fmt: skip
-    assert snapshot(h.engine) == before
-    owners_are_exact(h.engine)
-    h.engine.backend = backend
+    h = _failing_call_changes_nothing([BatchEntry("p", 6, 1), BatchEntry("c", 6, 1)])
     used = h.engine.pool.num_used
     h.call(0, [BatchEntry("p", 6, 1), BatchEntry("c", 6, 1)])  # one copy: the second writer owns the original
     assert h.engine.pool.num_used == used + 1
