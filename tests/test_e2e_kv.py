@@ -150,6 +150,9 @@ def test_transfer_with_release_moves_the_sequence_and_counts_it(a: ServerProcess
         a_free, a_active = pool(a)
         moved = ca.transfer_kv("mv", b.target, release_after=True)
         assert moved.released
+        # The pool gauges followed the release and the import at once (read before Info, which sets them too).
+        gauges = [_metric(s, "chunkattn_active_sequences") for s in (a, b)]
+        assert gauges == [pool(a)[1], pool(b)[1]]
         assert moved.seconds > 0
         assert pool(a) == (a_free + moved.blocks, a_active - 1)
         with pytest.raises(ChunkAttnError) as e:

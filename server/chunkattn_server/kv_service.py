@@ -20,7 +20,7 @@ from chunkattn_client import wire
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_client.client import channel_options
 from chunkattn_server import kvwire
-from chunkattn_server.engine import Engine, ImportSession
+from chunkattn_server.engine import Engine, EngineStats, ImportSession
 from chunkattn_server.errors import DataLoss, IncompatibleKV, status_code
 from chunkattn_server.kv.transfer import BlockRecord, KVManifest, batches, record_bytes
 from chunkattn_server.metrics import Metrics
@@ -41,12 +41,14 @@ class KVService:
         self,
         run: Run[Any],
         count: Callable[[str, grpc.StatusCode], None],
+        observe_pool: Callable[[EngineStats], None],
         metrics: Metrics,
         *,
         max_message_bytes: int,
     ) -> None:
         self._run = run
         self._count = count
+        self._observe_pool = observe_pool  # the KV-in-use and active-sequence gauges
         self._metrics = metrics
         self._max_message_bytes = max_message_bytes
 
@@ -72,10 +74,11 @@ class KVService:
 
     async def Fork(self, request: pb.ForkRequest, context: Context) -> pb.ForkResponse:  # noqa: N802
         try:
-            shared = await self._run("Fork", lambda e: e.fork(request.parent, request.child))
+            shared, stats = await self._run("Fork", lambda e: (e.fork(request.parent, request.child), e.stats()))
         except Exception as e:
             await self._fail("Fork", context, e)
         self._metrics.forked.inc()
+        self._observe_pool(stats)
         self._count("Fork", grpc.StatusCode.OK)
         return pb.ForkResponse(shared_blocks=shared)
 
@@ -196,7 +199,8 @@ class KVService:
                 self._metrics.kv_transfer_bytes.labels("in").inc(size)
             if not trailer:
                 raise DataLoss(f"the KV stream ended before its trailer, after {records} blocks: it was cut short")
-            blocks = await self._run("ImportKV", lambda e: e.commit_import(session))
+            blocks, stats = await self._run("ImportKV", lambda e: (e.commit_import(session), e.stats()))
+            self._observe_pool(stats)
         finally:
             # Queued behind the begin job (one worker, in order) and shielded: a cancelled RPC still returns
             # every reserved block, even when it was cancelled while the begin job ran.
@@ -222,7 +226,9 @@ class KVService:
             raise failure[0]
         released = False
         if request.release_after:  # only if no call changed it since the export (else ABORTED)
-            await self._run("TransferKV", lambda e: e.release_exported(manifest))
+            stats = await self._run("TransferKV", _releaser(manifest))
+            self._observe_pool(stats)
+            self._metrics.released.inc()
             released = True
         return pb.TransferKVResponse(
             blocks=imported.blocks, records=imported.records, bytes=imported.bytes, released=released
@@ -242,6 +248,14 @@ class KVService:
             code, message = status_code(e), str(e)
         self._count(rpc, code)
         await context.abort(code, message)
+
+
+def _releaser(manifest: KVManifest) -> Callable[[Engine], EngineStats]:
+    def job(e: Engine) -> EngineStats:
+        e.release_exported(manifest)
+        return e.stats()
+
+    return job
 
 
 def _exporter(manifest: KVManifest, batch: Sequence[tuple[int, int]]) -> Callable[[Engine], list[BlockRecord]]:

@@ -75,7 +75,7 @@ class ChunkAttnService:
         self._metrics = metrics
         self._engine_info = _static_info(worker.engine, max_message_bytes)
         self._draining = False
-        self._kv = KVService(self._run, self._count, metrics, max_message_bytes=max_message_bytes)
+        self._kv = KVService(self._run, self._count, self._observe_pool, metrics, max_message_bytes=max_message_bytes)
         metrics.kv_blocks_total.set(worker.engine.stats().num_blocks)
 
     async def Info(self, request: pb.InfoRequest, context: Context) -> pb.InfoResponse:  # noqa: N802
