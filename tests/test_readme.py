@@ -35,7 +35,7 @@ def test_readme_engine_example_runs_and_matches_the_reference() -> None:
 def test_readme_client_example_against_the_demo_server() -> None:
     """The client example, against `chunkattn-server` with its defaults (a smaller pool, to start fast)."""
     with ServerProcess("--kv-memory-mib", "64") as server:
-        printed = _run(_example("ChunkAttnClient(").replace("127.0.0.1:50051", server.target))
+        printed = _run(_example("ReferenceModel.for_server(").replace("127.0.0.1:50051", server.target))
     lines = printed.splitlines()
     assert [line.split(":")[0] for line in lines[:4]] == [f"position {p}" for p in (0, 100, 101, 102)]
     assert all(float(line.rsplit(" ", 1)[1]) < 1e-5 for line in lines[:4])
