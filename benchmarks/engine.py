@@ -38,6 +38,7 @@ from chunkattn_client import BatchEntry
 from chunkattn_server import CacheConfig, Engine, EngineConfig, LayerSpec, ModelShape
 from chunkattn_server.attention.backends import AttentionBatch, TorchBackend
 
+from baselines import copy_bandwidth, flex_chunked  # benchmarks/baselines.py
 from timing import cpu_name, rounds  # benchmarks/timing.py
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -124,7 +125,7 @@ def bench_prefill(dtype: str, s: Shapes, repeats: int, flex: bool) -> dict[str, 
         "full_causal_s": lambda: sdpa(qf, kf, vf, is_causal=True, enable_gqa=True),
     }
     if flex:
-        far["flex_s"] = _flex(qf, kf, vf, c)
+        far["flex_s"] = flex_chunked(qf, kf, vf, c)
 
     # Correctness first: ours equals SDPA per chunk (a benchmark of wrong answers is worth nothing).
     want = sdpa(qc, kc, vc, is_causal=True, enable_gqa=True)
@@ -137,20 +138,6 @@ def bench_prefill(dtype: str, s: Shapes, repeats: int, flex: bool) -> dict[str, 
     t.update(rounds(close, repeats))
     t.update(rounds(far, max(1, repeats // 2)))
     return t
-
-
-def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int) -> Callable[[], object]:
-    """FlexAttention with the chunked-local block mask, compiled now (its compile time is not timed)."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    def chunked(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-        return (q_idx >= kv_idx) & (q_idx // chunk == kv_idx // chunk)
-
-    n = q.shape[2]
-    mask = create_block_mask(chunked, None, None, n, n, device="cpu")
-    compiled = torch.compile(flex_attention, dynamic=False)
-    compiled(q, k, v, block_mask=mask, enable_gqa=True)
-    return lambda: compiled(q, k, v, block_mask=mask, enable_gqa=True)
 
 
 # -- decode ------------------------------------------------------------------------------------------
@@ -212,7 +199,7 @@ def bench_decode(dtype: str, s: Shapes, repeats: int) -> dict[str, float]:
         engine.pool.free(held)
 
     out["kv_gbps"] = kv_bytes / out["ours_s"] / 1e9
-    out["copy_gbps"] = copy_bandwidth(s.copy_bytes)
+    out["copy_gbps"] = copy_bandwidth(s.copy_bytes, torch.device("cpu"), lambda fns: rounds(fns, 5))
     return out
 
 
@@ -230,14 +217,6 @@ def _fill(engine: Engine, seqs: int, tokens: int, piece: int, heads: tuple[int, 
                 engine.attend(0, [BatchEntry(f"s{i}", start, n)], q, kv, kv)
     finally:
         engine.backend = backend
-
-
-def copy_bandwidth(nbytes: int) -> float:
-    """GB/s of torch copy_ between two buffers of nbytes, counting bytes read plus bytes written."""
-    src = torch.ones(nbytes // 4)
-    dst = torch.zeros(nbytes // 4)
-    t = rounds({"copy": lambda: dst.copy_(src)}, 5)["copy"]
-    return 2 * nbytes / t / 1e9
 
 
 # -- memory ------------------------------------------------------------------------------------------

@@ -30,14 +30,10 @@ import os
 import statistics
 import sys
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import date
 from typing import Any
-
-if "--dry-run" in sys.argv:  # read when the kernels are decorated: before anything imports them
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import numpy as np
 import torch
@@ -49,6 +45,7 @@ from chunkattn_server import CacheConfig, Engine, EngineConfig, LayerSpec, Model
 from chunkattn_server.attention.backends import AttentionBatch, TorchBackend
 from chunkattn_server.attention.backends.triton_backend import TritonBackend
 
+from baselines import copy_bandwidth, flex_chunked  # benchmarks/baselines.py
 from timing import cpu_name, rounds  # benchmarks/timing.py
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -191,7 +188,7 @@ def bench_prefill(dev: Device, s: Shapes, repeats: int) -> dict[str, Any]:
     # [chunks, heads, C, D] views for the per-chunk SDPA and [1, heads, n, D] for FlexAttention.
     qc, kc, vc = (x.view(n // c, c, x.shape[1], d).transpose(1, 2) for x in (q, k, v))
     qf, kf, vf = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-    flex = _flex(qf, kf, vf, c, compiled=dev.cuda)
+    flex = flex_chunked(qf, kf, vf, c, compiled=dev.cuda)
     fns: dict[str, Callable[[], object]] = {
         "triton": lambda: triton_backend.attend(batch, out),
         "torch": lambda: torch_backend.attend(batch, out),
@@ -206,22 +203,6 @@ def bench_prefill(dev: Device, s: Shapes, repeats: int) -> dict[str, Any]:
         "tflops": {name: flops / t / 1e12 for name, t in times.items()},
         "flex_over_triton": times["flex"] / times["triton"],
     }
-
-
-def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int, *, compiled: bool) -> Callable[[], object]:
-    """FlexAttention with the chunked-local block mask; compiled on CUDA (compile time not timed)."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    def chunked(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-        return (q_idx >= kv_idx) & (q_idx // chunk == kv_idx // chunk)
-
-    n = q.shape[2]
-    mask = create_block_mask(chunked, None, None, n, n, device=q.device.type)
-    if not compiled:  # the dry run: eager FlexAttention warns that it is unfused, which is the point there
-        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-    fn = torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
-    fn(q, k, v, block_mask=mask, enable_gqa=True)
-    return lambda: fn(q, k, v, block_mask=mask, enable_gqa=True)
 
 
 # -- 3. decode, 4. the CUDA graph -------------------------------------------------------------------------
@@ -282,7 +263,7 @@ def bench_decode(dev: Device, s: Shapes, repeats: int) -> dict[str, Any]:
         fns["triton_graph"] = cuda_graph.replay
     times = dev.timed(fns, repeats)
     kv_bytes = 2 * b * hkv * ctx * d * dt.itemsize
-    copy = copy_bandwidth(dev, s.copy_bytes)
+    copy = copy_bandwidth(s.copy_bytes, dev.dev, lambda fns: dev.timed(fns, 10))
     return {
         "shape": f"{b} sequences x {ctx} keys, {h}/{hkv} heads of {d}, {s.dtype}, blocks of {bs} scattered",
         "seconds": times,
@@ -292,14 +273,6 @@ def bench_decode(dev: Device, s: Shapes, repeats: int) -> dict[str, Any]:
         "max_error_vs_sdpa": err,
         "graph": graph,
     }
-
-
-def copy_bandwidth(dev: Device, nbytes: int) -> float:
-    """GB/s of a device-to-device copy_, counting bytes read plus bytes written."""
-    src = torch.ones(nbytes // 4, device=dev.dev)
-    dst = torch.zeros(nbytes // 4, device=dev.dev)
-    t = dev.timed({"copy": lambda: dst.copy_(src)}, 10)["copy"]
-    return 2 * nbytes / t / 1e9
 
 
 # -- the table ------------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import torch
 from chunkattn_client import BatchEntry, ReferenceModel
 from chunkattn_client.reference import within_tolerance
 from chunkattn_server import CacheConfig, Engine, EngineConfig, LayerSpec, ModelShape
-from chunkattn_server.attention.backends import Backend, TorchBackend
+from chunkattn_server.attention.backends import AttentionBatch, Backend, TorchBackend
 from chunkattn_server.attention.backends.triton_backend import TritonBackend
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -141,3 +141,10 @@ def snapshot(engine: Engine) -> Any:
         engine.stats(),
         sorted(b for b in range(engine.pool.num_blocks) if engine.pool.is_free(b)),
     )
+
+
+class Exploding(TorchBackend):
+    """A backend that writes K/V, then fails in attention, as a device error mid-call would."""
+
+    def attend(self, batch: AttentionBatch, out: torch.Tensor) -> None:
+        raise RuntimeError("device fell over")

@@ -9,7 +9,13 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from types import TracebackType
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 # A small model with short chunks so tests cross boundaries: 4 layers (3 chunked with C = 16, 1 global).
 SMALL = [
@@ -43,6 +49,17 @@ class ServerProcess:
                 raise RuntimeError(f"server did not start (exit {self.proc.poll()}):\n{self.log()}")
             time.sleep(0.1)
 
+    def metrics(self) -> Samples:
+        """Every sample on the server's /metrics page, read with prometheus_client's own parser:
+        {(name, sorted labels): value}."""
+        with urllib.request.urlopen(self.metrics_url, timeout=10) as r:
+            text = r.read().decode()
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+
     def log(self) -> str:
         self._log.flush()
         with open(self._log.name) as f:
@@ -68,3 +85,8 @@ class ServerProcess:
     ) -> None:
         self.stop()
         self._log.close()
+
+
+def counter(samples: dict[Any, float], name: str, **labels: str) -> float:
+    """The sum of ``name``'s samples whose labels include ``labels``."""
+    return sum(v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= set(ls))

@@ -11,17 +11,15 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from chunkattn_client import ChunkAttnClient
 from chunkattn_client.cli import main
-from tests.server_process import SMALL, ServerProcess, free_port
+from tests.server_process import SMALL, ServerProcess, counter, free_port
 
 CHUNKATTN = str(Path(sys.executable).with_name("chunkattn"))  # the installed console script
 LAYERS = 4
@@ -31,21 +29,6 @@ LAYERS = 4
 def server() -> Iterator[ServerProcess]:
     with ServerProcess(*SMALL) as s:
         yield s
-
-
-def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """The server's counters, read with prometheus_client's own parser (not the bench's)."""
-    with urllib.request.urlopen(url, timeout=10) as r:
-        text = r.read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
-def counter(samples: dict[Any, float], name: str, **labels: str) -> float:
-    return sum(v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= set(ls))
 
 
 def bench(capsys: pytest.CaptureFixture[str], server: ServerProcess, tmp: Path, *flags: str) -> tuple[int, Any]:
@@ -60,13 +43,13 @@ def bench(capsys: pytest.CaptureFixture[str], server: ServerProcess, tmp: Path, 
 def test_counts_agree_with_the_servers_metrics(
     server: ServerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str], transport: str
 ) -> None:
-    before = scrape(server.metrics_url)
+    before = server.metrics()
     rc, s = bench(
         capsys, server, tmp_path, "--transport", transport, "--sequences", "6", "--concurrency", "3",
         "--prompt-len", "10:40", "--output-len", "4:12", "--prefill-chunk", "16", "--verify", "40",
         "--metrics-url", server.metrics_url, "--dtype", "float16",
     )  # fmt: skip
-    after = scrape(server.metrics_url)
+    after = server.metrics()
 
     def d(name: str, **labels: str) -> int:
         return int(counter(after, name, **labels) - counter(before, name, **labels))
@@ -101,9 +84,9 @@ def test_a_trace_drives_the_exact_lengths_it_lists(
     trace = [(5, 3), (33, 0), (17, 20), (2, 4)]
     path = tmp_path / "trace.jsonl"
     path.write_text("".join(json.dumps({"prompt_len": p, "output_len": o}) + "\n" for p, o in trace))
-    before = scrape(server.metrics_url)
+    before = server.metrics()
     rc, s = bench(capsys, server, tmp_path, "--trace", str(path), "--prefill-chunk", "8", "--layers", "0,3")
-    after = scrape(server.metrics_url)
+    after = server.metrics()
     assert rc == 0
     assert s["sequences"] == 4  # a trace without --duration runs once through
     assert s["tokens"] == {"prefill": 5 + 33 + 17 + 2, "decode": 3 + 0 + 20 + 4}
@@ -203,7 +186,7 @@ def test_a_server_killed_mid_run_gives_unavailable_and_a_nonzero_exit(tmp_path: 
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
             deadline = time.monotonic() + 60
-            while counter(scrape(doomed.metrics_url), "chunkattn_requests_total", rpc="Attend") < 30:
+            while counter(doomed.metrics(), "chunkattn_requests_total", rpc="Attend") < 30:
                 assert time.monotonic() < deadline, "the bench never got going"
                 assert proc.poll() is None, proc.communicate()[0]
                 time.sleep(0.2)
@@ -244,12 +227,12 @@ def test_verify_covers_alibi_and_kv_sharing_layers(tmp_path: Path, capsys: pytes
 
 
 def test_warmup_is_not_measured(server: ServerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    before = scrape(server.metrics_url)
+    before = server.metrics()
     rc, s = bench(
         capsys, server, tmp_path, "--warmup", "1", "--sequences", "3", "--prompt-len", "12", "--output-len", "5",
         "--metrics-url", server.metrics_url,
     )  # fmt: skip
-    after = scrape(server.metrics_url)
+    after = server.metrics()
     assert rc == 0
     measured = sum(s["layer_tokens"].values())
     assert measured == LAYERS * 3 * (12 + 5)
@@ -287,7 +270,7 @@ def test_a_stalled_server_ends_the_run_with_deadline_exceeded(tmp_path: Path) ->
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
             deadline = time.monotonic() + 60
-            while counter(scrape(stalled.metrics_url), "chunkattn_requests_total", rpc="AttendStream") < 20:
+            while counter(stalled.metrics(), "chunkattn_requests_total", rpc="AttendStream") < 20:
                 assert time.monotonic() < deadline, "the bench never got going"
                 time.sleep(0.1)
             stalled.proc.send_signal(signal.SIGSTOP)

@@ -8,7 +8,6 @@ import signal
 import tempfile
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,7 +16,6 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from prometheus_client.parser import text_string_to_metric_families
 
 from chunkattn_client import BatchEntry, ChunkAttnClient, ChunkAttnError, ReferenceModel, codec
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
@@ -74,15 +72,6 @@ class Runner:
             self.step(layer, entries)
 
 
-def _scrape(server: ServerProcess) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
 # -- agreement with the reference ------------------------------------------------------------------
 
 
@@ -135,7 +124,7 @@ def test_standard_health_and_reflection(server: ServerProcess) -> None:
 
 
 def test_metrics_parse_and_count_what_was_sent(server: ServerProcess, client: ChunkAttnClient) -> None:
-    before = _scrape(server)
+    before = server.metrics()
     r = Runner(client.attend, seed=7)
     r.step(0, [BatchEntry("m1", 0, 30), BatchEntry("m2", 0, 1)])
     r.step(0, [BatchEntry("m1", 30, 1), BatchEntry("m2", 1, 1)])
@@ -144,7 +133,7 @@ def test_metrics_parse_and_count_what_was_sent(server: ServerProcess, client: Ch
             0, [BatchEntry("m1", 0, 1)], np.zeros((1, H, D), np.float32), *([np.zeros((1, HKV, D), np.float32)] * 2)
         )
     client.release(["m1", "m2"])
-    after = _scrape(server)
+    after = server.metrics()
 
     def delta(name: str, **labels: str) -> float:
         key = (name, tuple(sorted(labels.items())))
@@ -327,7 +316,7 @@ def test_idle_sequences_are_evicted() -> None:
             time.sleep(0.2)
         assert c.info().active_sequences == 0
         assert c.info().free_blocks == 256
-        assert _scrape(s)[("chunkattn_sequences_evicted_total", ())] == 1
+        assert s.metrics()[("chunkattn_sequences_evicted_total", ())] == 1
         with pytest.raises(ChunkAttnError) as err:
             c.attend(
                 0,
@@ -373,7 +362,7 @@ def test_graceful_shutdown_finishes_the_call_in_flight(sig: signal.Signals) -> N
         caller = threading.Thread(target=call)
         caller.start()
         deadline = time.monotonic() + 30
-        while _scrape(s).get(("chunkattn_engine_jobs_in_flight", ()), 0) < 1:
+        while s.metrics().get(("chunkattn_engine_jobs_in_flight", ()), 0) < 1:
             assert time.monotonic() < deadline, "the call never reached the engine"
             time.sleep(0.005)
         s.proc.send_signal(sig)  # while the call computes

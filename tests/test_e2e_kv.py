@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,7 +11,7 @@ import pytest
 
 from chunkattn_client import BatchEntry, ChunkAttnClient, ChunkAttnError, ReferenceModel, kvfile
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
-from tests.server_process import SMALL, ServerProcess, free_port
+from tests.server_process import SMALL, ServerProcess, counter, free_port
 
 H, HKV, D, C, BS = 4, 2, 16, 16, 4
 
@@ -151,7 +150,7 @@ def test_transfer_with_release_moves_the_sequence_and_counts_it(a: ServerProcess
         moved = ca.transfer_kv("mv", b.target, release_after=True)
         assert moved.released
         # The pool gauges followed the release and the import at once (read before Info, which sets them too).
-        gauges = [_metric(s, "chunkattn_active_sequences") for s in (a, b)]
+        gauges = [counter(s.metrics(), "chunkattn_active_sequences") for s in (a, b)]
         assert gauges == [pool(a)[1], pool(b)[1]]
         assert moved.seconds > 0
         assert pool(a) == (a_free + moved.blocks, a_active - 1)
@@ -160,19 +159,11 @@ def test_transfer_with_release_moves_the_sequence_and_counts_it(a: ServerProcess
         assert e.value.code == grpc.StatusCode.NOT_FOUND
         feed.step([cb], ["mv"], 21, 1)  # it decodes on b
         cb.release(["mv"])
-    sent = _metric(a, 'chunkattn_kv_transfer_bytes_total{direction="out"}')
-    received = _metric(b, 'chunkattn_kv_transfer_bytes_total{direction="in"}')
+    sent = counter(a.metrics(), "chunkattn_kv_transfer_bytes_total", direction="out")
+    received = counter(b.metrics(), "chunkattn_kv_transfer_bytes_total", direction="in")
     assert sent >= moved.bytes > 0
     assert received >= moved.bytes
-    assert _metric(a, 'chunkattn_kv_transfers_total{code="OK",direction="out"}') >= 1
-
-
-def _metric(s: ServerProcess, line_start: str) -> float:
-    with urllib.request.urlopen(s.metrics_url, timeout=10) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith(line_start + " "):
-                return float(line.split()[-1])
-    raise AssertionError(f"{line_start} not on the metrics page")
+    assert counter(a.metrics(), "chunkattn_kv_transfers_total", code="OK", direction="out") >= 1
 
 
 def test_transfer_errors(a: ServerProcess) -> None:

@@ -15,7 +15,6 @@ import torch
 
 from chunkattn_client import BatchEntry
 from chunkattn_server import Engine
-from chunkattn_server.attention.backends import AttentionBatch, TorchBackend
 from chunkattn_server.errors import (
     EngineError,
     InvalidArgument,
@@ -27,7 +26,7 @@ from chunkattn_server.errors import (
     UnknownSequence,
     status_code,
 )
-from tests.harness import MODELS, Harness, snapshot
+from tests.harness import MODELS, Exploding, Harness, snapshot
 
 MODEL = MODELS["sharing"]  # layers: 0 (C=8), 1 shares 0, 2 (global), 3 shares 2; 4 heads, 2 KV heads, D=8
 H, HKV, D = MODEL.num_heads, MODEL.num_kv_heads, MODEL.head_size
@@ -183,15 +182,6 @@ def test_every_request_error_is_an_invalid_argument_or_has_its_own_status() -> N
     assert issubclass(UnknownLayer, InvalidArgument)
 
 
-class _Exploding(TorchBackend):
-    """A backend that fails mid-call (after the K/V writes), as a device error would."""
-
-    name = "exploding"
-
-    def attend(self, batch: AttentionBatch, out: torch.Tensor) -> None:
-        raise RuntimeError("device fell over")
-
-
 def test_failure_inside_the_call_rolls_back() -> None:
     h = Harness.build(MODEL, num_blocks=64)
     twin = Harness.build(MODEL, num_blocks=64)
@@ -199,7 +189,7 @@ def test_failure_inside_the_call_rolls_back() -> None:
     _history(twin)
     before = snapshot(h.engine)
     backend = h.engine.backend
-    h.engine.backend = _Exploding(torch.device("cpu"))
+    h.engine.backend = Exploding(torch.device("cpu"))
     with pytest.raises(RuntimeError, match="fell over"):
         # New sequence + growth into new blocks (K/V already written): all must be undone.
         h.engine.attend(0, [BatchEntry("b", 3, 9), BatchEntry("new", 0, 5)], _q(14), _kv(14), _kv(14))

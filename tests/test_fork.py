@@ -8,10 +8,9 @@ import pytest
 import torch
 
 from chunkattn_client import BatchEntry
-from chunkattn_server.attention.backends import AttentionBatch, TorchBackend
 from chunkattn_server.engine import Engine
 from chunkattn_server.errors import InvalidBatch, OutOfBlocks, SequenceExists, UnknownSequence
-from tests.harness import MODELS, Harness, snapshot
+from tests.harness import MODELS, Exploding, Harness, snapshot
 
 
 def owners_are_exact(engine: Engine) -> None:
@@ -83,11 +82,6 @@ def test_copy_on_write_refused_for_want_of_blocks_changes_nothing() -> None:
     owners_are_exact(h.engine)
 
 
-class _Exploding(TorchBackend):
-    def attend(self, batch: AttentionBatch, out: torch.Tensor) -> None:
-        raise RuntimeError("device fell over")
-
-
 def _failing_call_changes_nothing(entries: list[BatchEntry]) -> Harness:
     """A forked "p"/"c" pair (6 tokens each, MQA model); a call on ``entries`` whose attention fails after
     the copy-on-write must leave everything as it was. Returns the harness, backend restored."""
@@ -97,7 +91,7 @@ def _failing_call_changes_nothing(entries: list[BatchEntry]) -> Harness:
     h.reference.fork("p", "c")
     before = snapshot(h.engine)
     backend = h.engine.backend
-    h.engine.backend = _Exploding(torch.device("cpu"))
+    h.engine.backend = Exploding(torch.device("cpu"))
     n = len(entries)
     with pytest.raises(RuntimeError, match="fell over"):
         h.engine.attend(0, entries, torch.randn(n, 4, 8), torch.randn(n, 1, 8), torch.randn(n, 1, 8))

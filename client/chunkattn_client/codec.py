@@ -27,6 +27,7 @@ __all__ = [
     "encode",
     "float32_to_bf16",
     "from_parts",
+    "numpy_dtype",
     "read_header",
     "to_raw",
 ]
@@ -43,7 +44,6 @@ WIRE_DTYPES: dict[str, pb.DType] = {
     "float16": pb.DTYPE_FLOAT16,
     "bfloat16": pb.DTYPE_BFLOAT16,
 }
-_BY_NAME = WIRE_DTYPES
 _NAMES: dict[int, str] = {v: k for k, v in WIRE_DTYPES.items()}
 
 
@@ -57,6 +57,11 @@ def dtype_name(dtype: int) -> str:
         return _NAMES[dtype]
     except KeyError:
         raise CodecError(f"unknown tensor dtype {dtype}; expected float32, float16 or bfloat16") from None
+
+
+def numpy_dtype(name: str) -> np.dtype[Any]:
+    """The numpy dtype a wire dtype's bytes decode to ("bfloat16": uint16 words)."""
+    return _NUMPY[WIRE_DTYPES[name]]
 
 
 def to_raw(x: Any, dtype: str | None = None) -> RawTensor:
@@ -73,7 +78,7 @@ def to_raw(x: Any, dtype: str | None = None) -> RawTensor:
                 f"cannot send a {arr.dtype} array: use float32 or float16, or uint16 bfloat16 words with"
                 " dtype='bfloat16' (see float32_to_bf16)"
             )
-    wire = _BY_NAME.get(dtype)
+    wire = WIRE_DTYPES.get(dtype)
     if wire is None:
         raise CodecError(f"unknown dtype {dtype!r}; expected float32, float16 or bfloat16")
     if dtype == "bfloat16" and arr.dtype.newbyteorder("=") != np.dtype("uint16"):
@@ -89,7 +94,7 @@ def _torch_raw(t: Any) -> RawTensor:
     if t.dtype not in names:
         raise CodecError(f"cannot send a {t.dtype} tensor: use float32, float16 or bfloat16")
     raw = t.detach().to("cpu").contiguous().view(torch.uint8).numpy()
-    return RawTensor(_BY_NAME[names[t.dtype]], tuple(t.shape), raw.reshape(-1).data)
+    return RawTensor(WIRE_DTYPES[names[t.dtype]], tuple(t.shape), raw.reshape(-1).data)
 
 
 def encode(x: Any, dtype: str | None = None) -> pb.Tensor:

@@ -100,19 +100,16 @@ def decode_kv_chunk(data: bytes) -> tuple[str, memoryview | list[KVRecord]]:
     for field, kind, start, end in _fields(buf):
         if kind != 2 or field not in (1, 2, 3):
             continue
-        _, body_start = _read_varint(buf, _read_varint(buf, start)[1])
-        body = buf[body_start:end]
+        body = _payload(buf, start, end)
         if field == 2:
-            found = ("blocks", [_kv_record(body[s:e]) for f, k, s, e in _fields(body) if f == 1 and k == 2])
+            found = ("blocks", [_kv_record(_payload(body, s, e)) for f, k, s, e in _fields(body) if f == 1 and k == 2])
         else:
             found = ("header" if field == 1 else "trailer", body)
     return found
 
 
-def _kv_record(field: memoryview) -> KVRecord:
-    """One KVBlock (given with its key and length)."""
-    _, start = _read_varint(field, _read_varint(field, 0)[1])
-    body = field[start:]
+def _kv_record(body: memoryview) -> KVRecord:
+    """One KVBlock's fields."""
     layer = logical = crc = 0
     k = v = memoryview(b"")
     for f, kind, s, e in _fields(body):
@@ -124,11 +121,10 @@ def _kv_record(field: memoryview) -> KVRecord:
         elif f == 3 and kind == 5:
             crc = int.from_bytes(body[value_at : value_at + 4], "little")
         elif f in (4, 5) and kind == 2:
-            _, data_at = _read_varint(body, value_at)
             if f == 4:
-                k = body[data_at:e]
+                k = _payload(body, s, e)
             else:
-                v = body[data_at:e]
+                v = _payload(body, s, e)
     return layer, logical, crc, k, v
 
 
@@ -155,6 +151,12 @@ def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
         if byte < 0x80:
             return result, pos
         shift += 7
+
+
+def _payload(buf: memoryview, start: int, end: int) -> memoryview:
+    """The bytes of the length-delimited field at [start, end) of ``buf`` (after its key and length)."""
+    _, at = _read_varint(buf, _read_varint(buf, start)[1])
+    return buf[at:end]
 
 
 def _fields(buf: memoryview) -> list[tuple[int, int, int, int]]:
@@ -197,14 +199,12 @@ def split(data: bytes, tensor_fields: frozenset[int]) -> Split:
             continue
         if field in tensors:
             raise WireError(f"tensor field {field} appears more than once")
-        _, body_start = _read_varint(buf, _read_varint(buf, start)[1])
-        body = buf[body_start:end]
+        body = _payload(buf, start, end)
         header: list[memoryview] = []
         payload = memoryview(b"")
         for f, k, s, e in _fields(body):
             if f == 3 and k == 2:  # Tensor.data: keep a view of the bytes, no copy
-                _, data_start = _read_varint(body, _read_varint(body, s)[1])
-                payload = body[data_start:e]
+                payload = _payload(body, s, e)
             else:
                 header.append(body[s:e])
         tensors[field] = (b"".join(header), payload)

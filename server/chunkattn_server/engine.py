@@ -42,6 +42,10 @@ from chunkattn_server.kv.cache import KVCache
 from chunkattn_server.kv.sequences import Retention, SequenceState, chunk_start
 from chunkattn_server.kv.transfer import BlockRecord, KVManifest, ModelFingerprint, record_bytes
 
+# Tensors made from received bytes (requests, imported KV) are read-only views; the engine never writes into
+# them, so torch.frombuffer's warning about it says nothing.
+warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -490,7 +494,7 @@ class Engine:
         tables: list[dict[int, int]] = []
         for logicals in manifest.blocks:
             tables.append(dict(zip(logicals, self.pool.allocate(len(logicals)), strict=True)))
-        return ImportSession(manifest, tables, set(manifest.expected()), record_bytes(manifest.model))
+        return ImportSession(manifest, tables, set(manifest.expected()))
 
     def import_records(self, session: ImportSession, records: Sequence[BlockRecord]) -> None:
         """Check and write records of an import. Raises IncompatibleKV (unexpected, repeated or misshapen
@@ -501,7 +505,7 @@ class Engine:
             key = (r.layer, r.logical)
             if key not in session.expected or key in session.received:
                 raise IncompatibleKV(f"record (layer {r.layer}, block {r.logical}) is not expected or came twice")
-            if len(r.k) + len(r.v) != session.record_bytes or len(r.k) != len(r.v):
+            if len(r.k) + len(r.v) != record_bytes(session.manifest.model) or len(r.k) != len(r.v):
                 raise IncompatibleKV(f"record (layer {r.layer}, block {r.logical}) has the wrong size")
             if not r.intact():
                 raise DataLoss(f"record (layer {r.layer}, block {r.logical}) fails its checksum: the data is damaged")
@@ -695,7 +699,6 @@ class ImportSession:
     manifest: KVManifest
     tables: list[dict[int, int]]
     expected: set[tuple[int, int]]
-    record_bytes: int
     received: set[tuple[int, int]] = field(default_factory=set)
     committed: bool = False
 
@@ -731,9 +734,7 @@ def _store_block(pages: torch.Tensor, block: int, data: bytes | memoryview, shap
         dst = _bytes_of(pages)[:, block]
         np.copyto(dst, np.frombuffer(data, dtype=np.uint8).reshape(dst.shape))
         return
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        src = torch.frombuffer(data, dtype=torch.uint8).view(pages.dtype).view(shape)
+    src = torch.frombuffer(data, dtype=torch.uint8).view(pages.dtype).view(shape)
     pages[:, block] = src.to(pages.device)
 
 

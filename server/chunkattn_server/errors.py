@@ -62,6 +62,21 @@ class OutOfBlocks(EngineError):
     """The KV pool has too few free blocks for the call. A normal condition: retry later or release."""
 
 
+class TargetError(Exception):
+    """Another server (TransferKV's target) refused or failed a call; carries that server's status code."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+    @classmethod
+    def from_rpc(cls, err: grpc.RpcError, target: str) -> TargetError:
+        code = getattr(err, "code", lambda: None)()
+        details = getattr(err, "details", lambda: None)()
+        code = code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.UNKNOWN
+        return cls(code, f"the target {target} did not import the KV: {code.name}: {details or err}")
+
+
 _STATUS: dict[type[BaseException], grpc.StatusCode] = {
     # Out of device or host memory inside a call: the engine rolled back; retry smaller or later.
     torch.OutOfMemoryError: grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -77,7 +92,10 @@ _STATUS: dict[type[BaseException], grpc.StatusCode] = {
 
 
 def status_code(error: BaseException) -> grpc.StatusCode:
-    """The gRPC status for an error: its nearest class in the table, INTERNAL for anything unexpected."""
+    """The gRPC status for an error: another server's own (TargetError), else its nearest class in the
+    table, INTERNAL for anything unexpected."""
+    if isinstance(error, TargetError):
+        return error.code
     for cls in type(error).__mro__:
         code = _STATUS.get(cls)
         if code is not None:

@@ -21,7 +21,7 @@ from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_client.client import channel_options
 from chunkattn_server import kvwire
 from chunkattn_server.engine import Engine, EngineStats, ImportSession
-from chunkattn_server.errors import DataLoss, IncompatibleKV, status_code
+from chunkattn_server.errors import DataLoss, IncompatibleKV, TargetError, status_code
 from chunkattn_server.kv.transfer import BlockRecord, KVManifest, batches, record_bytes
 from chunkattn_server.metrics import Metrics
 
@@ -112,7 +112,7 @@ class KVService:
             remaining = context.time_remaining()
             response = await self._transfer(request, DEFAULT_TRANSFER_TIMEOUT_S if remaining is None else remaining)
         except Exception as e:
-            self._transferred("out", e.code if isinstance(e, TargetError) else status_code(e), started)
+            self._transferred("out", status_code(e), started)
             await self._fail("TransferKV", context, e)
         response.seconds = time.perf_counter() - started
         self._transferred("out", grpc.StatusCode.OK, started)
@@ -221,7 +221,7 @@ class KVService:
             except grpc.RpcError as e:
                 if failure:  # our export failed first; the target only saw the stream stop
                     raise failure[0] from None
-                raise TargetError(e, request.target) from None
+                raise TargetError.from_rpc(e, request.target) from None
         if failure:
             raise failure[0]
         released = False
@@ -242,12 +242,9 @@ class KVService:
         self._metrics.kv_transfer_seconds.labels(direction).observe(time.perf_counter() - started)
 
     async def _fail(self, rpc: str, context: Context, e: BaseException) -> None:
-        if isinstance(e, TargetError):
-            code, message = e.code, str(e)
-        else:
-            code, message = status_code(e), str(e)
+        code = status_code(e)
         self._count(rpc, code)
-        await context.abort(code, message)
+        await context.abort(code, str(e))
 
 
 def _releaser(manifest: KVManifest) -> Callable[[Engine], EngineStats]:
@@ -264,13 +261,3 @@ def _exporter(manifest: KVManifest, batch: Sequence[tuple[int, int]]) -> Callabl
 
 def _importer(session: ImportSession, batch: list[BlockRecord]) -> Callable[[Engine], None]:
     return lambda e: e.import_records(session, batch)
-
-
-class TargetError(Exception):
-    """TransferKV's target refused or failed the import; carries its status code."""
-
-    def __init__(self, err: grpc.RpcError, target: str) -> None:
-        code = getattr(err, "code", lambda: None)()
-        details = getattr(err, "details", lambda: None)()
-        self.code = code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.UNKNOWN
-        super().__init__(f"the target {target} did not import the KV: {self.code.name}: {details or err}")

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+if TYPE_CHECKING:
+    from chunkattn_server.engine import EngineStats
+
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -71,3 +77,8 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+
+    def observe_pool(self, stats: EngineStats) -> None:
+        """Set the KV-in-use and active-sequence gauges from the engine's stats."""
+        self.kv_blocks_used.set(stats.used_blocks)
+        self.active_sequences.set(stats.num_sequences)

@@ -118,6 +118,5 @@ async def _evict_idle(worker: EngineWorker, metrics: Metrics, idle_timeout_s: fl
             continue
         if evicted:
             metrics.evicted.inc(len(evicted))
-            metrics.kv_blocks_used.set(stats.used_blocks)
-            metrics.active_sequences.set(stats.num_sequences)
+            metrics.observe_pool(stats)
             log.info("released %d idle sequences (idle > %.1f s)", len(evicted), idle_timeout_s)

@@ -6,7 +6,6 @@ owns the engine. Errors become statuses through ``errors.status_code`` alone.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
@@ -27,8 +26,6 @@ from chunkattn_server.worker import EngineWorker
 T = TypeVar("T")
 Context = grpc.aio.ServicerContext[Any, Any]
 
-# Request tensors are read-only views of the received bytes; the engine never writes into them.
-warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 _TORCH: dict[int, torch.dtype] = {wire_dtype: DTYPES[name] for name, wire_dtype in codec.WIRE_DTYPES.items()}
 _WIRE = {DTYPES[name]: wire_dtype for name, wire_dtype in codec.WIRE_DTYPES.items()}
@@ -196,8 +193,7 @@ class ChunkAttnService:
             return await self._worker.run(fn, observe)
 
     def _observe_pool(self, stats: EngineStats) -> None:
-        self._metrics.kv_blocks_used.set(stats.used_blocks)
-        self._metrics.active_sequences.set(stats.num_sequences)
+        self._metrics.observe_pool(stats)
 
     def _count(self, rpc: str, code: grpc.StatusCode) -> None:
         self._metrics.requests.labels(rpc, code.name).inc()

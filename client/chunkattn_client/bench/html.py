@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from html import escape
 from typing import Any
 
-from chunkattn_client.bench.report import KINDS
+from chunkattn_client.bench.report import KINDS, LATENCY_KEYS, fmt_ms
 from chunkattn_client.bench.runner import RunResult
 from chunkattn_client.bench.svg import Series, line_chart
 
@@ -108,7 +108,7 @@ def _summary_table(s: dict[str, Any]) -> str:
         ol = s["open_loop"]
         facts["open loop: offered / achieved seq/s"] = f"{ol['offered_per_s']:g} / {ol['achieved_per_s']:.2f}"
         facts["open loop: wait for a slot p50 / max (ms)"] = (
-            f"{_ms(ol['arrival_wait_ms']['p50'])} / {_ms(ol['arrival_wait_ms']['max'])}"
+            f"{fmt_ms(ol['arrival_wait_ms']['p50'])} / {fmt_ms(ol['arrival_wait_ms']['max'])}"
         )
     if s["release_errors"]:
         facts["failed releases"] = ", ".join(f"{c}: {n}" for c, n in s["release_errors"].items())
@@ -119,14 +119,14 @@ def _summary_table(s: dict[str, Any]) -> str:
         facts["verify"] = f"{v['checked']} of {v['requested']} calls, {v['mismatches']} mismatches"
     srv = s["server"]
     if srv and "error" not in srv:
-        facts["server queue / compute ms (mean)"] = f"{_ms(srv['queue_ms_mean'])} / {_ms(srv['compute_ms_mean'])}"
+        facts["server queue / compute ms (mean)"] = f"{fmt_ms(srv['queue_ms_mean'])} / {fmt_ms(srv['compute_ms_mean'])}"
         facts["server tokens prefill / decode"] = f"{srv['tokens']['prefill']} / {srv['tokens']['decode']}"
         facts["server KV blocks peak (1 s samples) / total"] = f"{srv['kv_blocks_used_peak']} / {srv['kv_blocks']}"
-    head = "".join(f"<th>{k}</th>" for k in ("n", "p50", "p90", "p95", "p99", "max"))
+    head = "".join(f"<th>{k}</th>" for k in ("n", *LATENCY_KEYS))
     rows = "".join(
         f'<tr><th class="k">{_NAMES[kind]} (ms)</th>'
         + f"<td>{s['latency_ms'][kind]['count']}</td>"
-        + "".join(f"<td>{_ms(s['latency_ms'][kind][k])}</td>" for k in ("p50", "p90", "p95", "p99", "max"))
+        + "".join(f"<td>{fmt_ms(s['latency_ms'][kind][k])}</td>" for k in LATENCY_KEYS)
         + "</tr>"
         for kind in KINDS
     )
@@ -181,7 +181,7 @@ def _sweep_table(param: str, points: Sequence[tuple[str, RunResult, dict[str, An
     head += "<th>p99 (ms)</th><th>errors</th></tr>"
     rows = "".join(
         f'<tr><td class="k">{escape(label)}</td><td>{s["sequences_per_s"]:.2f}</td>'
-        f"<td>{s['tokens_per_s']['total']:.0f}</td><td>{_ms(_step(s)['p50'])}</td><td>{_ms(_p99(s))}</td>"
+        f"<td>{s['tokens_per_s']['total']:.0f}</td><td>{fmt_ms(_step(s)['p50'])}</td><td>{fmt_ms(_p99(s))}</td>"
         f"<td>{sum(s['errors'].values())}</td></tr>"
         for label, _, s in points
     )
@@ -218,7 +218,3 @@ def _cdf(sorted_ms: list[float]) -> tuple[list[float], list[float]]:
         return [], []
     idx = sorted({round(i * (n - 1) / (_MAX_POINTS - 1)) for i in range(_MAX_POINTS)}) if n > _MAX_POINTS else range(n)
     return [sorted_ms[i] for i in idx], [(i + 1) / n for i in idx]
-
-
-def _ms(x: float | None) -> str:
-    return "-" if x is None else f"{x:.2f}" if x < 100 else f"{x:.0f}"

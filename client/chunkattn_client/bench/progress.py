@@ -9,15 +9,18 @@ from typing import Any, TextIO
 from chunkattn_client.bench.runner import Recorder
 
 
-def _line(rec: Recorder) -> str:
-    elapsed = rec.now()
-    tokens = sum(rec.tokens.values())
+def _live(rec: Recorder) -> tuple[float, str, int]:
+    """(tokens/s so far, the recent p50 for display, errors so far)."""
     p50 = rec.recent_p50_ms()
-    errors = sum(rec.errors.values())
-    rate = tokens / max(elapsed, 1e-9)
+    rate = sum(rec.tokens.values()) / max(rec.now(), 1e-9)
+    return rate, "-" if p50 is None else f"{p50:.2f} ms", sum(rec.errors.values())
+
+
+def _line(rec: Recorder) -> str:
+    rate, p50, errors = _live(rec)
     return (
-        f"{elapsed:7.1f} s  sequences {rec.sequences:>6}  calls {rec.calls:>8}  tokens/s {rate:>9.0f}"
-        f"  p50 {'-' if p50 is None else f'{p50:.2f} ms':>10}  errors {errors}"
+        f"{rec.now():7.1f} s  sequences {rec.sequences:>6}  calls {rec.calls:>8}  tokens/s {rate:>9.0f}"
+        f"  p50 {p50:>10}  errors {errors}"
     )
 
 
@@ -54,12 +57,8 @@ class RichProgress:
 
     def __call__(self, rec: Recorder, final: bool) -> None:
         done = rec.now() if self._unit == "s" else rec.sequences + rec.sequences_failed
-        tokens = sum(rec.tokens.values())
-        p50 = rec.recent_p50_ms()
-        description = (
-            f"{rec.sequences} seq, {tokens / max(rec.now(), 1e-9):,.0f} tok/s,"
-            f" p50 {'-' if p50 is None else f'{p50:.2f} ms'}, {sum(rec.errors.values())} errors"
-        )
+        rate, p50, errors = _live(rec)
+        description = f"{rec.sequences} seq, {rate:,.0f} tok/s, p50 {p50}, {errors} errors"
         self._bar.update(self._task, completed=done, description=description)
 
     def close(self) -> None:

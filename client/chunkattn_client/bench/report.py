@@ -13,7 +13,7 @@ from chunkattn_client.bench.runner import RunResult
 from chunkattn_client.bench.stats import PERCENTILES, summarize
 
 KINDS = ("prefill", "decode", "sequence")  # latency kinds: prefill piece, decode step, whole sequence
-_LATENCY_KEYS = (*(f"p{p}" for p in PERCENTILES), "max")
+LATENCY_KEYS = (*(f"p{p}" for p in PERCENTILES), "max")
 
 
 def summary(result: RunResult) -> dict[str, Any]:
@@ -21,9 +21,6 @@ def summary(result: RunResult) -> dict[str, Any]:
     rec = result.recorder
     duration = max(rec.duration_s, 1e-9)
     tokens = {kind: rec.tokens[kind] for kind in ("prefill", "decode")}
-
-    def latency_ms(kind: str) -> dict[str, float | int | None]:
-        return _ms_summary(rec.latencies(kind))
 
     return {
         "chunkattn_client": __version__,
@@ -60,7 +57,7 @@ def summary(result: RunResult) -> dict[str, Any]:
             "received": rec.bytes_received / duration / 1e6,
         },
         "bytes": {"sent": rec.bytes_sent, "received": rec.bytes_received},
-        "latency_ms": {kind: latency_ms(kind) for kind in KINDS},
+        "latency_ms": {kind: _ms_summary(rec.latencies(kind)) for kind in KINDS},
         "open_loop": None
         if result.config.rate is None
         else {
@@ -115,7 +112,7 @@ def mismatched(s: dict[str, Any]) -> bool:
 CSV_COLUMNS = (
     "point", "duration_s", "sequences", "sequences_cut", "calls", "errors", "tokens_prefill", "tokens_decode",
     "tokens_per_s", "sequences_per_s", "sent_mb_per_s", "received_mb_per_s",
-    *(f"{kind}_{k}_ms" for kind in KINDS for k in _LATENCY_KEYS),
+    *(f"{kind}_{k}_ms" for kind in KINDS for k in LATENCY_KEYS),
 )  # fmt: skip
 
 
@@ -138,7 +135,7 @@ def write_csv(rows: Sequence[tuple[str, dict[str, Any]]], out: TextIO) -> None:
                 f"{s['sequences_per_s']:.3f}",
                 f"{s['payload_mb_per_s']['sent']:.2f}",
                 f"{s['payload_mb_per_s']['received']:.2f}",
-                *(_fmt(s["latency_ms"][kind][k]) for kind in KINDS for k in _LATENCY_KEYS),
+                *(_fmt(s["latency_ms"][kind][k]) for kind in KINDS for k in LATENCY_KEYS),
             ]
         )
 
@@ -162,18 +159,18 @@ def table(s: dict[str, Any]) -> str:
         f" decode {s['tokens_per_s']['decode']:.0f}; payload MB/s sent {s['payload_mb_per_s']['sent']:.1f},"
         f" received {s['payload_mb_per_s']['received']:.1f}",
         "",
-        f"{'latency (ms)':<18}{'n':>8}" + "".join(f"{k:>10}" for k in _LATENCY_KEYS),
+        f"{'latency (ms)':<18}{'n':>8}" + "".join(f"{k:>10}" for k in LATENCY_KEYS),
     ]
     names = {"prefill": "prefill piece", "decode": "decode step", "sequence": "sequence"}
     for kind in KINDS:
         lat = s["latency_ms"][kind]
-        lines.append(f"{names[kind]:<18}{lat['count']:>8}" + "".join(f"{_cell(lat[k]):>10}" for k in _LATENCY_KEYS))
+        lines.append(f"{names[kind]:<18}{lat['count']:>8}" + "".join(f"{fmt_ms(lat[k]):>10}" for k in LATENCY_KEYS))
     ol = s["open_loop"]
     if ol:
         wait = ol["arrival_wait_ms"]
         lines.append(
             f"open loop: offered {ol['offered_per_s']:g} seq/s, achieved {ol['achieved_per_s']:.2f};"
-            f" wait for a free slot p50 {_cell(wait['p50'])} ms, max {_cell(wait['max'])} ms"
+            f" wait for a free slot p50 {fmt_ms(wait['p50'])} ms, max {fmt_ms(wait['max'])} ms"
         )
     lines.append("")
     if s["errors"]:
@@ -203,7 +200,7 @@ def table(s: dict[str, Any]) -> str:
         lines.append(f"server metrics: {srv['error']}")
     elif srv:
         lines.append(
-            f"server: queue {_cell(srv['queue_ms_mean'])} ms, compute {_cell(srv['compute_ms_mean'])} ms mean per"
+            f"server: queue {fmt_ms(srv['queue_ms_mean'])} ms, compute {fmt_ms(srv['compute_ms_mean'])} ms mean per"
             f" call; tokens counted prefill {srv['tokens']['prefill']}, decode {srv['tokens']['decode']};"
             f" KV blocks peak {srv['kv_blocks_used_peak']} of {srv['kv_blocks']} (sampled each second),"
             f" {srv['kv_blocks_used_after']} after"
@@ -219,13 +216,14 @@ def sweep_table(param: str, rows: Sequence[tuple[str, dict[str, Any]]]) -> str:
         lat = s["latency_ms"]
         lines.append(
             f"{point:>12}{s['sequences_per_s']:>9.2f}{s['tokens_per_s']['total']:>10.0f}"
-            f"{_cell(lat['decode']['p50']):>12}{_cell(lat['decode']['p99']):>12}{_cell(lat['prefill']['p99']):>13}"
+            f"{fmt_ms(lat['decode']['p50']):>12}{fmt_ms(lat['decode']['p99']):>12}{fmt_ms(lat['prefill']['p99']):>13}"
             f"{sum(s['errors'].values()):>8}"
         )
     return "\n".join(lines)
 
 
-def _cell(x: float | None) -> str:
+def fmt_ms(x: float | None) -> str:
+    """A latency in ms for a table: two decimals below 100, none above; "-" for no value."""
     if x is None:
         return "-"
     return f"{x:.2f}" if x < 100 else f"{x:.0f}"

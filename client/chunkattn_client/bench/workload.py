@@ -139,9 +139,6 @@ def choose_layers(info: ServerInfo, text: str) -> tuple[int, ...]:
     return tuple(chosen)
 
 
-_NUMPY = {"float32": np.float32, "float16": np.float16}
-
-
 class RandomTensors:
     """q/k/v contents: views of one buffer of N(0, 1) values in the wire dtype, at random offsets.
 
@@ -157,7 +154,7 @@ class RandomTensors:
         n = max_tokens * max(info.num_heads, info.num_kv_heads) * info.head_size + self._SLACK
         values = rng.standard_normal(n, dtype=np.float32)
         self._pool: npt.NDArray[Any] = (
-            codec.float32_to_bf16(values) if dtype == "bfloat16" else values.astype(_NUMPY[dtype])
+            codec.float32_to_bf16(values) if dtype == "bfloat16" else values.astype(codec.numpy_dtype(dtype))
         )
         self._rng = rng
 
@@ -169,7 +166,7 @@ class RandomTensors:
 
 def call_bytes(info: ServerInfo, dtype: str, tokens: int, writes_kv: bool) -> tuple[int, int]:
     """(tensor bytes sent, tensor bytes received) of one call of ``tokens`` tokens."""
-    item = 4 if dtype == "float32" else 2
+    item = codec.numpy_dtype(dtype).itemsize
     q = tokens * info.num_heads * info.head_size * item
     kv = 2 * tokens * info.num_kv_heads * info.head_size * item if writes_kv else 0
     return q + kv, q

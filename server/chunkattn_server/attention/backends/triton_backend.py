@@ -168,7 +168,8 @@ class TritonBackend:
         chunk = batch.chunk_size
         meta = np.array([(row, n, pos) for row, pos, n in spans], dtype=np.int64).reshape(-1, 3)
         rows, lens, poss = meta[:, 0], meta[:, 1], meta[:, 2]
-        bases = (poss - poss % chunk if chunk else np.zeros_like(poss)) // block_size
+        starts = poss - poss % chunk if chunk else np.zeros_like(poss)  # each sequence's chunk start
+        bases = starts // block_size
         needed = np.maximum(-(-poss // block_size) - bases, 0)  # cache blocks of keys [chunk start, pos)
         tables = np.zeros((len(spans), max(1, int(needed.max(initial=0)))), dtype=np.int32)
         for i, table in enumerate(batch.tables):
@@ -180,7 +181,7 @@ class TritonBackend:
         prefills = [i for i, n in enumerate(counts) if n > 1]
         parts = []
         if decodes:
-            ctx = int(max(poss[i] - (poss[i] - poss[i] % chunk if chunk else 0) + 1 for i in decodes))
+            ctx = int(max(poss[i] - starts[i] + 1 for i in decodes))
             splits = self._splits(len(decodes) * kv_heads, ctx)
             parts.append(self._part(decodes, counts, _pow2(max(16, group)), splits, group, kv_heads, head_size))
         if prefills:
