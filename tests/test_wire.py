@@ -71,12 +71,12 @@ def test_split_refuses_malformed_or_repeated_tensor_fields(bad: bytes) -> None:
 
 
 def test_kv_blocks_encode_as_protobuf_does_and_decode_as_views() -> None:
-    records = [(3, 17, 0xDEADBEEF, b"k" * 300, b"v" * 300), (0, 0, 0, b"", b"\x00\x01")]
+    records = [(3, 17, 0xDEADBEEF_CAFEF00D, b"k" * 300, b"v" * 300), (0, 0, 0, b"", b"\x00\x01")]
     data = wire.encode_kv_blocks(records)
     parsed = pb.KVChunk.FromString(data)
-    assert [(b.layer, b.logical, b.crc32, b.k, b.v) for b in parsed.blocks.blocks] == records
+    assert [(b.layer, b.logical, b.checksum, b.k, b.v) for b in parsed.blocks.blocks] == records
     same = pb.KVChunk(
-        blocks=pb.KVBlocks(blocks=[pb.KVBlock(layer=a, logical=b, crc32=c, k=k, v=v) for a, b, c, k, v in records])
+        blocks=pb.KVBlocks(blocks=[pb.KVBlock(layer=a, logical=b, checksum=c, k=k, v=v) for a, b, c, k, v in records])
     )
     part, decoded = wire.decode_kv_chunk(same.SerializeToString())
     assert part == "blocks"

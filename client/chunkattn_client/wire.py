@@ -77,17 +77,19 @@ def encode_attend_response(request_id: int, output: RawTensor | None, code: int 
 
 # -- KV transfer: KVChunk messages of blocks, built and read without copying the K/V bytes -------------------
 
-KVRecord = tuple[int, int, int, Buffer, Buffer]  # (layer, logical block, crc32, k bytes, v bytes)
+KVRecord = tuple[int, int, int, Buffer, Buffer]  # (layer, logical block, checksum, k bytes, v bytes)
 
 
 def encode_kv_blocks(records: Sequence[KVRecord]) -> bytes:
-    """A serialized KVChunk{blocks: KVBlocks{blocks: [KVBlock...]}}; each K/V buffer is copied once."""
+    """A serialized KVChunk{blocks: KVBlocks{blocks: [KVBlock...]}}, fields in protobuf's order; each K/V
+    buffer is copied once."""
     parts: list[Buffer] = []
-    for layer, logical, crc, k, v in records:
-        head = b"".join([b"\x08", _varint(layer), b"\x10", _varint(logical), b"\x1d", crc.to_bytes(4, "little")])
+    for layer, logical, checksum, k, v in records:
+        head = b"".join([b"\x08", _varint(layer), b"\x10", _varint(logical)])
         k_key, v_key = _varint(len(k)), _varint(len(v))
-        size = len(head) + 1 + len(k_key) + len(k) + 1 + len(v_key) + len(v)
+        size = len(head) + 1 + len(k_key) + len(k) + 1 + len(v_key) + len(v) + 9
         parts += [b"\x0a", _varint(size), head, b"\x22", k_key, k, b"\x2a", v_key, v]
+        parts.append(b"\x31" + checksum.to_bytes(8, "little"))
     body_size = sum(len(p) for p in parts)
     return b"".join([b"\x12", _varint(body_size), *parts])
 
@@ -110,7 +112,7 @@ def decode_kv_chunk(data: bytes) -> tuple[str, memoryview | list[KVRecord]]:
 
 def _kv_record(body: memoryview) -> KVRecord:
     """One KVBlock's fields."""
-    layer = logical = crc = 0
+    layer = logical = checksum = 0
     k = v = memoryview(b"")
     for f, kind, s, e in _fields(body):
         _, value_at = _read_varint(body, s)
@@ -118,14 +120,14 @@ def _kv_record(body: memoryview) -> KVRecord:
             layer = _read_varint(body, value_at)[0]
         elif f == 2 and kind == 0:
             logical = _read_varint(body, value_at)[0]
-        elif f == 3 and kind == 5:
-            crc = int.from_bytes(body[value_at : value_at + 4], "little")
+        elif f == 6 and kind == 1:
+            checksum = int.from_bytes(body[value_at : value_at + 8], "little")
         elif f in (4, 5) and kind == 2:
             if f == 4:
                 k = _payload(body, s, e)
             else:
                 v = _payload(body, s, e)
-    return layer, logical, crc, k, v
+    return layer, logical, checksum, k, v
 
 
 class WireError(ValueError):

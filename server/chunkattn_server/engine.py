@@ -16,7 +16,6 @@ import time
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
@@ -441,11 +440,11 @@ class Engine:
             slot = self._slot_of[layer]
             # One host copy per layer and batch, [n, Hkv, block_size, D] (a copy_ per block: torch.stack of
             # these strided slices is ~40x slower on the CPU); records are views of it.
-            k, v = (_gather_blocks(pages[slot], [table[b] for b in logicals]) for pages in (self.cache.k, self.cache.v))
+            k, v = self.cache.read_blocks(slot, [table[b] for b in logicals])
             size = len(k) // len(logicals)
             for i, b in enumerate(logicals):
                 kb, vb = k[i * size : (i + 1) * size], v[i * size : (i + 1) * size]
-                records.append(BlockRecord(layer, b, kb, vb, BlockRecord.checksum(layer, b, kb, vb)))
+                records.append(BlockRecord(layer, b, kb, vb, BlockRecord.digest(layer, b, kb, vb)))
         return records
 
     def begin_import(self, manifest: KVManifest) -> ImportSession:
@@ -499,8 +498,6 @@ class Engine:
     def import_records(self, session: ImportSession, records: Sequence[BlockRecord]) -> None:
         """Check and write records of an import. Raises IncompatibleKV (unexpected, repeated or misshapen
         record) or DataLoss (checksum); the caller then aborts the session."""
-        model = self.config.model
-        shape = (model.num_kv_heads, self.block_size, model.head_size)
         for r in records:
             key = (r.layer, r.logical)
             if key not in session.expected or key in session.received:
@@ -511,8 +508,7 @@ class Engine:
                 raise DataLoss(f"record (layer {r.layer}, block {r.logical}) fails its checksum: the data is damaged")
             block = session.tables[self._group_of[r.layer].index][r.logical]
             slot = self._slot_of[r.layer]
-            for pages, data in ((self.cache.k[slot], r.k), (self.cache.v[slot], r.v)):
-                _store_block(pages, block, data, shape)
+            self.cache.write_block(slot, block, r.k, r.v)
             session.received.add(key)
 
     def commit_import(self, session: ImportSession) -> int:
@@ -706,41 +702,6 @@ class ImportSession:
 def _listed(manifest: KVManifest) -> list[int]:
     """The layers an export covered: its writing layers and the sharers it carried lengths for."""
     return [x for x, n in enumerate(manifest.lengths) if x in manifest.layers or n > 0]
-
-
-# Block copies for KV transfer. On the CPU they go through numpy: torch hands each ~100 KiB strided copy to
-# its intra-op thread pool, which on a busy 2-core machine costs milliseconds per copy instead of
-# microseconds (measured: 8 ms against 0.05 ms with one thread).
-
-
-def _gather_blocks(pages: torch.Tensor, blocks: list[int]) -> memoryview:
-    """The bytes of pages [Hkv, num_blocks, bs, D] at ``blocks``, laid out [len(blocks), Hkv, bs, D], on the host."""
-    if pages.device.type == "cpu":
-        src = _bytes_of(pages)
-        out: Any = np.empty((len(blocks), src.shape[0], *src.shape[2:]), dtype=np.uint8)
-        for i, b in enumerate(blocks):
-            np.copyto(out[i], src[:, b])
-        return memoryview(out).cast("B")
-    gathered = torch.empty((len(blocks), *pages[:, 0].shape), dtype=pages.dtype, device=pages.device)
-    for i, b in enumerate(blocks):
-        gathered[i].copy_(pages[:, b])
-    array: Any = gathered.cpu().view(torch.uint8).numpy()
-    return memoryview(array).cast("B")
-
-
-def _store_block(pages: torch.Tensor, block: int, data: bytes | memoryview, shape: tuple[int, ...]) -> None:
-    """Write one block's bytes, laid out [Hkv, bs, D], into pages [Hkv, num_blocks, bs, D]."""
-    if pages.device.type == "cpu":
-        dst = _bytes_of(pages)[:, block]
-        np.copyto(dst, np.frombuffer(data, dtype=np.uint8).reshape(dst.shape))
-        return
-    src = torch.frombuffer(data, dtype=torch.uint8).view(pages.dtype).view(shape)
-    pages[:, block] = src.to(pages.device)
-
-
-def _bytes_of(pages: torch.Tensor) -> Any:
-    """A uint8 numpy view [Hkv, num_blocks, bs, D * itemsize] of CPU pages (any dtype, bfloat16 included)."""
-    return pages.view(torch.uint8).numpy()
 
 
 def _slots(table: dict[int, int], start: int, end: int, block_size: int) -> np.ndarray:

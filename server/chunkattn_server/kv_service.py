@@ -142,7 +142,7 @@ class KVService:
             for i in range(len(todo)):
                 assert pending is not None
                 try:
-                    records: list[BlockRecord] = await pending
+                    message, blocks, nbytes = await pending
                 except Exception as e:
                     if failure is None:
                         raise
@@ -153,9 +153,9 @@ class KVService:
                     if i + 1 < len(todo)
                     else None
                 )
-                self._metrics.kv_transfer_blocks.labels("out").inc(len(records))
-                self._metrics.kv_transfer_bytes.labels("out").inc(sum(len(r.k) + len(r.v) for r in records))
-                yield kvwire.encode_blocks(records)
+                self._metrics.kv_transfer_blocks.labels("out").inc(blocks)
+                self._metrics.kv_transfer_bytes.labels("out").inc(nbytes)
+                yield message
         finally:
             if pending is not None:
                 pending.cancel()
@@ -180,6 +180,7 @@ class KVService:
                 e.abort_import(holder[0])  # nothing to do after a commit
 
         records = nbytes = 0
+        writing: asyncio.Future[None] | None = None  # the previous message's write, while this one arrives
         try:
             session: ImportSession = await self._run("ImportKV", begin)
             trailer = False
@@ -187,21 +188,30 @@ class KVService:
                 part, body = kvwire.decode(data)
                 if trailer or part not in ("blocks", "trailer"):
                     raise IncompatibleKV(f"unexpected {part or 'empty'} message in the KV stream after its header")
+                if writing is not None:
+                    await writing
+                    writing = None
                 if part == "trailer":
                     trailer = True
                     continue
                 assert isinstance(body, list)
-                await self._run("ImportKV", _importer(session, body))
+                writing = asyncio.ensure_future(self._run("ImportKV", _importer(session, body)))
                 size = sum(len(r.k) + len(r.v) for r in body)
                 records += len(body)
                 nbytes += size
                 self._metrics.kv_transfer_blocks.labels("in").inc(len(body))
                 self._metrics.kv_transfer_bytes.labels("in").inc(size)
+            if writing is not None:
+                await writing
+                writing = None
             if not trailer:
                 raise DataLoss(f"the KV stream ended before its trailer, after {records} blocks: it was cut short")
             blocks, stats = await self._run("ImportKV", lambda e: (e.commit_import(session), e.stats()))
             self._observe_pool(stats)
         finally:
+            if writing is not None:  # the stream failed while a write ran: its outcome no longer matters
+                writing.cancel()
+                await asyncio.gather(writing, return_exceptions=True)
             # Queued behind the begin job (one worker, in order) and shielded: a cancelled RPC still returns
             # every reserved block, even when it was cancelled while the begin job ran.
             await asyncio.shield(self._run("ImportKV", abort))
@@ -255,8 +265,15 @@ def _releaser(manifest: KVManifest) -> Callable[[Engine], EngineStats]:
     return job
 
 
-def _exporter(manifest: KVManifest, batch: Sequence[tuple[int, int]]) -> Callable[[Engine], list[BlockRecord]]:
-    return lambda e: e.export_records(manifest, batch)
+def _exporter(manifest: KVManifest, batch: Sequence[tuple[int, int]]) -> Callable[[Engine], tuple[bytes, int, int]]:
+    """A job that reads ``batch`` and encodes it: (serialized KVChunk, blocks, K/V bytes). The encoding's
+    copy runs on the worker too, leaving the event loop to gRPC."""
+
+    def job(e: Engine) -> tuple[bytes, int, int]:
+        records = e.export_records(manifest, batch)
+        return kvwire.encode_blocks(records), len(records), sum(len(r.k) + len(r.v) for r in records)
+
+    return job
 
 
 def _importer(session: ImportSession, batch: list[BlockRecord]) -> Callable[[Engine], None]:

@@ -83,7 +83,7 @@ def encode_trailer(num_records: int) -> bytes:
 
 def encode_blocks(records: Sequence[BlockRecord]) -> bytes:
     """A serialized KVChunk of blocks; each K/V buffer is copied once, into the message."""
-    return wire.encode_kv_blocks([(r.layer, r.logical, r.crc32, r.k, r.v) for r in records])
+    return wire.encode_kv_blocks([(r.layer, r.logical, r.checksum, r.k, r.v) for r in records])
 
 
 def decode(data: bytes) -> tuple[str, KVManifest | list[BlockRecord] | int | None]:
@@ -93,7 +93,7 @@ def decode(data: bytes) -> tuple[str, KVManifest | list[BlockRecord] | int | Non
         part, body = wire.decode_kv_chunk(data)
         if part == "blocks":
             assert isinstance(body, list)
-            return part, [BlockRecord(layer, logical, k, v, crc) for layer, logical, crc, k, v in body]
+            return part, [BlockRecord(layer, logical, k, v, digest) for layer, logical, digest, k, v in body]
         assert isinstance(body, memoryview)
         if part == "header":
             return part, manifest_from_pb(pb.KVHeader.FromString(bytes(body)))

@@ -211,18 +211,18 @@ class KVHeader(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., model: _Optional[_Union[KVModel, _Mapping]] = ..., lengths: _Optional[_Iterable[int]] = ..., layers: _Optional[_Iterable[int]] = ..., groups: _Optional[_Iterable[_Union[KVGroupBlocks, _Mapping]]] = ..., group_of: _Optional[_Iterable[int]] = ..., num_records: _Optional[int] = ...) -> None: ...
 
 class KVBlock(_message.Message):
-    __slots__ = ("layer", "logical", "crc32", "k", "v")
+    __slots__ = ("layer", "logical", "k", "v", "checksum")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     LOGICAL_FIELD_NUMBER: _ClassVar[int]
-    CRC32_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     V_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     layer: int
     logical: int
-    crc32: int
     k: bytes
     v: bytes
-    def __init__(self, layer: _Optional[int] = ..., logical: _Optional[int] = ..., crc32: _Optional[int] = ..., k: _Optional[bytes] = ..., v: _Optional[bytes] = ...) -> None: ...
+    checksum: int
+    def __init__(self, layer: _Optional[int] = ..., logical: _Optional[int] = ..., k: _Optional[bytes] = ..., v: _Optional[bytes] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class KVBlocks(_message.Message):
     __slots__ = ("blocks",)
