@@ -24,7 +24,7 @@ runs a batch of calls; the reported figure is the median over rounds that run ev
 
 KV transfer: two more servers serve one global layer of the same heads (64 KiB of K+V per token), so the
 live KV grows with the prompt. A sequence of ``kv_tokens`` tokens (64 MiB of K/V) is prefilled on the first;
-"ours" is ``ChunkAttnClient.transfer_kv`` (TransferKV: the first server exports, CRC-checks and streams it
+"ours" is ``ChunkAttnClient.transfer_kv`` (TransferKV: the first server exports, checksums (XXH3-64) and streams it
 to the second, which checks, writes and commits it; the copy is then released there, inside the timing).
 The baseline streams byte strings of exactly the sizes of that export's messages from this process to the
 echo process in one client-streaming RPC, which only counts them. MB/s = the stream's bytes / seconds.
@@ -55,7 +55,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from datetime import date
 from typing import Any
@@ -385,9 +385,17 @@ def bench_size(
 
 
 def bench_kv_transfer(
-    source: ChunkAttnClient, target: ChunkAttnClient, target_address: str, echo: EchoClient, model: Model, plan: Plan
+    source: ChunkAttnClient,
+    target: ChunkAttnClient,
+    target_address: str,
+    echo: EchoClient,
+    model: Model,
+    plan: Plan,
+    pids: dict[str, int],
 ) -> dict[str, Any]:
-    """TransferKV of one sequence between two servers against streaming the same message sizes."""
+    """TransferKV of one sequence between two servers against streaming the same message sizes.
+
+    ``pids``: the source, target and echo processes, whose CPU time per transfer is reported (Linux)."""
     piece = 256
     for pos in range(0, plan.kv_tokens, piece):
         n = min(piece, plan.kv_tokens - pos)
@@ -399,6 +407,7 @@ def bench_kv_transfer(
         raise SystemExit("the echo counted the wrong number of bytes")
     copies = itertools.count()
     kv_bytes = [0]
+    cpu = CpuTimes({"source": pids["source"], "target": pids["target"], "echo": pids["echo"], "client": 0})
 
     def ours() -> None:
         name = f"kv-copy-{next(copies)}"
@@ -406,7 +415,7 @@ def bench_kv_transfer(
         kv_bytes[0] = moved.bytes
         target.release([name])
 
-    t = rounds({"ours": ours, "echo": lambda: echo.sink(payloads)}, plan.repeats)
+    t = rounds({"ours": cpu.track("ours", ours), "echo": cpu.track("echo", lambda: echo.sink(payloads))}, plan.repeats)
     stream_mb = sum(sizes) / 1e6
     return {
         "tokens": plan.kv_tokens,
@@ -415,7 +424,49 @@ def bench_kv_transfer(
         "stream_bytes": sum(sizes),
         "ours_mbps": stream_mb / t["ours"],
         "echo_mbps": stream_mb / t["echo"],
+        # Mean CPU ms per call of each process (this one is "client"); {} where /proc is missing.
+        "cpu_ms": {
+            "ours": cpu.mean_ms("ours", ("source", "target", "client")),
+            "echo": cpu.mean_ms("echo", ("client", "echo")),
+        },
     }
+
+
+class CpuTimes:
+    """CPU seconds that processes spend during tracked calls, read from /proc (pid 0: this process)."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self._pids = pids
+        self._spent: dict[str, dict[str, float]] = {}
+        self._calls: dict[str, int] = {}
+
+    def track(self, contender: str, fn: Callable[[], object]) -> Callable[[], None]:
+        def tracked() -> None:
+            before = self._now()
+            fn()
+            after = self._now()
+            spent = self._spent.setdefault(contender, dict.fromkeys(self._pids, 0.0))
+            for name in self._pids:
+                spent[name] += after.get(name, 0.0) - before.get(name, 0.0)
+            self._calls[contender] = self._calls.get(contender, 0) + 1
+
+        return tracked
+
+    def mean_ms(self, contender: str, names: tuple[str, ...]) -> dict[str, float]:
+        if not os.path.exists("/proc/self/stat") or not self._calls.get(contender):
+            return {}
+        return {n: 1e3 * self._spent[contender][n] / self._calls[contender] for n in names}
+
+    def _now(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for name, pid in self._pids.items():
+            try:
+                with open(f"/proc/{pid or 'self'}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            out[name] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+        return out
 
 
 def run(model: Model, plan: Plan) -> dict[str, Any]:
@@ -444,7 +495,8 @@ def run(model: Model, plan: Plan) -> dict[str, Any]:
                 ChunkAttnClient(f"127.0.0.1:{ports[2]}", max_message_bytes=max_bytes) as kv_source,
                 ChunkAttnClient(f"127.0.0.1:{ports[3]}", max_message_bytes=max_bytes) as kv_target,
             ):
-                kv = bench_kv_transfer(kv_source, kv_target, f"127.0.0.1:{ports[3]}", echo, model, plan)
+                pids = {"source": children[2].proc.pid, "target": children[3].proc.pid, "echo": children[1].proc.pid}
+                kv = bench_kv_transfer(kv_source, kv_target, f"127.0.0.1:{ports[3]}", echo, model, plan, pids)
     finally:
         for child in reversed(children):
             child.stop()
@@ -499,6 +551,14 @@ def report(result: dict[str, Any]) -> str:
         f"{'kv':<7} {'':>8} {'':>6} {kv['stream_bytes']:>19} {'':>5} {kv['ours_mbps']:>10.1f} {kv['echo_mbps']:>10.1f}"
         f" {ratio:>7.2f}x {'ok' if ratio >= 0.8 else 'MISS':>4}",
     ]
+    if kv["cpu_ms"]["ours"]:
+        cpu = kv["cpu_ms"]
+        lines.append(
+            "CPU ms per transfer: ours "
+            + ", ".join(f"{n} {ms:.0f}" for n, ms in cpu["ours"].items())
+            + "; echo "
+            + ", ".join(f"{n} {ms:.0f}" for n, ms in cpu["echo"].items())
+        )
     lines += [
         "",
         "target: ours/echo >= 0.8x at 1 MiB and above (64 KiB and below: no target), and for the KV transfer;"

@@ -36,3 +36,6 @@ def test_transport_benchmark_smoke_run_writes_the_documented_json(tmp_path: Path
     assert kv["stream_bytes"] > kv["kv_bytes"]  # K/V plus headers and checksums
     assert kv["ours_mbps"] > 0
     assert kv["echo_mbps"] > 0
+    assert set(kv["cpu_ms"]["ours"]) == {"source", "target", "client"}  # /proc exists where CI runs
+    assert kv["cpu_ms"]["ours"]["source"] > 0
+    assert kv["cpu_ms"]["ours"]["target"] > 0
