@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 $(STAMP): requirements/dev.txt requirements/constraints.txt client/pyproject.toml server/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check -c requirements/constraints.txt \
-		-r requirements/dev.txt -e 'client[bench]' -e server
+		-r requirements/dev.txt -e 'client[bench,hf]' -e server
 	touch $(STAMP)
 
 install: $(STAMP)  ## create .venv if missing and install both packages (editable) with the dev tools

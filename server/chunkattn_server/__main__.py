@@ -6,6 +6,10 @@ With no arguments it serves a small demo model on the CPU: 4 layers as Llama 4 i
 Every flag can also come from the environment (CHUNKATTN_<FLAG>, e.g. CHUNKATTN_PORT=50052) or from a
 JSON file given with --config (keys are the flag names with underscores; "layers" may instead be a list
 of {"chunk_size", "kv_source", "scale", "alibi_slopes"} objects). Precedence: flags, environment, file.
+
+--hf-config FILE serves the attention shape of a Hugging Face config.json (heads, KV heads, head size,
+and each layer's chunk size from layer_types and attention_chunk_size; see chunkattn_client.hfconfig),
+so that a model runner and the server can be pointed at the same model.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import os
 import sys
 from typing import Any
 
+from chunkattn_client import hfconfig
 from chunkattn_server.config import CacheConfig, EngineConfig, LayerSpec, ModelShape
 from chunkattn_server.errors import ConfigError
 from chunkattn_server.server import ServerConfig, serve
@@ -46,6 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--grace-s", type=float, default=10.0, help="on SIGTERM, time for calls in flight (default 10)")
     m = p.add_argument_group("model (the attention shape; must match the client's model)")
     m.add_argument("--preset", choices=sorted(PRESETS), default="demo", help="start from a known shape (default demo)")
+    m.add_argument(
+        "--hf-config",
+        metavar="FILE",
+        help="serve the shape of a Hugging Face config.json (instead of --preset and the flags below)",
+    )
     m.add_argument("--layers", type=int, help="number of attention layers")
     m.add_argument("--chunk-size", type=int, help="C of the chunked layers")
     m.add_argument("--global-every", type=int, help="every n-th layer is global (Llama 4: 4; 0: none)")
@@ -85,7 +95,29 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+SHAPE_FLAGS = ("layers", "chunk_size", "global_every", "heads", "kv_heads", "head_size")
+
+
+def hf_model(path: str) -> ModelShape:
+    """The model of a Hugging Face config.json; ConfigError when it cannot be served."""
+    try:
+        layout = hfconfig.load(path)
+    except hfconfig.HFConfigError as e:
+        raise ConfigError(str(e)) from None
+    return ModelShape(
+        num_heads=layout.num_heads,
+        num_kv_heads=layout.num_kv_heads,
+        head_size=layout.head_size,
+        layers=tuple(LayerSpec(chunk_size=c) for c in layout.chunk_sizes),
+    )
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
+    if args.hf_config:
+        given = [f"--{f.replace('_', '-')}" for f in SHAPE_FLAGS if getattr(args, f) is not None]
+        if given:
+            raise ConfigError(f"--hf-config sets the model's shape; drop {', '.join(given)} or drop --hf-config")
+        return EngineConfig(hf_model(args.hf_config), cache_config(args), device=args.device, backend=args.backend)
     shape = dict(PRESETS[args.preset])
     for key in ("chunk_size", "global_every", "heads", "kv_heads", "head_size"):
         if getattr(args, key) is not None:
@@ -114,13 +146,16 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             num_kv_heads=shape["kv_heads"],
             head_size=shape["head_size"],
         )
-    cache = CacheConfig(
+    return EngineConfig(model, cache_config(args), device=args.device, backend=args.backend)
+
+
+def cache_config(args: argparse.Namespace) -> CacheConfig:
+    return CacheConfig(
         block_size=args.block_size,
         num_blocks=args.num_blocks,
         memory_bytes=None if args.num_blocks else args.kv_memory_mib << 20,
         dtype=args.dtype,
     )
-    return EngineConfig(model, cache, device=args.device, backend=args.backend)
 
 
 def main(argv: list[str] | None = None) -> int:

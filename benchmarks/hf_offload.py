@@ -1,0 +1,152 @@
+"""Decode tokens/s of a transformers model with its attention offloaded to chunkattn, against running it locally.
+
+The model is the example's (examples/hf_offload.py): a random-weight Llama 4 text model at toy size
+(4 layers, 8/2 heads of 32), float32 on the CPU, in this process; the server runs in a process of its own
+on the same machine, started with ``--hf-config`` on the model's config.json.
+
+Contenders, each generating ``--new-tokens`` tokens greedily per row from the same prompts:
+- local: transformers alone with its own KV cache (sdpa attention), one row at a time (transformers
+  cannot batch rows of different lengths without padding them);
+- unary / stream: ``chunkattn_client.hf.OffloadSession``, all rows in one batch, one Attend call per layer
+  per forward, as unary RPCs or over one AttendStream.
+
+Decode tokens/s = rows x (new tokens - 1) / seconds of the decode steps (the prefill is left out). Each
+round runs every contender in turn (interleaved, so drift on a shared machine hits all alike); the
+figure is the median over rounds. The first round also checks that every offloaded run chose the local
+run's tokens, with logits within 1e-4, and stops with an error otherwise.
+
+    python benchmarks/hf_offload.py [--batches 1,3] [--new-tokens 64] [--repeats 5] [--json PATH] [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from chunkattn_client import ChunkAttnClient  # noqa: E402
+from chunkattn_client.hf import Generation, OffloadSession, Transport, generate_locally  # noqa: E402
+from examples.hf_offload import Server, build_model, max_logit_difference, prompts_of  # noqa: E402
+
+from timing import cpu_name  # noqa: E402  (benchmarks/timing.py)
+
+PROMPT_LENGTHS = (40, 27, 53)  # row r gets PROMPT_LENGTHS[r % 3]: every prefill crosses a chunk boundary (16)
+TRANSPORTS: tuple[Transport, ...] = ("unary", "stream")
+
+
+def bench_batch(model: Any, client: ChunkAttnClient, rows: int, new_tokens: int, repeats: int) -> dict[str, Any]:
+    prompts = prompts_of([PROMPT_LENGTHS[r % len(PROMPT_LENGTHS)] for r in range(rows)], model.config.vocab_size)
+    runs: dict[str, Callable[[], Generation]] = {"local": lambda: generate_locally(model, prompts, new_tokens)}
+
+    def offloaded(transport: Transport, keep_logits: bool = False) -> Generation:
+        with OffloadSession(client, model, transport=transport) as session:
+            return session.generate(prompts, new_tokens, keep_logits=keep_logits)
+
+    for transport in TRANSPORTS:
+        runs[transport] = lambda t=transport: offloaded(t)  # type: ignore[misc]
+    reference = generate_locally(model, prompts, new_tokens, keep_logits=True)
+    worst = 0.0
+    for transport in TRANSPORTS:  # correctness first, untimed
+        checked = offloaded(transport, keep_logits=True)
+        if checked.tokens != reference.tokens:
+            raise SystemExit(f"{transport}: the offloaded run chose other tokens than the local model")
+        worst = max(worst, max_logit_difference(checked, reference))
+    if worst > 1e-4:
+        raise SystemExit(f"offloaded logits differ from the local model's by {worst:.1e} (> 1e-4)")
+    rates: dict[str, list[float]] = {name: [] for name in runs}
+    calls: dict[str, int] = {}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            result = run()
+            rates[name].append(result.decode_tokens_per_s)
+            calls[name] = result.calls
+    tps = {name: statistics.median(r) for name, r in rates.items()}
+    return {
+        "rows": rows,
+        "prompt_lengths": [len(p) for p in prompts],
+        "new_tokens": new_tokens,
+        "decode_tokens_per_s": tps,
+        "ratio_to_local": {t: tps[t] / tps["local"] for t in TRANSPORTS},
+        "attend_calls": {t: calls[t] for t in TRANSPORTS},
+        "ms_per_decode_step": {name: 1e3 * rows / v for name, v in tps.items()},
+        "max_abs_logit_diff": worst,
+    }
+
+
+def run(batches: list[int], new_tokens: int, repeats: int) -> dict[str, Any]:
+    started = time.perf_counter()
+    model = build_model(seed=0)
+    with tempfile.TemporaryDirectory() as folder:
+        model.config.save_pretrained(folder)
+        server = Server(Path(folder) / "config.json", [])
+        try:
+            with ChunkAttnClient(server.target, timeout_s=60) as client:
+                results = [bench_batch(model, client, rows, new_tokens, repeats) for rows in batches]
+        finally:
+            server.stop()
+    return {
+        "date": date.today().isoformat(),
+        "machine": f"{cpu_name()}, {os.cpu_count()} cores, Python {platform.python_version()},"
+        f" torch {torch.__version__} ({torch.get_num_threads()} threads), transformers {transformers.__version__}",
+        "repeats": repeats,
+        "batches": results,
+        "duration_s": time.perf_counter() - started,
+    }
+
+
+def report(result: dict[str, Any]) -> str:
+    lines = [
+        f"chunkattn hf offload benchmark, {result['date']}, {result['machine']}",
+        "",
+        "the example's Llama 4 text model (4 layers, 8/2 heads of 32, float32); decode tokens/s, median of"
+        f" {result['repeats']} rounds; local = transformers alone, a row at a time",
+        f"{'rows':>4} {'prompts':<12} {'new':>4} {'local':>8} {'unary':>8} {'ratio':>6} {'stream':>8} {'ratio':>6}"
+        f" {'calls':>6} {'max |dlogit|':>12}",
+    ]
+    for b in result["batches"]:
+        t, r = b["decode_tokens_per_s"], b["ratio_to_local"]
+        lines.append(
+            f"{b['rows']:>4} {','.join(map(str, b['prompt_lengths'])):<12} {b['new_tokens']:>4} {t['local']:>8.1f}"
+            f" {t['unary']:>8.1f} {r['unary']:>5.2f}x {t['stream']:>8.1f} {r['stream']:>5.2f}x"
+            f" {b['attend_calls']['stream']:>6} {b['max_abs_logit_diff']:>12.1e}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", default="1,3", help="rows per batch to measure (default 1,3)")
+    parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated per row (default 64)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed rounds (default 5)")
+    parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    parser.add_argument("--smoke", action="store_true", help="one row, 4 tokens, 1 round: checks the code paths")
+    args = parser.parse_args(argv)
+    batches = [1] if args.smoke else [int(x) for x in args.batches.split(",")]
+    new_tokens, repeats = (4, 1) if args.smoke else (args.new_tokens, args.repeats)
+    if min(batches) < 1 or new_tokens < 2 or repeats < 1:
+        parser.error("rows and --repeats must be >= 1, --new-tokens >= 2 (one decode step at least)")
+    result = run(batches, new_tokens, repeats)
+    print(report(result))
+    print(f"\n({result['duration_s']:.0f} s)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Runnable examples (python examples/<name>.py); tests import their models and helpers from here."""

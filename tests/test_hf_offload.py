@@ -1,0 +1,155 @@
+"""Remote attention offload for transformers (chunkattn_client.hf), through a real server subprocess.
+
+The model is the example's (examples/hf_offload.py): a random-weight Llama 4 text model, 3 chunked layers
+with C = 16 and a global NoPE layer whose temperature tuning acts from position 7. The reference is the
+same model run by transformers alone with its own KV cache, one row at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import torch
+
+from chunkattn_client import ChunkAttnClient, ChunkAttnError
+from chunkattn_client.hf import NAME, Generation, OffloadSession, SessionError, Transport, generate_locally
+from chunkattn_client.hfconfig import HFConfigError
+from examples.hf_offload import build_model, example_config, max_logit_difference, prompts_of
+from tests.server_process import ServerProcess
+
+PROMPTS = [20, 7, 33]  # rows of different lengths; the prefill crosses the boundaries at 16 and 32
+NEW = 20  # decoding to 40, 27 and 53 tokens crosses the next boundaries (32, 16 and 48)
+LAYERS = 4
+
+
+@pytest.fixture(scope="module")
+def model() -> Any:
+    return build_model(seed=0)
+
+
+@pytest.fixture(scope="module")
+def prompts(model: Any) -> list[list[int]]:
+    return prompts_of(PROMPTS, model.config.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def local(model: Any, prompts: list[list[int]]) -> Generation:
+    return generate_locally(model, prompts, NEW, keep_logits=True)
+
+
+def _server_for(config: Any, folder: Path) -> ServerProcess:
+    config.save_pretrained(folder)
+    return ServerProcess("--hf-config", str(folder / "config.json"), "--kv-memory-mib", "8")
+
+
+@pytest.fixture(scope="module")
+def server(model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    with _server_for(model.config, tmp_path_factory.mktemp("hf")) as s:
+        yield s
+
+
+@pytest.fixture
+def client(server: ServerProcess) -> Iterator[ChunkAttnClient]:
+    with ChunkAttnClient(server.target, timeout_s=60) as c:
+        yield c
+        info = c.info()  # every test leaves the server as it found it
+        assert (info.active_sequences, info.free_blocks) == (0, info.num_blocks)
+
+
+@pytest.mark.parametrize("transport", ["unary", "stream"])
+def test_offloaded_generation_equals_the_local_model(
+    model: Any, prompts: list[list[int]], local: Generation, client: ChunkAttnClient, transport: Transport
+) -> None:
+    with OffloadSession(client, model, transport=transport) as session:
+        assert model.config._attn_implementation == NAME
+        result = session.generate(prompts, NEW, keep_logits=True)
+        held = client.info()
+        assert held.active_sequences == len(PROMPTS)
+        assert held.free_blocks < held.num_blocks
+    assert result.tokens == local.tokens
+    assert max_logit_difference(result, local) <= 1e-4
+    assert result.calls == LAYERS * NEW  # one call per layer per forward: the prefill and NEW - 1 decodes
+    assert model.config._attn_implementation != NAME  # switched back on close
+    info = client.info()
+    assert (info.active_sequences, info.free_blocks) == (0, info.num_blocks)  # closing freed every block
+
+
+def test_rows_may_bring_different_numbers_of_tokens_in_later_forwards_too(
+    model: Any, prompts: list[list[int]], local: Generation, client: ChunkAttnClient
+) -> None:
+    """A forward where one row brings 3 tokens, one none and one a single token equals the local model."""
+    assert local.logits is not None
+    with OffloadSession(client, model, transport="unary") as session:
+        session.forward(prompts)
+        chosen = [row[:3] for row in local.tokens]
+        logits = session.forward([chosen[0], [], chosen[2][:1]])
+    assert [x.shape[0] for x in logits] == [3, 0, 1]
+    assert torch.allclose(logits[0][0], local.logits[0][1], atol=1e-4)  # the logits that chose token 2
+    assert torch.allclose(logits[0][1], local.logits[0][2], atol=1e-4)
+    assert torch.allclose(logits[2][0], local.logits[2][1], atol=1e-4)
+
+
+def test_a_server_of_another_shape_is_refused_naming_the_first_difference(model: Any, tmp_path: Path) -> None:
+    other = example_config()
+    other.attention_chunk_size = 32
+    with _server_for(other, tmp_path) as s, ChunkAttnClient(s.target) as c:
+        with pytest.raises(HFConfigError, match=r"layer 0's chunk size: the model has 16, the server 32"):
+            OffloadSession(c, model)
+        assert c.info().active_sequences == 0
+    assert model.config._attn_implementation != NAME
+
+
+def test_an_error_inside_the_session_still_releases_its_sequences(
+    model: Any, prompts: list[list[int]], client: ChunkAttnClient
+) -> None:
+    class Stop(Exception):
+        pass
+
+    def prefill_then_fail() -> None:
+        with OffloadSession(client, model, transport="stream") as session:
+            session.forward(prompts)
+            assert client.info().active_sequences == len(PROMPTS)
+            raise Stop
+
+    with pytest.raises(Stop):
+        prefill_then_fail()
+    assert model.config._attn_implementation != NAME
+
+
+def test_a_forward_that_fails_part_way_stops_the_session_with_a_clear_error(
+    model: Any, prompts: list[list[int]], client: ChunkAttnClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with OffloadSession(client, model, transport="unary") as session:
+        session.forward(prompts)
+        real = client.attend
+
+        def failing(layer: int, *args: Any, **kwargs: Any) -> Any:
+            if layer == 2:
+                raise ChunkAttnError(grpc.StatusCode.UNAVAILABLE, "injected")
+            return real(layer, *args, **kwargs)
+
+        monkeypatch.setattr(client, "attend", failing)
+        with pytest.raises(ChunkAttnError, match="injected"):
+            session.forward([[1], [2], [3]])
+        monkeypatch.setattr(client, "attend", real)
+        with pytest.raises(SessionError, match="a forward failed part-way"):
+            session.forward([[1], [2], [3]])
+
+
+def test_the_model_called_directly_is_refused(model: Any, prompts: list[list[int]], client: ChunkAttnClient) -> None:
+    ids = torch.tensor([prompts[1]])
+    with (
+        OffloadSession(client, model) as session,
+        pytest.raises(SessionError, match=r"outside OffloadSession\.forward"),
+    ):
+        session.model(input_ids=ids, use_cache=False)
+    model.set_attn_implementation(NAME)
+    try:
+        with pytest.raises(SessionError, match="outside an OffloadSession"):
+            model(input_ids=ids, use_cache=False)
+    finally:
+        model.set_attn_implementation("sdpa")
