@@ -7,6 +7,9 @@ same model run by transformers alone with its own KV cache, one row at a time.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +27,7 @@ from tests.server_process import ServerProcess
 PROMPTS = [20, 7, 33]  # rows of different lengths; the prefill crosses the boundaries at 16 and 32
 NEW = 20  # decoding to 40, 27 and 53 tokens crosses the next boundaries (32, 16 and 48)
 LAYERS = 4
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -153,3 +157,31 @@ def test_the_model_called_directly_is_refused(model: Any, prompts: list[list[int
             model(input_ids=ids, use_cache=False)
     finally:
         model.set_attn_implementation("sdpa")
+
+
+def _run(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+
+def test_the_example_runs_and_finds_the_outputs_equal(tmp_path: Path) -> None:
+    out = tmp_path / "example.json"
+    result = _run("examples/hf_offload.py", "--prompts", "20,7", "--new-tokens", "6", "--json", str(out))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("tokens identical: True") == 2
+    data = json.loads(out.read_text())
+    for transport in ("unary", "stream"):
+        assert data[transport]["max_abs_logit_diff"] <= 1e-4
+        assert data[transport]["attend_calls"] == LAYERS * 6
+        assert data[transport]["sequences_during"] == 2
+        assert data[transport]["free_blocks_after"] == data[transport]["num_blocks"]
+
+
+def test_the_benchmark_smoke_run_writes_its_json(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    result = _run("benchmarks/hf_offload.py", "--smoke", "--json", str(out))
+    assert result.returncode == 0, result.stdout + result.stderr
+    (batch,) = json.loads(out.read_text())["batches"]
+    assert set(batch["decode_tokens_per_s"]) == {"local", "unary", "stream"}
+    assert all(v > 0 for v in batch["decode_tokens_per_s"].values())
+    assert set(batch["ratio_to_local"]) == {"unary", "stream"}
+    assert batch["max_abs_logit_diff"] <= 1e-4
