@@ -106,13 +106,15 @@ def test_a_timed_run_cuts_sequences_at_the_deadline_and_frees_them(
     server: ServerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     rc, s = bench(
-        capsys, server, tmp_path, "--duration", "1.5", "--concurrency", "2", "--prompt-len", "8",
+        capsys, server, tmp_path, "--duration", "3", "--concurrency", "2", "--prompt-len", "8",
         "--output-len", "100000", "--transport", "stream",
     )  # fmt: skip
     assert rc == 0
     assert s["sequences"] == 0
     assert s["sequences_cut"] == 2
-    assert 1.5 <= s["duration_s"] < 2.5  # past the deadline by at most one call per sequence
+    # Past the deadline by at most one call per sequence. 3 s, not less: on a loaded 2-core CI machine a
+    # 1.5 s run once ended before any decode step.
+    assert 3 <= s["duration_s"] < 4
     assert s["tokens"]["decode"] > 0
     with ChunkAttnClient(server.target) as c:
         info = c.info()

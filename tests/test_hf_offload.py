@@ -19,7 +19,15 @@ import pytest
 import torch
 
 from chunkattn_client import ChunkAttnClient, ChunkAttnError
-from chunkattn_client.hf import NAME, Generation, OffloadSession, SessionError, Transport, generate_locally
+from chunkattn_client.hf import (
+    MESSAGE_HEADROOM,
+    NAME,
+    Generation,
+    OffloadSession,
+    SessionError,
+    Transport,
+    generate_locally,
+)
 from chunkattn_client.hfconfig import HFConfigError
 from examples.hf_offload import build_model, example_config, max_logit_difference, prompts_of
 from tests.server_process import ServerProcess
@@ -45,9 +53,9 @@ def local(model: Any, prompts: list[list[int]]) -> Generation:
     return generate_locally(model, prompts, NEW, keep_logits=True)
 
 
-def _server_for(config: Any, folder: Path) -> ServerProcess:
+def _server_for(config: Any, folder: Path, *flags: str) -> ServerProcess:
     config.save_pretrained(folder)
-    return ServerProcess("--hf-config", str(folder / "config.json"), "--kv-memory-mib", "8")
+    return ServerProcess("--hf-config", str(folder / "config.json"), "--kv-memory-mib", "8", *flags)
 
 
 @pytest.fixture(scope="module")
@@ -85,16 +93,38 @@ def test_offloaded_generation_equals_the_local_model(
 def test_rows_may_bring_different_numbers_of_tokens_in_later_forwards_too(
     model: Any, prompts: list[list[int]], local: Generation, client: ChunkAttnClient
 ) -> None:
-    """A forward where one row brings 3 tokens, one none and one a single token equals the local model."""
+    """A forward where one row brings 9 tokens, one none and one a single token equals the local model.
+    9 tokens at once: the model assumes positions 0..8 for the NoPE layer's temperature tuning, which
+    changes from position 7 on (floor_scale 8), so the session's correction is exercised both ways."""
     assert local.logits is not None
     with OffloadSession(client, model, transport="unary") as session:
         session.forward(prompts)
-        chosen = [row[:3] for row in local.tokens]
-        logits = session.forward([chosen[0], [], chosen[2][:1]])
-    assert [x.shape[0] for x in logits] == [3, 0, 1]
-    assert torch.allclose(logits[0][0], local.logits[0][1], atol=1e-4)  # the logits that chose token 2
-    assert torch.allclose(logits[0][1], local.logits[0][2], atol=1e-4)
+        logits = session.forward([local.tokens[0][:9], [], local.tokens[2][:1]])
+    assert [tuple(x.shape) for x in logits] == [(9, 512), (0, 512), (1, 512)]
+    for j in range(8):  # the logits after token j chose token j + 1
+        assert torch.allclose(logits[0][j], local.logits[0][j + 1], atol=1e-4), j
     assert torch.allclose(logits[2][0], local.logits[2][1], atol=1e-4)
+
+
+def test_a_prefill_larger_than_a_message_goes_in_several_calls(
+    model: Any, prompts: list[list[int]], local: Generation, server: ServerProcess
+) -> None:
+    """With 30 tokens' worth of q/k/v per message, the 60-token prefill takes 2 calls per layer."""
+    per_token = (8 + 2 + 2) * 32 * 4
+    with ChunkAttnClient(server.target, max_message_bytes=MESSAGE_HEADROOM + 30 * per_token) as small:
+        with OffloadSession(small, model, transport="stream") as session:
+            result = session.generate(prompts, NEW, keep_logits=True)
+        assert small.info().active_sequences == 0
+    assert result.calls == LAYERS * 2 + LAYERS * (NEW - 1)
+    assert result.tokens == local.tokens
+    assert max_logit_difference(result, local) <= 1e-4
+
+
+def test_generate_starts_from_a_fresh_session(model: Any, prompts: list[list[int]], client: ChunkAttnClient) -> None:
+    with OffloadSession(client, model) as session:
+        session.forward(prompts)
+        with pytest.raises(SessionError, match="open a new session"):
+            session.generate(prompts, 2)
 
 
 def test_a_server_of_another_shape_is_refused_naming_the_first_difference(model: Any, tmp_path: Path) -> None:
@@ -104,7 +134,24 @@ def test_a_server_of_another_shape_is_refused_naming_the_first_difference(model:
         with pytest.raises(HFConfigError, match=r"layer 0's chunk size: the model has 16, the server 32"):
             OffloadSession(c, model)
         assert c.info().active_sequences == 0
-    assert model.config._attn_implementation != NAME
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.bfloat16, 2**-6), (torch.float16, 2**-9)])
+def test_half_precision_models_offload_to_a_server_of_their_dtype(
+    prompts: list[list[int]], tmp_path: Path, dtype: torch.dtype, tolerance: float
+) -> None:
+    """Logits within two half-precision steps at the logits' scale (~1.3), the same greedy tokens; and a
+    float32 model is refused by such a server, naming the flag."""
+    model: Any = build_model(seed=0).to(dtype)  # type: ignore[arg-type]  # (transformers types .to oddly)
+    local = generate_locally(model, prompts, NEW, keep_logits=True)
+    name = str(dtype).removeprefix("torch.")
+    with _server_for(model.config, tmp_path, "--dtype", name) as s, ChunkAttnClient(s.target) as c:
+        with OffloadSession(c, model, transport="stream") as session:
+            result = session.generate(prompts, NEW, keep_logits=True)
+        assert result.tokens == local.tokens
+        assert max_logit_difference(result, local) <= tolerance
+        with pytest.raises(HFConfigError, match=f"in float32 and the server's cache and attention in {name}"):
+            OffloadSession(c, build_model(seed=0))
 
 
 def test_an_error_inside_the_session_still_releases_its_sequences(
@@ -151,12 +198,13 @@ def test_the_model_called_directly_is_refused(model: Any, prompts: list[list[int
         pytest.raises(SessionError, match=r"outside OffloadSession\.forward"),
     ):
         session.model(input_ids=ids, use_cache=False)
+    previous = model.config._attn_implementation
     model.set_attn_implementation(NAME)
     try:
         with pytest.raises(SessionError, match="outside an OffloadSession"):
             model(input_ids=ids, use_cache=False)
     finally:
-        model.set_attn_implementation("sdpa")
+        model.set_attn_implementation(previous)
 
 
 def _run(*argv: str) -> subprocess.CompletedProcess[str]:
@@ -180,8 +228,11 @@ def test_the_benchmark_smoke_run_writes_its_json(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     result = _run("benchmarks/hf_offload.py", "--smoke", "--json", str(out))
     assert result.returncode == 0, result.stdout + result.stderr
-    (batch,) = json.loads(out.read_text())["batches"]
-    assert set(batch["decode_tokens_per_s"]) == {"local", "unary", "stream"}
-    assert all(v > 0 for v in batch["decode_tokens_per_s"].values())
-    assert set(batch["ratio_to_local"]) == {"unary", "stream"}
-    assert batch["max_abs_logit_diff"] <= 1e-4
+    one, two = json.loads(out.read_text())["batches"]
+    assert set(one["decode_tokens_per_s"]) == {"local", "unary", "stream"}
+    assert set(two["decode_tokens_per_s"]) == {"local", "local_batched", "unary", "stream"}
+    for batch, baseline in ((one, "local"), (two, "local_batched")):  # one row: nothing to batch
+        assert all(v > 0 for v in batch["decode_tokens_per_s"].values())
+        assert batch["baseline"] == baseline
+        assert set(batch["ratio"]) == {"unary", "stream"}
+        assert batch["max_abs_logit_diff"] <= 1e-4

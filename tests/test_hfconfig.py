@@ -35,6 +35,42 @@ def test_a_multimodal_config_is_read_through_its_text_config(tmp_path: Path) -> 
     assert load(path) == AttentionLayout(40, 8, 128, (8192, 8192, 8192, 0))
 
 
+# Llama 4 Scout's text_config as its config.json has it (the attention fields; no layer_types, an empty
+# no_rope_layers, which transformers fills in from no_rope_layer_interval's default of 4).
+SCOUT_TEXT: dict[str, Any] = {
+    "model_type": "llama4_text",
+    "attention_chunk_size": 8192,
+    "head_dim": 128,
+    "hidden_size": 5120,
+    "num_attention_heads": 40,
+    "num_hidden_layers": 48,
+    "num_key_value_heads": 8,
+    "no_rope_layers": [],
+    "intermediate_size": 8192,
+    "intermediate_size_mlp": 16384,
+    "vocab_size": 202048,
+}
+
+
+def test_llama_4_scouts_config_reads_as_transformers_reads_it() -> None:
+    from transformers import Llama4TextConfig
+
+    ours = layout({"model_type": "llama4", "text_config": SCOUT_TEXT})
+    assert ours.chunk_sizes == tuple(0 if (i + 1) % 4 == 0 else 8192 for i in range(48))
+    assert (ours.num_heads, ours.num_kv_heads, ours.head_size) == (40, 8, 128)
+    theirs = Llama4TextConfig(**{k: v for k, v in SCOUT_TEXT.items() if k != "model_type"})
+    assert layout(theirs.to_dict()) == ours  # what transformers builds from the same file
+    without = {k: v for k, v in SCOUT_TEXT.items() if k not in ("head_dim", "attention_chunk_size")}
+    assert layout(without) == ours  # Llama 4's defaults fill what the file leaves out
+
+
+def test_sliding_window_models_are_refused_unless_it_is_switched_off() -> None:
+    mistral = {"num_hidden_layers": 2, "num_attention_heads": 8, "hidden_size": 512, "sliding_window": 4096}
+    with pytest.raises(HFConfigError, match="sliding-window attention"):
+        layout(mistral)
+    assert layout({**mistral, "use_sliding_window": False}).chunk_sizes == (0, 0)  # as Qwen 2's configs say
+
+
 def test_older_llama_4_configs_give_the_layer_kinds_through_no_rope_layers() -> None:
     config = {**TEXT, "layer_types": None, "no_rope_layers": [1, 1, 1, 0]}
     assert layout(config).chunk_sizes == (8192, 8192, 8192, 0)

@@ -37,5 +37,4 @@ def test_transport_benchmark_smoke_run_writes_the_documented_json(tmp_path: Path
     assert kv["ours_mbps"] > 0
     assert kv["echo_mbps"] > 0
     assert set(kv["cpu_ms"]["ours"]) == {"source", "target", "client"}  # /proc exists where CI runs
-    assert kv["cpu_ms"]["ours"]["source"] > 0
-    assert kv["cpu_ms"]["ours"]["target"] > 0
+    assert all(ms >= 0 for ms in kv["cpu_ms"]["ours"].values())  # /proc counts 10 ms ticks: a smoke run may read 0

@@ -89,3 +89,10 @@ def test_kv_blocks_encode_as_protobuf_does_and_decode_as_views() -> None:
     assert wire.decode_kv_chunk(b"")[0] == ""
     with pytest.raises(wire.WireError):
         wire.decode_kv_chunk(data[:-5])
+
+
+def test_kv_blocks_of_the_older_crc32_format_are_refused_by_name() -> None:
+    block = b"\x08\x00\x10\x00\x1d\x00\x00\x00\x00\x22\x01k\x2a\x01v"  # field 3: a fixed32 CRC-32
+    blocks = b"\x0a" + bytes([len(block)]) + block
+    with pytest.raises(wire.WireError, match="older format"):
+        wire.decode_kv_chunk(b"\x12" + bytes([len(blocks)]) + blocks)

@@ -40,6 +40,8 @@ from chunkattn_client.batch import BatchEntry
 from chunkattn_client.client import AttendStream, ChunkAttnClient, ServerInfo
 
 NAME = "chunkattn"
+UNSUPPORTED = ("sliding_window", "softcap", "s_aux")  # attention variants some models pass; none served here
+MESSAGE_HEADROOM = 64 << 10  # an Attend request's bytes beyond q, k and v: entries and framing
 Transport = Literal["unary", "stream"]
 
 _active: contextvars.ContextVar[OffloadSession | None] = contextvars.ContextVar("chunkattn_hf_session", default=None)
@@ -85,6 +87,9 @@ def _attention(
     session = _active.get()
     if session is None:
         raise SessionError(f"attention {NAME!r} ran outside an OffloadSession; open one around the model's calls")
+    for name in UNSUPPORTED:
+        if kwargs.get(name) is not None:
+            raise SessionError(f"the model asks for attention with {name}={kwargs[name]!r}; chunkattn does not have it")
     return session.attend_layer(module, query, key, value, scaling), None
 
 
@@ -150,9 +155,11 @@ class OffloadSession:
                     self.client.release(ids, missing_ok=True)
         finally:
             if self._token is not None:
-                _active.reset(self._token)
-                self._token = None
-                self.model.set_attn_implementation(self._previous)
+                token, self._token = self._token, None
+                try:
+                    self.model.set_attn_implementation(self._previous)
+                finally:
+                    _active.reset(token)
 
     @property
     def seq_ids(self) -> list[str]:
@@ -161,11 +168,12 @@ class OffloadSession:
 
     # -- running the model -----------------------------------------------------------------------------
 
-    def forward(self, tokens: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    def forward(self, tokens: Sequence[Sequence[int]], *, last_only: bool = False) -> list[torch.Tensor]:
         """Run the model on each row's new tokens and append them to the row's sequence on the server.
 
         tokens: one list of token ids per row (the first call fixes the rows; a row may bring none).
-        Returns each row's logits, float32 [its new tokens, vocab].
+        Returns each row's logits, float32 [its new tokens, vocab], or [1, vocab] for its last token with
+        ``last_only`` (the full-vocabulary logits of a long prompt are large).
         """
         if self._token is None:
             raise SessionError("the session is not open; use it as a context manager")
@@ -175,37 +183,56 @@ class OffloadSession:
             self._lengths = [[0] * self.info_layers for _ in tokens]
         elif len(tokens) != len(self._ids):
             raise ValueError(f"this session's batch has {len(self._ids)} rows; got {len(tokens)}")
-        for r, held in enumerate(self._lengths):
-            if len(set(held)) != 1:
-                raise SessionError(
-                    f"row {r}'s layers hold {held} tokens on the server: a forward failed part-way;"
-                    " close this session and start again in a new one"
-                )
+        self._check_in_step()
         width = max(lengths, default=0)
+        vocab = int(getattr(self.model.config.get_text_config(), "vocab_size", 0))
         if width == 0:
-            return [torch.empty(0) for _ in lengths]
-        ids = torch.zeros((len(tokens), width), dtype=torch.long)
+            return [torch.empty((0, vocab)) for _ in lengths]
+        device = self.model.device
+        ids = torch.zeros((len(tokens), width), dtype=torch.long, device=device)
         for r, row in enumerate(tokens):
-            ids[r, : len(row)] = torch.as_tensor(list(row), dtype=torch.long)
-        start = torch.tensor([held[0] for held in self._lengths]).unsqueeze(1)
+            ids[r, : len(row)] = torch.as_tensor(list(row), dtype=torch.long, device=device)
+        start = torch.tensor([held[0] for held in self._lengths], device=device).unsqueeze(1)
+        extra: dict[str, Any] = {}
+        if last_only:  # per row, the position of its last token (rows differ in length)
+            extra["logits_to_keep"] = torch.tensor([[max(n - 1, 0)] for n in lengths], device=device)
+        before = [held[0] for held in self._lengths]
         self._step = lengths
         try:
             with torch.no_grad():
-                out = self.model(input_ids=ids, position_ids=start + torch.arange(width), use_cache=False)
+                out = self.model(
+                    input_ids=ids, position_ids=start + torch.arange(width, device=device), use_cache=False, **extra
+                )
         finally:
             self._step = None
+        for r, n in enumerate(lengths):
+            if any(x != before[r] + n for x in self._lengths[r]):
+                raise SessionError(
+                    f"row {r}: not every layer's attention went through this session (layers hold"
+                    f" {self._lengths[r]} tokens, expected {before[r] + n}); is another session or attention"
+                    " implementation using this model? Close this session"
+                )
+        if last_only:
+            return [out.logits[r, :1].float() if n else torch.empty((0, vocab)) for r, n in enumerate(lengths)]
         return [out.logits[r, :n].float() for r, n in enumerate(lengths)]
 
     def generate(
         self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, keep_logits: bool = False
     ) -> Generation:
-        """Greedy generation of ``max_new_tokens`` tokens for each prompt (one row each)."""
-        if any(len(p) == 0 for p in prompts) or max_new_tokens < 1:
-            raise ValueError("every prompt needs a token, and max_new_tokens must be >= 1")
+        """Greedy generation of ``max_new_tokens`` tokens for each prompt (one row each), from a fresh
+        session. The last chosen token is not run through the model; to go on, ``forward`` it."""
+        if self._ids:
+            raise SessionError("generate starts new sequences and this session has some; open a new session")
+        if not prompts or any(len(p) == 0 for p in prompts) or max_new_tokens < 1:
+            raise ValueError("give at least one prompt, every prompt a token, and max_new_tokens >= 1")
         started, calls = time.perf_counter(), self.calls
-        last = [x[-1] for x in self.forward(prompts)]
+        last = [x[-1] for x in self.forward(prompts, last_only=True)]
         decode_started = time.perf_counter()
-        result = _greedy(last, max_new_tokens, lambda chosen: [x[-1] for x in self.forward([[t] for t in chosen])])
+
+        def step(chosen: list[int]) -> list[torch.Tensor]:
+            return [x[-1] for x in self.forward([[t] for t in chosen], last_only=True)]
+
+        result = _greedy(last, max_new_tokens, step)
         end = time.perf_counter()
         return Generation(
             tokens=result[0],
@@ -228,44 +255,77 @@ class OffloadSession:
         value: torch.Tensor,
         scaling: float | None,
     ) -> torch.Tensor:
-        """One layer's attention on the server: query [B, H, T, D], key/value [B, Hkv, T, D] -> [B, T, H, D]."""
+        """One layer's attention on the server: query [B, H, T, D], key/value [B, Hkv, T, D] -> [B, T, H, D].
+
+        Rows' tokens go in as few Attend calls as the server's message limit allows (one, unless a prefill
+        is too large), each row's pieces in order."""
         lengths = self._step
         if lengths is None:
             raise SessionError("the model ran outside OffloadSession.forward / generate, which track positions")
         layer = int(getattr(module, "layer_idx", -1))
-        batch, _, width, _ = query.shape
+        batch, heads, width, dim = query.shape
+        if not 0 <= layer < self.info_layers:
+            raise SessionError(f"attention came from layer {layer}; the server has layers 0..{self.info_layers - 1}")
         if key.shape[2] != width:
             raise SessionError(
                 f"layer {layer} got {key.shape[2]} keys for {width} queries: run the model with use_cache=False"
                 " (the server holds the KV)"
             )
-        if batch != len(lengths) or not 0 <= layer < self.info_layers:
+        if batch != len(lengths):
             raise SessionError(f"layer {layer} got a batch of {batch} rows; the forward has {len(lengths)}")
         served = self.info.layers[layer].scale
         if scaling is not None and abs(scaling - served) > 1e-6 * served:
             raise SessionError(f"layer {layer}'s softmax scale is {scaling}; the server uses {served}")
         query = _temperature_corrected(module, query, [held[layer] for held in self._lengths])
-        rows = [r for r, n in enumerate(lengths) if n]
-        entries = [BatchEntry(self._ids[r], self._lengths[r][layer], lengths[r]) for r in rows]
+        per_token = (heads + 2 * key.shape[1]) * dim * query.element_size()
+        limit = min(self.info.max_message_bytes, self.client.max_message_bytes) - MESSAGE_HEADROOM
+        result = query.new_zeros((batch, width, heads, dim))
+        for pieces in _calls(lengths, max(1, limit // per_token)):
+            entries = [BatchEntry(self._ids[r], self._lengths[r][layer], n) for r, _, n in pieces]
 
-        def packed(t: torch.Tensor) -> torch.Tensor:  # [B, heads, T, D] -> [sum n, heads, D]
-            return torch.cat([t[r, :, : lengths[r]].transpose(0, 1) for r in rows]).contiguous()
+            def packed(t: torch.Tensor, pieces: list[tuple[int, int, int]] = pieces) -> torch.Tensor:
+                return torch.cat([t[r, :, at : at + n].transpose(0, 1) for r, at, n in pieces]).contiguous()
 
-        q, k, v = packed(query), packed(key), packed(value)
-        if self._stream is not None:
-            out = self._stream.attend(layer, entries, q, k, v)
-        else:
-            out = self.client.attend(layer, entries, q, k, v)
-        self.calls += 1
-        for r in rows:
-            self._lengths[r][layer] += lengths[r]
-        result = query.new_zeros((batch, width, query.shape[1], query.shape[3]))
-        answer = _to_torch(out, query.dtype)
-        offset = 0
-        for r in rows:
-            result[r, : lengths[r]] = answer[offset : offset + lengths[r]]
-            offset += lengths[r]
+            q, k, v = packed(query), packed(key), packed(value)
+            if self._stream is not None:
+                out = self._stream.attend(layer, entries, q, k, v)
+            else:
+                out = self.client.attend(layer, entries, q, k, v)
+            self.calls += 1
+            answer = _to_torch(out, query.dtype).to(query.device)
+            offset = 0
+            for r, at, n in pieces:
+                self._lengths[r][layer] += n
+                result[r, at : at + n] = answer[offset : offset + n]
+                offset += n
         return result
+
+    def _check_in_step(self) -> None:
+        for r, held in enumerate(self._lengths):
+            if len(set(held)) != 1:
+                raise SessionError(
+                    f"row {r}'s layers hold {held} tokens on the server: a forward failed part-way;"
+                    " close this session and start again in a new one"
+                )
+
+
+def _calls(lengths: list[int], budget: int) -> list[list[tuple[int, int, int]]]:
+    """Rows' tokens cut into calls of at most ``budget`` tokens: per call, (row, first token, count)."""
+    calls: list[list[tuple[int, int, int]]] = []
+    current: list[tuple[int, int, int]] = []
+    used = 0
+    for r, total in enumerate(lengths):
+        done = 0
+        while done < total:
+            n = min(total - done, budget - used)
+            current.append((r, done, n))
+            used, done = used + n, done + n
+            if used == budget:
+                calls.append(current)
+                current, used = [], 0
+    if current:
+        calls.append(current)
+    return calls
 
 
 def generate_locally(
@@ -300,12 +360,14 @@ class _LocalRow:
 
     def __init__(self, model: PreTrainedModel, prompt: Sequence[int]) -> None:
         self.model = model
-        out = model(input_ids=torch.tensor([list(prompt)]), use_cache=True)
+        out = model(input_ids=torch.tensor([list(prompt)], device=model.device), use_cache=True, logits_to_keep=1)
         self.cache = out.past_key_values
         self.last = [out.logits[0, -1].float()]
 
     def step(self, chosen: list[int]) -> list[torch.Tensor]:
-        out = self.model(input_ids=torch.tensor([chosen]), past_key_values=self.cache, use_cache=True)
+        out = self.model(
+            input_ids=torch.tensor([chosen], device=self.model.device), past_key_values=self.cache, use_cache=True
+        )
         self.cache = out.past_key_values
         return [out.logits[0, -1].float()]
 
@@ -327,7 +389,7 @@ def _greedy(
 
 
 def _check_server(info: ServerInfo, model: PreTrainedModel) -> None:
-    """HFConfigError unless the server serves exactly this model's attention, in a dtype it accepts."""
+    """HFConfigError unless the server serves exactly this model's attention, in the model's dtype."""
     expected = hfconfig.layout(model.config.to_dict())
     served = hfconfig.AttentionLayout(
         info.num_heads, info.num_kv_heads, info.head_size, tuple(x.chunk_size for x in info.layers)
@@ -335,13 +397,16 @@ def _check_server(info: ServerInfo, model: PreTrainedModel) -> None:
     problem = hfconfig.first_difference(expected, served)
     if problem is None and any(x.kv_source is not None or x.alibi for x in info.layers):
         problem = "the server's layers share KV or add ALiBi, which this model's config does not"
-    dtype = str(model.dtype).removeprefix("torch.")
-    if problem is None and dtype not in info.dtypes:
-        problem = f"the model computes in {dtype}; the server accepts {', '.join(info.dtypes)}"
     if problem is not None:
         raise hfconfig.HFConfigError(
             f"the server does not serve this model's attention: {problem}."
             " Start it with: chunkattn-server --hf-config <the model's config.json>"
+        )
+    dtype = str(model.dtype).removeprefix("torch.")
+    if dtype != info.cache_dtype:
+        raise hfconfig.HFConfigError(
+            f"the model computes in {dtype} and the server's cache and attention in {info.cache_dtype}:"
+            f" start the server with --dtype {dtype}"
         )
 
 
@@ -355,9 +420,9 @@ def _temperature_corrected(module: torch.nn.Module, query: torch.Tensor, starts:
     def scales(positions: torch.Tensor) -> torch.Tensor:  # as modeling_llama4 computes them, in float32
         return torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
 
-    width = query.shape[2]
-    assumed = scales(torch.arange(width))
-    true = scales(torch.tensor(starts).unsqueeze(1) + torch.arange(width))  # [B, T]
+    width, device = query.shape[2], query.device
+    assumed = scales(torch.arange(width, device=device))
+    true = scales(torch.tensor(starts, device=device).unsqueeze(1) + torch.arange(width, device=device))  # [B, T]
     if torch.equal(true, assumed.expand_as(true)):
         return query
     return (query * (true / assumed)[:, None, :, None]).to(query.dtype)

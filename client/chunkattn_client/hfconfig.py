@@ -8,7 +8,13 @@ What is read (from the config itself or its ``text_config``, as in Llama 4's mul
 ``num_hidden_layers``, ``num_attention_heads``, ``num_key_value_heads`` (default: the heads),
 ``head_dim`` (default ``hidden_size // num_attention_heads``), and each layer's kind: ``layer_types``
 ("chunked_attention" gets ``attention_chunk_size``, "full_attention" is global), else Llama 4's
-``no_rope_layers`` (1: a RoPE layer, chunked; 0: NoPE, global), else every layer global.
+``no_rope_layers`` (1: a RoPE layer, chunked; 0: NoPE, global), else every layer global. Llama 4 configs
+("llama4", "llama4_text") get transformers' defaults for what they leave out: head_dim 128,
+attention_chunk_size 8192, and an empty ``no_rope_layers`` means a NoPE layer every
+``no_rope_layer_interval`` (4) layers, as Llama 4 Scout's own config.json relies on.
+
+Sliding-window attention is refused ("sliding_attention" layers, or a ``sliding_window`` that is not
+switched off by ``use_sliding_window: false``): chunkattn would silently serve it as global attention.
 """
 
 from __future__ import annotations
@@ -51,10 +57,22 @@ def load(path: str | Path) -> AttentionLayout:
     return layout(data)
 
 
+LLAMA4_TYPES = ("llama4", "llama4_text")
+LLAMA4_DEFAULTS: dict[str, Any] = {"head_dim": 128, "attention_chunk_size": 8192, "no_rope_layer_interval": 4}
+
+
 def layout(config: Mapping[str, Any]) -> AttentionLayout:
     """The layout of a config as a dict (a config.json, or ``PretrainedConfig.to_dict()``)."""
     text = config.get("text_config")
     c: Mapping[str, Any] = text if isinstance(text, Mapping) else config
+    if c.get("model_type", config.get("model_type")) in LLAMA4_TYPES:
+        c = {**LLAMA4_DEFAULTS, **c}  # what transformers assumes where the file says nothing
+    window = c.get("sliding_window")
+    if window is not None and c.get("use_sliding_window", True) is not False:
+        raise HFConfigError(
+            f"the config has sliding-window attention (sliding_window {window!r}); chunkattn serves chunked-local"
+            " and global layers only"
+        )
     layers = _positive(c, "num_hidden_layers")
     heads = _positive(c, "num_attention_heads")
     kv_heads = _positive(c, "num_key_value_heads") if c.get("num_key_value_heads") is not None else heads
@@ -92,6 +110,11 @@ def _layer_kinds(c: Mapping[str, Any], layers: int) -> list[str]:
     rope = c.get("no_rope_layers")
     if rope:  # Llama 4 before layer_types: 1 = RoPE (chunked), 0 = NoPE (global)
         return [CHUNKED if flag else FULL for flag in _list(rope, "no_rope_layers", layers)]
+    interval = c.get("no_rope_layer_interval")
+    if interval is not None:  # Llama 4 with no_rope_layers empty: transformers builds it from the interval
+        if not isinstance(interval, int) or isinstance(interval, bool) or interval <= 0:
+            raise HFConfigError(f"no_rope_layer_interval must be a positive integer, got {interval!r}")
+        return [CHUNKED if (i + 1) % interval else FULL for i in range(layers)]
     return [FULL] * layers
 
 

@@ -122,6 +122,11 @@ def _kv_record(body: memoryview) -> KVRecord:
             logical = _read_varint(body, value_at)[0]
         elif f == 6 and kind == 1:
             checksum = int.from_bytes(body[value_at : value_at + 8], "little")
+        elif f == 3:
+            raise WireError(
+                "a KV block in the older format (a CRC-32 in field 3) where XXH3-64 checksums (field 6) are read:"
+                " export it again with this version"
+            )
         elif f in (4, 5) and kind == 2:
             if f == 4:
                 k = _payload(body, s, e)

@@ -180,40 +180,46 @@ class KVService:
                 e.abort_import(holder[0])  # nothing to do after a commit
 
         records = nbytes = 0
-        writing: asyncio.Future[None] | None = None  # the previous message's write, while this one arrives
+        # The previous message's write (its job, blocks, bytes), running while the next message arrives.
+        writing: tuple[asyncio.Future[None], int, int] | None = None
+
+        async def written() -> None:
+            """Wait for the previous message's write (raising what it raised) and count it."""
+            nonlocal writing, records, nbytes
+            if writing is not None:
+                (job, count, size), writing = writing, None
+                await job
+                records += count
+                nbytes += size
+                self._metrics.kv_transfer_blocks.labels("in").inc(count)
+                self._metrics.kv_transfer_bytes.labels("in").inc(size)
+
         try:
             session: ImportSession = await self._run("ImportKV", begin)
             trailer = False
             async for data in it:
+                await written()  # a damaged block is reported before anything about the next message
                 part, body = kvwire.decode(data)
                 if trailer or part not in ("blocks", "trailer"):
                     raise IncompatibleKV(f"unexpected {part or 'empty'} message in the KV stream after its header")
-                if writing is not None:
-                    await writing
-                    writing = None
                 if part == "trailer":
                     trailer = True
                     continue
                 assert isinstance(body, list)
-                writing = asyncio.ensure_future(self._run("ImportKV", _importer(session, body)))
-                size = sum(len(r.k) + len(r.v) for r in body)
-                records += len(body)
-                nbytes += size
-                self._metrics.kv_transfer_blocks.labels("in").inc(len(body))
-                self._metrics.kv_transfer_bytes.labels("in").inc(size)
-            if writing is not None:
-                await writing
-                writing = None
+                job = asyncio.ensure_future(self._run("ImportKV", _importer(session, body)))
+                writing = (job, len(body), sum(len(r.k) + len(r.v) for r in body))
+            await written()
             if not trailer:
                 raise DataLoss(f"the KV stream ended before its trailer, after {records} blocks: it was cut short")
             blocks, stats = await self._run("ImportKV", lambda e: (e.commit_import(session), e.stats()))
             self._observe_pool(stats)
         finally:
-            if writing is not None:  # the stream failed while a write ran: its outcome no longer matters
-                writing.cancel()
-                await asyncio.gather(writing, return_exceptions=True)
-            # Queued behind the begin job (one worker, in order) and shielded: a cancelled RPC still returns
-            # every reserved block, even when it was cancelled while the begin job ran.
+            if writing is not None:  # the stream failed while a write was queued or running: drop it
+                dropped = writing[0]
+                dropped.cancel()
+                dropped.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: nothing to log
+            # Queued behind the begin job and any running write (one worker, in order) and shielded: a
+            # cancelled RPC still returns every reserved block, even when cancelled while the begin job ran.
             await asyncio.shield(self._run("ImportKV", abort))
         return pb.ImportKVResponse(seq_id=manifest.seq_id, blocks=blocks, records=records, bytes=nbytes)
 
