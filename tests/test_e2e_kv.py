@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -113,6 +116,31 @@ def _refused(target: ServerProcess, chunks: list[pb.KVChunk], code: grpc.StatusC
     assert e.value.code == code, e.value
     assert text in e.value.message
     assert pool(target) == before  # nothing allocated, nothing created
+
+
+def test_an_import_that_stalls_after_its_header_is_abandoned_and_returns_its_blocks(
+    exported: list[pb.KVChunk],
+) -> None:
+    with ServerProcess(*SMALL, "--kv-import-stall-s", "1") as target:
+        before = pool(target)
+        resume = threading.Event()
+
+        def header_then_silence() -> Iterator[pb.KVChunk]:
+            yield exported[0]
+            resume.wait(30)
+
+        with client(target) as c, concurrent.futures.ThreadPoolExecutor(1) as pool_thread:
+            call = pool_thread.submit(c.import_kv, header_then_silence())
+            deadline = time.monotonic() + 10
+            while pool(target)[0] == before[0]:  # the header reserved the blocks...
+                assert time.monotonic() < deadline, "the import never reserved its blocks"
+                time.sleep(0.05)
+            with pytest.raises(ChunkAttnError) as e:
+                call.result(timeout=30)
+            resume.set()
+        assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, e.value
+        assert "sent nothing for 1 s (messages so far: 1)" in e.value.message
+        assert pool(target) == before  # ...and the stall returned them
 
 
 def test_a_damaged_block_is_data_loss(b: ServerProcess, exported: list[pb.KVChunk]) -> None:

@@ -49,6 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-concurrent-rpcs", type=int, default=64, help="beyond this, RESOURCE_EXHAUSTED (default 64)")
     g.add_argument("--idle-timeout-s", type=float, default=600.0, help="release sequences idle this long (0: never)")
     g.add_argument("--grace-s", type=float, default=10.0, help="on SIGTERM, time for calls in flight (default 10)")
+    g.add_argument(
+        "--kv-import-stall-s",
+        type=float,
+        default=60.0,
+        help="abandon a KV import that sends nothing this long, returning its blocks (default 60; 0: never)",
+    )
     m = p.add_argument_group("model (the attention shape; must match the client's model)")
     m.add_argument("--preset", choices=sorted(PRESETS), default="demo", help="start from a known shape (default demo)")
     m.add_argument(
@@ -160,7 +166,7 @@ def cache_config(args: argparse.Namespace) -> CacheConfig:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    for flag in ("idle_timeout_s", "grace_s", "max_concurrent_rpcs", "max_message_mib"):
+    for flag in ("idle_timeout_s", "grace_s", "max_concurrent_rpcs", "max_message_mib", "kv_import_stall_s"):
         if getattr(args, flag) < 0:
             build_parser().error(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -172,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         max_concurrent_rpcs=args.max_concurrent_rpcs,
         idle_timeout_s=args.idle_timeout_s,
         grace_s=args.grace_s,
+        kv_import_stall_s=args.kv_import_stall_s,
     )
     try:
         asyncio.run(serve(engine_config(args), server))

@@ -58,6 +58,10 @@ class PositionMismatch(EngineError):
     """The position disagrees with the sequence's state in that layer."""
 
 
+class StreamStalled(EngineError):
+    """A client stream (a KV import) sent nothing for longer than the server waits; what it held was returned."""
+
+
 class OutOfBlocks(EngineError):
     """The KV pool has too few free blocks for the call. A normal condition: retry later or release."""
 
@@ -88,6 +92,7 @@ _STATUS: dict[type[BaseException], grpc.StatusCode] = {
     SequenceChanged: grpc.StatusCode.ABORTED,
     PositionMismatch: grpc.StatusCode.FAILED_PRECONDITION,
     OutOfBlocks: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    StreamStalled: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 
 

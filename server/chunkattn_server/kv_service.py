@@ -21,7 +21,7 @@ from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_client.client import channel_options
 from chunkattn_server import kvwire
 from chunkattn_server.engine import Engine, EngineStats, ImportSession
-from chunkattn_server.errors import DataLoss, IncompatibleKV, TargetError, status_code
+from chunkattn_server.errors import DataLoss, IncompatibleKV, StreamStalled, TargetError, status_code
 from chunkattn_server.kv.transfer import BlockRecord, KVManifest, batches, record_bytes
 from chunkattn_server.metrics import Metrics
 
@@ -31,6 +31,7 @@ Run = Callable[[str, Callable[[Engine], T]], Awaitable[T]]
 
 DEFAULT_KV_MESSAGE_BYTES = 4 << 20
 DEFAULT_TRANSFER_TIMEOUT_S = 600.0  # when the caller sets no deadline: a hung target must not pin us forever
+DEFAULT_IMPORT_STALL_S = 60.0  # an import that sends nothing this long is abandoned and its blocks returned
 IMPORT_KV = "/chunkattn.v1.ChunkAttn/ImportKV"
 
 
@@ -45,12 +46,14 @@ class KVService:
         metrics: Metrics,
         *,
         max_message_bytes: int,
+        import_stall_s: float = DEFAULT_IMPORT_STALL_S,
     ) -> None:
         self._run = run
         self._count = count
         self._observe_pool = observe_pool  # the KV-in-use and active-sequence gauges
         self._metrics = metrics
         self._max_message_bytes = max_message_bytes
+        self._import_stall_s = import_stall_s  # 0: wait for ever (the client's deadline still applies)
 
     def handlers(self) -> dict[str, grpc.RpcMethodHandler[Any, Any]]:
         def ser(m: Any) -> bytes:
@@ -163,7 +166,22 @@ class KVService:
 
     async def _import(self, chunks: AsyncIterator[bytes]) -> pb.ImportKVResponse:
         it = chunks.__aiter__()
-        first = await anext(it, None)
+        received = 0
+
+        async def receive() -> bytes | None:
+            """The stream's next message (None at its end); StreamStalled after too long a silence."""
+            nonlocal received
+            try:
+                data = await asyncio.wait_for(anext(it, None), self._import_stall_s or None)
+            except TimeoutError:
+                raise StreamStalled(
+                    f"the KV stream sent nothing for {self._import_stall_s:g} s (messages so far: {received}), so"
+                    " the import was abandoned and its blocks returned (chunkattn-server --kv-import-stall-s)"
+                ) from None
+            received += 1
+            return data
+
+        first = await receive()
         if first is None:
             raise DataLoss("the KV stream is empty; it must start with its header")
         part, manifest = kvwire.decode(first)
@@ -197,7 +215,7 @@ class KVService:
         try:
             session: ImportSession = await self._run("ImportKV", begin)
             trailer = False
-            async for data in it:
+            while (data := await receive()) is not None:
                 await written()  # a damaged block is reported before anything about the next message
                 part, body = kvwire.decode(data)
                 if trailer or part not in ("blocks", "trailer"):

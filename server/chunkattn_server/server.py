@@ -22,6 +22,7 @@ from prometheus_client import start_http_server
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_server.config import EngineConfig
 from chunkattn_server.engine import Engine
+from chunkattn_server.kv_service import DEFAULT_IMPORT_STALL_S
 from chunkattn_server.metrics import Metrics
 from chunkattn_server.service import ChunkAttnService
 from chunkattn_server.worker import EngineWorker
@@ -33,7 +34,8 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ChunkAttn"].full_name
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """Network and limits. metrics_port 0 disables /metrics; idle_timeout_s 0 disables eviction."""
+    """Network and limits. metrics_port 0 disables /metrics; idle_timeout_s 0 disables eviction;
+    kv_import_stall_s 0 lets a KV import wait for its next message for ever."""
 
     host: str = "127.0.0.1"
     port: int = 50051
@@ -42,6 +44,7 @@ class ServerConfig:
     max_concurrent_rpcs: int = 64
     idle_timeout_s: float = 600.0
     grace_s: float = 10.0
+    kv_import_stall_s: float = DEFAULT_IMPORT_STALL_S
 
 
 async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
@@ -58,7 +61,9 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
         ("grpc.max_receive_message_length", config.max_message_bytes),
     ]
     server = grpc.aio.server(options=options, maximum_concurrent_rpcs=config.max_concurrent_rpcs or None)
-    service = ChunkAttnService(worker, metrics, max_message_bytes=config.max_message_bytes)
+    service = ChunkAttnService(
+        worker, metrics, max_message_bytes=config.max_message_bytes, import_stall_s=config.kv_import_stall_s
+    )
     service.add_to_server(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -19,7 +19,7 @@ from chunkattn_client.batch import BatchEntry
 from chunkattn_server import __version__
 from chunkattn_server.engine import DTYPES, Engine, EngineStats
 from chunkattn_server.errors import InvalidArgument, InvalidTensor, status_code
-from chunkattn_server.kv_service import KVService
+from chunkattn_server.kv_service import DEFAULT_IMPORT_STALL_S, KVService
 from chunkattn_server.metrics import Metrics
 from chunkattn_server.worker import EngineWorker
 
@@ -67,12 +67,26 @@ class ChunkAttnService:
     registers with an identity serializer: protobuf's own serializer is slow on MiBs of tensor bytes.
     """
 
-    def __init__(self, worker: EngineWorker, metrics: Metrics, *, max_message_bytes: int) -> None:
+    def __init__(
+        self,
+        worker: EngineWorker,
+        metrics: Metrics,
+        *,
+        max_message_bytes: int,
+        import_stall_s: float = DEFAULT_IMPORT_STALL_S,
+    ) -> None:
         self._worker = worker
         self._metrics = metrics
         self._engine_info = _static_info(worker.engine, max_message_bytes)
         self._draining = False
-        self._kv = KVService(self._run, self._count, self._observe_pool, metrics, max_message_bytes=max_message_bytes)
+        self._kv = KVService(
+            self._run,
+            self._count,
+            self._observe_pool,
+            metrics,
+            max_message_bytes=max_message_bytes,
+            import_stall_s=import_stall_s,
+        )
         metrics.kv_blocks_total.set(worker.engine.stats().num_blocks)
 
     async def Info(self, request: pb.InfoRequest, context: Context) -> pb.InfoResponse:  # noqa: N802
