@@ -254,6 +254,29 @@ def test_stream_reports_an_error_on_its_response_and_stays_usable(client: ChunkA
     client.release(["st"])
 
 
+def test_a_stream_call_without_an_answer_times_out_and_cancels_the_stream() -> None:
+    """A stopped server (SIGSTOP) never answers: the call gives up after the client's timeout_s."""
+    q = np.zeros((1, H, D), np.float32)
+    kv = np.zeros((1, HKV, D), np.float32)
+    with ServerProcess(*SMALL) as stalled, ChunkAttnClient(stalled.target, timeout_s=1) as c:
+        stream = c.stream()
+        stream.attend(0, [BatchEntry("late", 0, 1)], q, kv, kv)  # answered
+        stalled.proc.send_signal(signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(ChunkAttnError) as err:
+                stream.attend(0, [BatchEntry("late", 1, 1)], q, kv, kv)
+            assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert "within 1 s" in err.value.message
+            assert time.monotonic() - started < 5
+            with pytest.raises(ChunkAttnError) as err:  # cancelled: later calls fail at once
+                stream.attend(0, [BatchEntry("late", 1, 1)], q, kv, kv)
+            assert err.value.code == grpc.StatusCode.CANCELLED
+            stream.close()  # returns: nothing left to wait for
+        finally:
+            stalled.proc.send_signal(signal.SIGCONT)
+
+
 def test_kv_pool_full_is_resource_exhausted_with_nothing_allocated() -> None:
     with (
         ServerProcess(*SMALL, "--num-blocks", "16", "--idle-timeout-s", "0") as small,

@@ -327,25 +327,42 @@ class ChunkAttnClient:
             return KVTransfer.from_pb(self._stub.TransferKV(request, timeout=self.timeout_s))
 
     def stream(self) -> AttendStream:
-        """A bidirectional stream for a long-lived model runner: one round trip per call, no new RPC."""
+        """A bidirectional stream for a long-lived model runner: one round trip per call, no new RPC.
+        Each call on it waits at most ``timeout_s`` for its answer; then the stream is cancelled."""
         return AttendStream(
             self._channel.stream_stream(
                 ATTEND_STREAM, request_serializer=wire.identity, response_deserializer=wire.identity
-            )
+            ),
+            timeout_s=self.timeout_s,
         )
 
 
 class AttendStream:
     """Calls over one AttendStream RPC, answered in order. Use as a context manager.
 
-    A failed call raises ChunkAttnError and the stream stays usable; a broken stream raises too.
+    A failed call raises ChunkAttnError and the stream stays usable; a broken stream raises too. A call
+    that gets no answer within ``timeout_s`` (None: wait for ever) raises DEADLINE_EXCEEDED and cancels the
+    stream: a late answer would otherwise be taken for the next call's.
     """
 
-    def __init__(self, method: grpc.StreamStreamMultiCallable[bytes, bytes]) -> None:
+    def __init__(self, method: grpc.StreamStreamMultiCallable[bytes, bytes], *, timeout_s: float | None = None) -> None:
         self._requests: queue.Queue[bytes | None] = queue.Queue()
-        self._responses: Iterator[bytes] = method(iter(self._requests.get, None))
+        self._call: Any = method(iter(self._requests.get, None))
+        # A reader thread hands answers over, so that a call can stop waiting (gRPC's iterator cannot).
+        self._answers: queue.Queue[bytes | grpc.RpcError | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, name="chunkattn-stream-reader", daemon=True)
+        self._reader.start()
+        self._timeout_s = timeout_s
         self._next_id = 0
         self._lock = threading.Lock()
+
+    def _read(self) -> None:
+        try:
+            for answer in self._call:
+                self._answers.put(answer)
+            self._answers.put(None)
+        except grpc.RpcError as e:
+            self._answers.put(e)
 
     def __enter__(self) -> AttendStream:
         return self
@@ -359,9 +376,14 @@ class AttendStream:
         """End the stream. Never raises: a stream that already failed has nothing left to close."""
         with self._lock:
             self._requests.put(None)
-            with contextlib.suppress(grpc.RpcError):
-                for _ in self._responses:  # drain so the RPC ends cleanly
-                    pass
+            self._reader.join(self._timeout_s)  # the server ends the RPC once the requests end
+            if self._reader.is_alive():
+                self._call.cancel()
+                self._reader.join()
+
+    def cancel(self) -> None:
+        """End the RPC at once, answered or not."""
+        self._call.cancel()
 
     def attend(
         self,
@@ -382,11 +404,20 @@ class AttendStream:
                 attend_request(layer, entries, q, k, v, end_of_sequence=end_of_sequence, dtype=dtype, request_id=rid)
             )
             try:
-                with rpc_errors():
-                    response = next(self._responses)
-            except StopIteration:
-                raise ChunkAttnError(grpc.StatusCode.UNAVAILABLE, "the stream ended") from None
-        return decode_attend_response(response, rid)
+                answer = self._answers.get(timeout=self._timeout_s)
+            except queue.Empty:
+                self._call.cancel()
+                raise ChunkAttnError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"no answer on the stream within {self._timeout_s:g} s; the stream was cancelled",
+                ) from None
+            if answer is None:
+                self._answers.put(None)  # and for every later call
+                raise ChunkAttnError(grpc.StatusCode.UNAVAILABLE, "the stream ended")
+            if isinstance(answer, grpc.RpcError):
+                self._answers.put(answer)
+                raise ChunkAttnError.from_rpc(answer)
+        return decode_attend_response(answer, rid)
 
 
 def decode_attend_response(raw: bytes, request_id: int | None = None) -> npt.NDArray[Any]:
