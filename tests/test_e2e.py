@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import signal
 import tempfile
@@ -275,6 +276,19 @@ def test_a_stream_call_without_an_answer_times_out_and_cancels_the_stream() -> N
             stream.close()  # returns: nothing left to wait for
         finally:
             stalled.proc.send_signal(signal.SIGCONT)
+
+
+def test_a_stream_dropped_without_close_is_cancelled(client: ChunkAttnClient) -> None:
+    """Its reader thread holds only the call, so the stream is collected, cancelled, and the thread ends."""
+    before = set(threading.enumerate())
+    stream = client.stream()
+    (reader,) = [t for t in set(threading.enumerate()) - before if t.name == "chunkattn-stream-reader"]
+    Runner(stream.attend, seed=5).step(0, [BatchEntry("dropped", 0, 3)])
+    del stream
+    gc.collect()
+    reader.join(10)
+    assert not reader.is_alive()
+    client.release(["dropped"])
 
 
 def test_kv_pool_full_is_resource_exhausted_with_nothing_allocated() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -340,29 +341,27 @@ class ChunkAttnClient:
 class AttendStream:
     """Calls over one AttendStream RPC, answered in order. Use as a context manager.
 
-    A failed call raises ChunkAttnError and the stream stays usable; a broken stream raises too. A call
-    that gets no answer within ``timeout_s`` (None: wait for ever) raises DEADLINE_EXCEEDED and cancels the
-    stream: a late answer would otherwise be taken for the next call's.
+    A failed call raises ChunkAttnError and the stream stays usable; a broken stream raises too, for
+    that call and every later one. A call that gets no answer within ``timeout_s`` (None: wait for ever)
+    raises DEADLINE_EXCEEDED and cancels the stream, and so does an interrupted call (its answer would
+    otherwise be taken for the next call's). A stream dropped without ``close()`` is cancelled.
     """
 
     def __init__(self, method: grpc.StreamStreamMultiCallable[bytes, bytes], *, timeout_s: float | None = None) -> None:
         self._requests: queue.Queue[bytes | None] = queue.Queue()
         self._call: Any = method(iter(self._requests.get, None))
-        # A reader thread hands answers over, so that a call can stop waiting (gRPC's iterator cannot).
-        self._answers: queue.Queue[bytes | grpc.RpcError | None] = queue.Queue()
-        self._reader = threading.Thread(target=self._read, name="chunkattn-stream-reader", daemon=True)
+        # A reader thread hands answers over, so that a call can stop waiting (gRPC's iterator cannot). It
+        # holds the call and the queue, not the stream, so that a dropped stream is collected and cancelled.
+        self._answers: queue.Queue[bytes | ChunkAttnError | None] = queue.Queue()
+        self._reader = threading.Thread(
+            target=_read_answers, args=(self._call, self._answers), name="chunkattn-stream-reader", daemon=True
+        )
         self._reader.start()
+        weakref.finalize(self, _end_stream, self._call, self._requests)
         self._timeout_s = timeout_s
+        self._broken: tuple[grpc.StatusCode, str] | None = None  # why every later call fails
         self._next_id = 0
         self._lock = threading.Lock()
-
-    def _read(self) -> None:
-        try:
-            for answer in self._call:
-                self._answers.put(answer)
-            self._answers.put(None)
-        except grpc.RpcError as e:
-            self._answers.put(e)
 
     def __enter__(self) -> AttendStream:
         return self
@@ -373,7 +372,8 @@ class AttendStream:
         self.close()
 
     def close(self) -> None:
-        """End the stream. Never raises: a stream that already failed has nothing left to close."""
+        """End the stream. Never raises: a stream that already failed has nothing left to close. With
+        ``timeout_s`` None and a server that never ends the RPC this waits; ``cancel()`` does not."""
         with self._lock:
             self._requests.put(None)
             self._reader.join(self._timeout_s)  # the server ends the RPC once the requests end
@@ -382,7 +382,7 @@ class AttendStream:
                 self._reader.join()
 
     def cancel(self) -> None:
-        """End the RPC at once, answered or not."""
+        """End the RPC at once, answered or not (takes no lock: works while a call waits)."""
         self._call.cancel()
 
     def attend(
@@ -398,6 +398,8 @@ class AttendStream:
     ) -> npt.NDArray[Any]:
         """As ``ChunkAttnClient.attend``, over the stream."""
         with self._lock:
+            if self._broken is not None:
+                raise ChunkAttnError(*self._broken)
             self._next_id += 1
             rid = self._next_id
             self._requests.put(
@@ -406,18 +408,43 @@ class AttendStream:
             try:
                 answer = self._answers.get(timeout=self._timeout_s)
             except queue.Empty:
-                self._call.cancel()
+                self._break(grpc.StatusCode.CANCELLED, f"an earlier call got no answer within {self._timeout_s:g} s")
                 raise ChunkAttnError(
                     grpc.StatusCode.DEADLINE_EXCEEDED,
                     f"no answer on the stream within {self._timeout_s:g} s; the stream was cancelled",
                 ) from None
+            except BaseException:  # e.g. KeyboardInterrupt: the answer may still come, for nobody
+                self._break(grpc.StatusCode.CANCELLED, "an earlier call on it was interrupted")
+                raise
             if answer is None:
-                self._answers.put(None)  # and for every later call
-                raise ChunkAttnError(grpc.StatusCode.UNAVAILABLE, "the stream ended")
-            if isinstance(answer, grpc.RpcError):
-                self._answers.put(answer)
-                raise ChunkAttnError.from_rpc(answer)
+                self._broken = (grpc.StatusCode.UNAVAILABLE, "the stream ended")
+                raise ChunkAttnError(*self._broken)
+            if isinstance(answer, ChunkAttnError):
+                self._broken = (answer.code, answer.message)
+                raise answer
         return decode_attend_response(answer, rid)
+
+    def _break(self, code: grpc.StatusCode, why: str) -> None:
+        self._broken = (code, f"the stream was cancelled: {why}")
+        self._call.cancel()
+
+
+def _read_answers(call: Any, answers: queue.Queue[bytes | ChunkAttnError | None]) -> None:
+    """The reader thread: every answer of ``call`` into ``answers``, then None, or the error that ended it."""
+    try:
+        for answer in call:
+            answers.put(answer)
+        answers.put(None)
+    except grpc.RpcError as e:
+        answers.put(ChunkAttnError.from_rpc(e))
+    except BaseException as e:  # never leave a waiting call without an answer
+        answers.put(ChunkAttnError(grpc.StatusCode.UNKNOWN, f"reading the stream failed: {e!r}"))
+
+
+def _end_stream(call: Any, requests: queue.Queue[bytes | None]) -> None:
+    """Finalizer of a dropped AttendStream: end the request iterator and cancel the RPC."""
+    requests.put(None)
+    call.cancel()
 
 
 def decode_attend_response(raw: bytes, request_id: int | None = None) -> npt.NDArray[Any]:

@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-import-stall-s",
         type=float,
         default=60.0,
-        help="abandon a KV import that sends nothing this long, returning its blocks (default 60; 0: never)",
+        help="abandon a KV import whose next message takes longer, returning its blocks (default 60; 0: never)",
     )
     m = p.add_argument_group("model (the attention shape; must match the client's model)")
     m.add_argument("--preset", choices=sorted(PRESETS), default="demo", help="start from a known shape (default demo)")
