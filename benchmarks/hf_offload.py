@@ -26,6 +26,7 @@ run's tokens, with logits within 1e-4, and stops with an error otherwise.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -45,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from chunkattn_client import ChunkAttnClient  # noqa: E402
-from chunkattn_client.hf import Generation, OffloadSession, Transport, generate_locally  # noqa: E402
+from chunkattn_client.hf import Generation, OffloadSession, Transport, generate_locally, greedy  # noqa: E402
 from examples.hf_offload import Server, build_model, max_logit_difference, prompts_of  # noqa: E402
 
 from timing import cpu_name  # noqa: E402  (benchmarks/timing.py)
@@ -65,7 +66,7 @@ def bench_batch(model: Any, client: ChunkAttnClient, rows: int, new_tokens: int,
             return session.generate(prompts, new_tokens, keep_logits=keep_logits)
 
     for transport in TRANSPORTS:
-        runs[transport] = lambda t=transport: offloaded(t)  # type: ignore[misc]
+        runs[transport] = functools.partial(offloaded, transport)
     reference = generate_locally(model, prompts, new_tokens, keep_logits=True)
     worst = 0.0
     for transport in TRANSPORTS:  # correctness first, untimed
@@ -97,38 +98,45 @@ def bench_batch(model: Any, client: ChunkAttnClient, rows: int, new_tokens: int,
     }
 
 
+class PaddedBatch:
+    """All rows in one batch run by transformers alone: left-padded, with an attention mask and its own KV
+    cache. ``last`` after the prefill, then ``step``, as ``chunkattn_client.hf.greedy`` drives them."""
+
+    def __init__(self, model: Any, prompts: list[list[int]]) -> None:
+        rows, width = len(prompts), max(len(p) for p in prompts)
+        ids = torch.zeros((rows, width), dtype=torch.long)
+        self.mask = torch.zeros((rows, width), dtype=torch.long)
+        for r, p in enumerate(prompts):
+            ids[r, width - len(p) :] = torch.tensor(p)
+            self.mask[r, width - len(p) :] = 1
+        positions = (self.mask.cumsum(-1) - 1).clamp(min=0)
+        self.model, self.position = model, positions[:, -1:]
+        out = model(input_ids=ids, attention_mask=self.mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+        self.cache, self.last = out.past_key_values, list(out.logits[:, -1].float())
+
+    def step(self, chosen: list[int]) -> list[torch.Tensor]:
+        self.mask = torch.cat([self.mask, torch.ones((len(chosen), 1), dtype=torch.long)], dim=1)
+        self.position = self.position + 1
+        out = self.model(
+            input_ids=torch.tensor(chosen)[:, None],
+            attention_mask=self.mask,
+            position_ids=self.position,
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        self.cache = out.past_key_values
+        return list(out.logits[:, -1].float())
+
+
 def generate_padded(model: Any, prompts: list[list[int]], new_tokens: int) -> Generation:
-    """Greedy generation by transformers alone, all rows in one left-padded batch with its KV cache."""
-    rows, width = len(prompts), max(len(p) for p in prompts)
-    ids = torch.zeros((rows, width), dtype=torch.long)
-    mask = torch.zeros((rows, width), dtype=torch.long)
-    for r, p in enumerate(prompts):
-        ids[r, width - len(p) :] = torch.tensor(p)
-        mask[r, width - len(p) :] = 1
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    tokens: list[list[int]] = [[] for _ in prompts]
+    """Greedy generation by transformers alone, all rows in one left-padded batch (``PaddedBatch``)."""
     started = time.perf_counter()
     with torch.no_grad():
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+        batch = PaddedBatch(model, prompts)
         decode_started = time.perf_counter()
-        position = positions[:, -1:]
-        for i in range(new_tokens):
-            chosen = out.logits[:, -1].argmax(-1)
-            for r in range(rows):
-                tokens[r].append(int(chosen[r]))
-            if i + 1 == new_tokens:
-                break
-            mask = torch.cat([mask, torch.ones((rows, 1), dtype=torch.long)], dim=1)
-            position = position + 1
-            out = model(
-                input_ids=chosen[:, None],
-                attention_mask=mask,
-                position_ids=position,
-                past_key_values=out.past_key_values,
-                use_cache=True,
-            )
+        tokens, _ = greedy(batch.last, new_tokens, batch.step)
     end = time.perf_counter()
-    return Generation(tokens, None, end - started, end - decode_started, decode_tokens=rows * (new_tokens - 1))
+    return Generation(tokens, None, end - started, end - decode_started, decode_tokens=len(prompts) * (new_tokens - 1))
 
 
 def run(batches: list[int], new_tokens: int, repeats: int) -> dict[str, Any]:

@@ -232,7 +232,7 @@ class OffloadSession:
         def step(chosen: list[int]) -> list[torch.Tensor]:
             return [x[-1] for x in self.forward([[t] for t in chosen], last_only=True)]
 
-        result = _greedy(last, max_new_tokens, step)
+        result = greedy(last, max_new_tokens, step)
         end = time.perf_counter()
         return Generation(
             tokens=result[0],
@@ -342,7 +342,7 @@ def generate_locally(
         for prompt in prompts:
             row = _LocalRow(model, prompt)
             decode_started = time.perf_counter()
-            row_tokens, row_logits = _greedy(row.last, max_new_tokens, row.step)
+            row_tokens, row_logits = greedy(row.last, max_new_tokens, row.step)
             decode_s += time.perf_counter() - decode_started
             tokens += row_tokens
             logits += row_logits
@@ -372,10 +372,11 @@ class _LocalRow:
         return [out.logits[0, -1].float()]
 
 
-def _greedy(
+def greedy(
     last: list[torch.Tensor], max_new_tokens: int, step: Callable[[list[int]], list[torch.Tensor]]
 ) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """Greedy decoding from each row's last logits; ``step(chosen tokens) -> next last logits``."""
+    """Greedy decoding from each row's last logits; ``step(chosen tokens) -> next last logits``. Returns the
+    tokens per row and, per row, the logits each was chosen from [max_new_tokens, vocab]."""
     tokens: list[list[int]] = [[] for _ in last]
     kept: list[list[torch.Tensor]] = [[] for _ in last]
     for i in range(max_new_tokens):
