@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -17,7 +18,7 @@ from chunkattn_server.errors import (
     SequenceChanged,
     SequenceExists,
 )
-from chunkattn_server.kv.transfer import BlockRecord, KVManifest, batches
+from chunkattn_server.kv.transfer import BlockRecord, KVManifest, batches, checksum
 from tests.harness import MODELS, snapshot
 
 
@@ -31,7 +32,7 @@ def move(src: Engine, dst: Engine, seq_id: str, *, new_id: str | None = None, pe
     session = dst.begin_import(dataclasses.replace(manifest, seq_id=new_id or seq_id))
     try:
         for batch in batches(manifest.expected(), per_batch):
-            dst.import_records(session, src.export_records(manifest, batch))
+            dst.import_records(session, [r.copy() for r in src.export_views(manifest, batch)])
         dst.commit_import(session)
     finally:
         dst.abort_import(session)
@@ -90,7 +91,21 @@ def _ready(shape: ModelShape = MODELS["gqa"]) -> tuple[Engine, Engine, KVManifes
     src, dst = engine(shape), engine(shape)
     Feed(shape).step([src], ["s"], 0, 21)
     manifest = src.export_manifest("s")
-    return src, dst, manifest, src.export_records(manifest, manifest.expected())
+    return src, dst, manifest, [r.copy() for r in src.export_views(manifest, manifest.expected())]
+
+
+def test_an_export_reads_the_pages_in_place_and_checksums_the_bytes_it_sends() -> None:
+    src, _, manifest, _ = _ready()
+    shape = MODELS["gqa"]
+    pages = [t.view(torch.uint8).numpy() for t in src.cache.k]
+    for view in src.export_views(manifest, manifest.expected()):
+        assert len(view.k) == len(view.v) == shape.num_kv_heads  # one piece per head, no copy yet
+        k = [np.frombuffer(piece, np.uint8) for piece in view.k]
+        assert all(any(np.shares_memory(piece, slot) for slot in pages) for piece in k)
+        record = view.copy()
+        assert view.nbytes == len(record.k) + len(record.v)
+        assert record.intact()  # the checksum over the pieces is the checksum of the bytes as sent
+        assert checksum(view.layer, view.logical, (record.k, record.v)) == view.checksum
 
 
 def _unchanged(dst: Engine) -> None:
@@ -174,7 +189,7 @@ def test_a_sequence_that_changes_during_its_export_is_reported() -> None:
     src, _, manifest, _ = _ready()
     Feed(MODELS["gqa"]).step([src], ["s"], 21, 1)
     with pytest.raises(SequenceChanged, match="export it again"):
-        src.export_records(manifest, manifest.expected()[:1])
+        src.export_views(manifest, manifest.expected()[:1])
 
 
 @pytest.mark.parametrize(

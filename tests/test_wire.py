@@ -72,7 +72,11 @@ def test_split_refuses_malformed_or_repeated_tensor_fields(bad: bytes) -> None:
 
 def test_kv_blocks_encode_as_protobuf_does_and_decode_as_views() -> None:
     records = [(3, 17, 0xDEADBEEF_CAFEF00D, b"k" * 300, b"v" * 300), (0, 0, 0, b"", b"\x00\x01")]
-    data = wire.encode_kv_blocks(records)
+    pieces: list[wire.KVPieces] = [
+        (3, 17, 0xDEADBEEF_CAFEF00D, [b"k" * 100, memoryview(b"k" * 200)], [b"v" * 300]),  # joined in order
+        (0, 0, 0, [], [b"\x00", b"\x01"]),
+    ]
+    data = wire.encode_kv_blocks(pieces)
     parsed = pb.KVChunk.FromString(data)
     assert [(b.layer, b.logical, b.checksum, b.k, b.v) for b in parsed.blocks.blocks] == records
     same = pb.KVChunk(

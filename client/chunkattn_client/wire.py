@@ -78,17 +78,20 @@ def encode_attend_response(request_id: int, output: RawTensor | None, code: int 
 # -- KV transfer: KVChunk messages of blocks, built and read without copying the K/V bytes -------------------
 
 KVRecord = tuple[int, int, int, Buffer, Buffer]  # (layer, logical block, checksum, k bytes, v bytes)
+# The same with K and V each given as pieces whose concatenation is its bytes (e.g. one per head).
+KVPieces = tuple[int, int, int, Sequence[Buffer], Sequence[Buffer]]
 
 
-def encode_kv_blocks(records: Sequence[KVRecord]) -> bytes:
-    """A serialized KVChunk{blocks: KVBlocks{blocks: [KVBlock...]}}, fields in protobuf's order; each K/V
-    buffer is copied once."""
+def encode_kv_blocks(records: Sequence[KVPieces]) -> bytes:
+    """A serialized KVChunk{blocks: KVBlocks{blocks: [KVBlock...]}}, fields in protobuf's order; the K/V
+    pieces are copied once, into the message."""
     parts: list[Buffer] = []
     for layer, logical, checksum, k, v in records:
         head = b"".join([b"\x08", _varint(layer), b"\x10", _varint(logical)])
-        k_key, v_key = _varint(len(k)), _varint(len(v))
-        size = len(head) + 1 + len(k_key) + len(k) + 1 + len(v_key) + len(v) + 9
-        parts += [b"\x0a", _varint(size), head, b"\x22", k_key, k, b"\x2a", v_key, v]
+        k_size, v_size = sum(len(p) for p in k), sum(len(p) for p in v)
+        k_key, v_key = _varint(k_size), _varint(v_size)
+        size = len(head) + 1 + len(k_key) + k_size + 1 + len(v_key) + v_size + 9
+        parts += [b"\x0a", _varint(size), head, b"\x22", k_key, *k, b"\x2a", v_key, *v]
         parts.append(b"\x31" + checksum.to_bytes(8, "little"))
     body_size = sum(len(p) for p in parts)
     return b"".join([b"\x12", _varint(body_size), *parts])

@@ -39,7 +39,7 @@ from chunkattn_server.errors import (
 from chunkattn_server.kv.block_pool import BlockPool
 from chunkattn_server.kv.cache import KVCache
 from chunkattn_server.kv.sequences import Retention, SequenceState, chunk_start
-from chunkattn_server.kv.transfer import BlockRecord, KVManifest, ModelFingerprint, record_bytes
+from chunkattn_server.kv.transfer import BlockRecord, BlockView, KVManifest, ModelFingerprint, record_bytes
 
 # Tensors made from received bytes (requests, imported KV) are read-only views; the engine never writes into
 # them, so torch.frombuffer's warning about it says nothing.
@@ -425,27 +425,22 @@ class Engine:
             group_of=tuple(g.index for g in self._group_of),
         )
 
-    def export_records(self, manifest: KVManifest, items: Sequence[tuple[int, int]]) -> list[BlockRecord]:
-        """The records (layer, logical block) of an export, copied to host memory with their checksums.
+    def export_views(self, manifest: KVManifest, items: Sequence[tuple[int, int]]) -> list[BlockView]:
+        """The records (layer, logical block) of an export with their checksums, as views of the pages on the
+        CPU (see BlockView: encode them before this engine runs anything else).
 
         Raises SequenceChanged when the sequence is no longer what the manifest describes."""
         state = self._seqs.get(manifest.seq_id)
         current = None if state is None else self.export_manifest(manifest.seq_id, _listed(manifest))
         if current != manifest or state is None:
             raise SequenceChanged(f"sequence {manifest.seq_id!r} changed during its export; export it again")
-        records: list[BlockRecord] = []
+        views: list[BlockView] = []
         for layer in dict.fromkeys(x for x, _ in items):
             logicals = [b for x, b in items if x == layer]
             table = state.tables[self._group_of[layer].index]
-            slot = self._slot_of[layer]
-            # One host copy per layer and batch, [n, Hkv, block_size, D] (a copy_ per block: torch.stack of
-            # these strided slices is ~40x slower on the CPU); records are views of it.
-            k, v = self.cache.read_blocks(slot, [table[b] for b in logicals])
-            size = len(k) // len(logicals)
-            for i, b in enumerate(logicals):
-                kb, vb = k[i * size : (i + 1) * size], v[i * size : (i + 1) * size]
-                records.append(BlockRecord(layer, b, kb, vb, BlockRecord.digest(layer, b, kb, vb)))
-        return records
+            pieces = self.cache.block_views(self._slot_of[layer], [table[b] for b in logicals])
+            views += [BlockView.of(layer, b, k, v) for b, (k, v) in zip(logicals, pieces, strict=True)]
+        return views
 
     def begin_import(self, manifest: KVManifest) -> ImportSession:
         """Check a manifest against this engine and reserve every block it needs (see kv/transfer.py).

@@ -290,12 +290,12 @@ def _releaser(manifest: KVManifest) -> Callable[[Engine], EngineStats]:
 
 
 def _exporter(manifest: KVManifest, batch: Sequence[tuple[int, int]]) -> Callable[[Engine], tuple[bytes, int, int]]:
-    """A job that reads ``batch`` and encodes it: (serialized KVChunk, blocks, K/V bytes). The encoding's
-    copy runs on the worker too, leaving the event loop to gRPC."""
+    """A job that reads ``batch`` and encodes it: (serialized KVChunk, blocks, K/V bytes). The pages are
+    copied once, straight into the message, on the worker: the event loop is left to gRPC."""
 
     def job(e: Engine) -> tuple[bytes, int, int]:
-        records = e.export_records(manifest, batch)
-        return kvwire.encode_blocks(records), len(records), sum(len(r.k) + len(r.v) for r in records)
+        views = e.export_views(manifest, batch)
+        return kvwire.encode_blocks(views), len(views), sum(r.nbytes for r in views)
 
     return job
 

@@ -13,7 +13,7 @@ from google.protobuf.message import DecodeError
 from chunkattn_client import codec, wire
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_server.errors import IncompatibleKV
-from chunkattn_server.kv.transfer import BlockRecord, KVManifest, ModelFingerprint
+from chunkattn_server.kv.transfer import BlockRecord, BlockView, KVManifest, ModelFingerprint
 
 
 def manifest_to_pb(m: KVManifest) -> pb.KVHeader:
@@ -81,9 +81,9 @@ def encode_trailer(num_records: int) -> bytes:
     return bytes(pb.KVChunk(trailer=pb.KVTrailer(num_records=num_records)).SerializeToString())
 
 
-def encode_blocks(records: Sequence[BlockRecord]) -> bytes:
-    """A serialized KVChunk of blocks; each K/V buffer is copied once, into the message."""
-    return wire.encode_kv_blocks([(r.layer, r.logical, r.checksum, r.k, r.v) for r in records])
+def encode_blocks(views: Sequence[BlockView]) -> bytes:
+    """A serialized KVChunk of blocks; their K/V bytes are copied once, from the pages into the message."""
+    return wire.encode_kv_blocks([(r.layer, r.logical, r.checksum, r.k, r.v) for r in views])
 
 
 def decode(data: bytes) -> tuple[str, KVManifest | list[BlockRecord] | int | None]:
