@@ -20,6 +20,7 @@ from chunkattn_client import wire
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_client.client import channel_options
 from chunkattn_server import kvwire
+from chunkattn_server.channels import ChannelPool
 from chunkattn_server.engine import Engine, EngineStats, ImportSession
 from chunkattn_server.errors import DataLoss, IncompatibleKV, StreamStalled, TargetError, status_code
 from chunkattn_server.kv.transfer import BlockRecord, KVManifest, batches, record_bytes
@@ -54,6 +55,7 @@ class KVService:
         self._metrics = metrics
         self._max_message_bytes = max_message_bytes
         self._import_stall_s = import_stall_s  # 0: wait for ever (the client's deadline still applies)
+        self._targets = ChannelPool(channel_options(max_message_bytes, None))  # TransferKV's, kept open
 
     def handlers(self) -> dict[str, grpc.RpcMethodHandler[Any, Any]]:
         def ser(m: Any) -> bytes:
@@ -244,18 +246,17 @@ class KVService:
     async def _transfer(self, request: pb.TransferKVRequest, timeout: float | None) -> pb.TransferKVResponse:
         manifest = await self._manifest(request.seq_id, list(request.layers))  # NOT_FOUND before any connection
         failure: list[BaseException] = []
-        options = channel_options(self._max_message_bytes, None)
-        async with grpc.aio.insecure_channel(request.target, options=options) as channel:
-            method: grpc.aio.StreamUnaryMultiCallable[bytes, pb.ImportKVResponse] = channel.stream_unary(
-                IMPORT_KV, request_serializer=wire.identity, response_deserializer=pb.ImportKVResponse.FromString
-            )
-            chunks = self._chunks(manifest, DEFAULT_KV_MESSAGE_BYTES, as_id=request.new_seq_id, failure=failure)
-            try:
+        chunks = self._chunks(manifest, DEFAULT_KV_MESSAGE_BYTES, as_id=request.new_seq_id, failure=failure)
+        try:
+            async with self._targets.use(request.target) as channel:
+                method: grpc.aio.StreamUnaryMultiCallable[bytes, pb.ImportKVResponse] = channel.stream_unary(
+                    IMPORT_KV, request_serializer=wire.identity, response_deserializer=pb.ImportKVResponse.FromString
+                )
                 imported: pb.ImportKVResponse = await method(chunks, timeout=timeout)
-            except grpc.RpcError as e:
-                if failure:  # our export failed first; the target only saw the stream stop
-                    raise failure[0] from None
-                raise TargetError.from_rpc(e, request.target) from None
+        except grpc.RpcError as e:
+            if failure:  # our export failed first; the target only saw the stream stop
+                raise failure[0] from None
+            raise TargetError.from_rpc(e, request.target) from None
         if failure:
             raise failure[0]
         released = False
@@ -267,6 +268,10 @@ class KVService:
         return pb.TransferKVResponse(
             blocks=imported.blocks, records=imported.records, bytes=imported.bytes, released=released
         )
+
+    async def close(self) -> None:
+        """Close the channels to transfer targets (at shutdown, after the last call)."""
+        await self._targets.close()
 
     # -- helpers -----------------------------------------------------------------------------------------
 

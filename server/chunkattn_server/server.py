@@ -107,6 +107,7 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await evictor
     await server.stop(config.grace_s)
+    await service.close()
     worker.stop()
     log.info("stopped")
 

@@ -124,6 +124,10 @@ class ChunkAttnService:
         """From now on, open streams end (UNAVAILABLE) before their next request."""
         self._draining = True
 
+    async def close(self) -> None:
+        """Release what the service holds besides the engine (after the server stopped)."""
+        await self._kv.close()
+
     async def Attend(self, request: bytes, context: Context) -> bytes:  # noqa: N802
         try:
             response = await self._attend(*parse_attend_request(request))
