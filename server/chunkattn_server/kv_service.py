@@ -174,7 +174,8 @@ class KVService:
             """The stream's next message (None at its end); StreamStalled after too long a silence."""
             nonlocal received
             try:
-                data = await asyncio.wait_for(anext(it, None), self._import_stall_s or None)
+                async with asyncio.timeout(self._import_stall_s or None):  # no task per message, as wait_for makes
+                    data = await anext(it, None)
             except TimeoutError:
                 raise StreamStalled(
                     f"the KV stream sent nothing for {self._import_stall_s:g} s (messages so far: {received}), so"
