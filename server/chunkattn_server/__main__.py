@@ -23,6 +23,7 @@ import sys
 from typing import Any
 
 from chunkattn_client import hfconfig
+from chunkattn_server import allocator
 from chunkattn_server.config import CacheConfig, EngineConfig, LayerSpec, ModelShape
 from chunkattn_server.errors import ConfigError
 from chunkattn_server.server import ServerConfig, serve
@@ -170,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, flag) < 0:
             build_parser().error(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log.info("%s", allocator.keep_freed_memory())
     server = ServerConfig(
         host=args.host,
         port=args.port,
