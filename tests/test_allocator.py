@@ -23,7 +23,7 @@ def _in_a_fresh_process(env: dict[str, str]) -> str:
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the settings are glibc's; elsewhere nothing is done")
 def test_glibc_takes_the_settings() -> None:
-    assert _in_a_fresh_process(CLEAN).strip() == "malloc keeps up to 512 MiB freed (mmap threshold 32 MiB)"
+    assert _in_a_fresh_process(CLEAN).strip() == "malloc keeps up to 64 MiB freed (mmap threshold 32 MiB)"
 
 
 def test_the_users_malloc_environment_wins() -> None:
@@ -50,7 +50,7 @@ def _fake_glibc(monkeypatch: pytest.MonkeyPatch, result: int) -> list[tuple[int,
 def test_the_right_parameters_reach_mallopt(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = _fake_glibc(monkeypatch, 1)
     assert allocator.keep_freed_memory().startswith("malloc keeps")
-    assert calls == [(-3, 32 << 20), (-1, 512 << 20)]  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
+    assert calls == [(-3, 32 << 20), (-1, 64 << 20)]  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
 
 
 def test_a_refused_setting_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
