@@ -94,3 +94,57 @@ def test_other_errors_keep_the_channel() -> None:
         await pool.close()
 
     asyncio.run(main())
+
+
+def test_a_dropped_channel_shared_by_two_transfers_closes_when_the_last_one_leaves() -> None:
+    target = f"127.0.0.1:{free_port()}"  # nothing listens there
+
+    async def main() -> None:
+        pool = ChannelPool([])
+        both_in = asyncio.Event()
+        channels: list[grpc.aio.Channel] = []
+
+        async def transfer(fail: bool) -> None:
+            async with pool.use(target) as channel:
+                channels.append(channel)
+                if len(channels) == 2:
+                    both_in.set()
+                await both_in.wait()
+                if fail:
+                    raise grpc.aio.AioRpcError(
+                        grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata()
+                    )
+                await asyncio.sleep(0.05)  # still using it after the other dropped it
+                assert channel.get_state() != SHUTDOWN
+
+        results = await asyncio.gather(transfer(True), transfer(False), return_exceptions=True)
+        assert isinstance(results[0], grpc.aio.AioRpcError)
+        assert results[1] is None
+        assert channels[0] is channels[1]
+        assert channels[0].get_state() == SHUTDOWN
+        assert len(pool) == 0
+        await pool.close()
+
+    asyncio.run(main())
+
+
+def test_a_kept_channel_that_broke_while_idle_is_replaced() -> None:
+    target = f"127.0.0.1:{free_port()}"  # nothing listens there
+
+    async def main() -> None:
+        pool = ChannelPool([])
+        async with pool.use(target) as first:
+            pass
+        first.get_state(try_to_connect=True)
+        async with asyncio.timeout(30):
+            while first.get_state() != grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+                await first.wait_for_state_change(first.get_state())
+        async with pool.use(target) as second:
+            assert second is not first
+        assert first.get_state() == SHUTDOWN
+        await pool.close()
+        with pytest.raises(RuntimeError, match="closed"):
+            async with pool.use(target):
+                pass
+
+    asyncio.run(main())

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -192,6 +194,37 @@ def test_transfer_with_release_moves_the_sequence_and_counts_it(a: ServerProcess
     assert sent >= moved.bytes > 0
     assert received >= moved.bytes
     assert counter(a.metrics(), "chunkattn_kv_transfers_total", code="OK", direction="out") >= 1
+
+
+def _connections(pid: int, port: int) -> set[int]:
+    """Local ports of the established TCP connections from process ``pid`` to ``port`` (Linux /proc; gRPC's
+    sockets are IPv6 ones, with IPv4-mapped addresses for 127.0.0.1)."""
+    sockets = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            sockets.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in list(f)[1:]:
+                fields = line.split()
+                local, remote, state, inode = fields[1], fields[2], fields[3], fields[9]
+                if state == "01" and int(remote.split(":")[1], 16) == port and f"socket:[{inode}]" in sockets:
+                    ports.add(int(local.split(":")[1], 16))
+    return ports
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads the connections from Linux's /proc/net/tcp")
+def test_transfers_to_one_target_reuse_the_sources_connection(a: ServerProcess, b: ServerProcess) -> None:
+    with client(a) as ca, client(b) as cb:
+        Feed(8).step([ca], ["kept"], 0, 9)
+        ca.transfer_kv("kept", b.target, new_seq_id="kept-1")
+        first = _connections(a.proc.pid, b.port)
+        assert len(first) == 1, f"the source holds {len(first)} connections to the target after a transfer"
+        ca.transfer_kv("kept", b.target, new_seq_id="kept-2")
+        assert _connections(a.proc.pid, b.port) == first  # the same connection, not a new one
+        assert cb.release(["kept-1", "kept-2"]) == 2
+        ca.release(["kept"])
 
 
 def test_transfer_errors(a: ServerProcess) -> None:

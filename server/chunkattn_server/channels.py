@@ -3,8 +3,13 @@
 A channel per transfer costs a TCP connect and an HTTP/2 handshake, and starts flow control again from
 a 64 KiB window that gRPC's BDP probing then has to grow: on the dev machine a 64 MiB transfer took
 about 10% longer that way (benchmarks/transport.py). Channels not in use beyond ``limit`` are closed,
-least recently used first; a channel whose target turned out to be unavailable is dropped, so that the
-next transfer connects afresh instead of waiting out gRPC's reconnect backoff.
+least recently used first.
+
+A kept channel can go bad while idle. One that gRPC reports in TRANSIENT_FAILURE or SHUTDOWN is replaced
+when next used, and one whose transfer failed with UNAVAILABLE or DEADLINE_EXCEEDED is dropped, so the
+next transfer connects afresh instead of waiting out gRPC's reconnect backoff (the pool's channels do not
+share connections with any other channel: a local subchannel pool). Without keepalive pings, a target
+whose host vanished without resetting the connection costs the transfer that finds out its deadline.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from typing import Any
 import grpc
 
 DEFAULT_LIMIT = 8
+BROKEN = (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN)
+DROP_ON = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 @dataclass
@@ -30,24 +37,33 @@ class ChannelPool:
     """Insecure channels by target address, shared by the transfers to that target (one event loop)."""
 
     def __init__(self, options: Sequence[tuple[str, Any]], limit: int = DEFAULT_LIMIT) -> None:
-        self._options = list(options)
+        self._options = [*options, ("grpc.use_local_subchannel_pool", 1)]
         self._limit = limit
         self._entries: dict[str, _Entry] = {}  # least recently used first
+        self._closed = False
 
     @contextlib.asynccontextmanager
     async def use(self, target: str) -> AsyncIterator[grpc.aio.Channel]:
-        """The channel to ``target`` (opened if there is none) for the duration of the block. An RPC error
-        UNAVAILABLE leaving the block drops the channel."""
-        entry = self._entries.pop(target, None) or _Entry(grpc.aio.insecure_channel(target, options=self._options))
+        """The channel to ``target`` (a new one if there is none, or if the kept one is broken) for the
+        duration of the block. An RPC error UNAVAILABLE or DEADLINE_EXCEEDED leaving the block drops it."""
+        if self._closed:
+            raise RuntimeError("the channel pool is closed (the server is stopping)")
+        entry = self._entries.pop(target, None)
+        if entry is not None and entry.channel.get_state() in BROKEN:
+            entry.dropped = True
+            if entry.users == 0:
+                await entry.channel.close()
+            entry = None
+        entry = entry or _Entry(grpc.aio.insecure_channel(target, options=self._options))
         self._entries[target] = entry
         entry.users += 1
-        await self._trim()
         try:
+            await self._trim()
             yield entry.channel
         except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.UNAVAILABLE and self._entries.get(target) is entry:
+            if e.code() in DROP_ON and self._entries.get(target) is entry:
                 del self._entries[target]
-                entry.dropped = True
+                entry.dropped = True  # closed below, when its last user leaves
             raise
         finally:
             entry.users -= 1
@@ -56,7 +72,8 @@ class ChannelPool:
             await self._trim()
 
     async def close(self) -> None:
-        """Close every channel (at shutdown, once no transfer runs)."""
+        """Close every channel (at shutdown, once no transfer runs); later uses raise RuntimeError."""
+        self._closed = True
         entries, self._entries = list(self._entries.values()), {}
         for entry in entries:
             await entry.channel.close()
@@ -65,6 +82,9 @@ class ChannelPool:
         return len(self._entries)
 
     async def _trim(self) -> None:
+        """Close idle channels beyond the limit, least recently used first. The victims leave the pool
+        before any close is awaited, so no other transfer can pick one up meanwhile."""
         idle = [target for target, entry in self._entries.items() if entry.users == 0]
-        for target in idle[: max(0, len(self._entries) - self._limit)]:
-            await self._entries.pop(target).channel.close()
+        victims = [self._entries.pop(target) for target in idle[: max(0, len(self._entries) - self._limit)]]
+        for entry in victims:
+            await entry.channel.close()

@@ -106,9 +106,11 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
         evictor.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await evictor
-    await server.stop(config.grace_s)
-    await service.close()
-    worker.stop()
+    try:
+        await server.stop(config.grace_s)
+    finally:
+        await service.close()
+        worker.stop()
     log.info("stopped")
 
 
