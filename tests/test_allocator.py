@@ -13,7 +13,10 @@ import pytest
 
 from chunkattn_server import allocator
 
-CLEAN = {k: v for k, v in os.environ.items() if k not in allocator.ENVIRONMENT}
+CLEAN = {k: v for k, v in os.environ.items() if k not in (*allocator.ENVIRONMENT, "GLIBC_TUNABLES")}
+GLIBC = pytest.mark.skipif(
+    platform.libc_ver()[0] != "glibc", reason="the settings are glibc's; elsewhere nothing is done"
+)
 
 
 def _in_a_fresh_process(env: dict[str, str]) -> str:
@@ -21,14 +24,19 @@ def _in_a_fresh_process(env: dict[str, str]) -> str:
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
 
 
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the settings are glibc's; elsewhere nothing is done")
+@GLIBC
 def test_glibc_takes_the_settings() -> None:
     assert _in_a_fresh_process(CLEAN).strip() == "malloc keeps up to 64 MiB freed (mmap threshold 32 MiB)"
 
 
-def test_the_users_malloc_environment_wins() -> None:
-    out = _in_a_fresh_process({**CLEAN, "MALLOC_TRIM_THRESHOLD_": "1048576"})
-    assert out.strip() == "malloc left to MALLOC_TRIM_THRESHOLD_=1048576"
+@GLIBC
+@pytest.mark.parametrize(
+    "env",
+    [{"MALLOC_TRIM_THRESHOLD_": "1048576"}, {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=1048576"}],
+)
+def test_the_users_malloc_environment_wins(env: dict[str, str]) -> None:
+    out = _in_a_fresh_process({**CLEAN, **env})
+    assert out.strip() == "malloc left to " + " and ".join(f"{k}={v}" for k, v in env.items())
 
 
 def _fake_glibc(monkeypatch: pytest.MonkeyPatch, result: int) -> list[tuple[int, int]]:
@@ -42,7 +50,7 @@ def _fake_glibc(monkeypatch: pytest.MonkeyPatch, result: int) -> list[tuple[int,
 
     monkeypatch.setattr(platform, "libc_ver", lambda: ("glibc", "2.36"))
     monkeypatch.setattr(ctypes, "CDLL", lambda name: Libc())
-    for name in allocator.ENVIRONMENT:
+    for name in (*allocator.ENVIRONMENT, "GLIBC_TUNABLES"):
         monkeypatch.delenv(name, raising=False)
     return calls
 

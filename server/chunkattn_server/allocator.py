@@ -6,10 +6,14 @@ the largest recently freed block is free at its top), so the next message faults
 the kernel zeroes them first: on the dev machine a 64 MiB KV import took ~9,000 page faults and ~8 ms
 more CPU than with the memory kept (benchmarks/transport.py). The server therefore raises the mmap
 threshold to glibc's maximum (32 MiB: smaller blocks come from the heap) and the trim threshold to
-64 MiB (up to that much freed heap is kept for the next messages; 512 MiB measured no better).
+64 MiB (up to that much free memory at the top of a heap is kept for the next messages; 512 MiB measured
+no better). The threshold holds per malloc arena (the event loop, the engine thread and gRPC's threads
+allocate from their own), and memory freed below a heap's top is kept whatever the setting, so a server
+that once held many large messages at the same time can keep more than 64 MiB.
 
-Nothing changes when the C library is not glibc, or when MALLOC_MMAP_THRESHOLD_ or
-MALLOC_TRIM_THRESHOLD_ is set: glibc then reads those at startup, and they win.
+Nothing changes when the C library is not glibc, or when the thresholds were given in the environment
+(MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_, or glibc.malloc tunables in GLIBC_TUNABLES): glibc
+then read them at startup, and they win.
 """
 
 from __future__ import annotations
@@ -29,8 +33,11 @@ def keep_freed_memory() -> str:
     """Apply the settings above to this process; returns what was done, for the startup log."""
     if platform.libc_ver()[0] != "glibc":
         return "malloc left as it is (not glibc)"
-    if any(name in os.environ for name in ENVIRONMENT):
-        return "malloc left to " + " and ".join(f"{n}={os.environ[n]}" for n in ENVIRONMENT if n in os.environ)
+    given = [f"{n}={os.environ[n]}" for n in ENVIRONMENT if n in os.environ]
+    if "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
+        given.append(f"GLIBC_TUNABLES={os.environ['GLIBC_TUNABLES']}")
+    if given:
+        return "malloc left to " + " and ".join(given)
     libc = ctypes.CDLL(None)
     if not (libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)):
         return "malloc left as it is (mallopt refused the settings)"
