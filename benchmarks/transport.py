@@ -13,10 +13,11 @@ The baseline, "echo", is a plain gRPC server in another process of its own (a ``
 stack the real server runs on, with a generic handler and identity (de)serialisers) that receives the
 serialised AttendRequest bytes and answers with a precomputed bytes object as long as the serialised
 AttendResponse: the same bytes up and the same number of bytes down as Attend, and nothing else. Both
-channels use the same options (max message sizes), and the echo process takes the same glibc malloc settings
-as the server gives itself (chunkattn_server/allocator.py): without them its cost per message depended on
-what it had received before (glibc adapts its thresholds to the largest blocks freed), which moved the KV
-row's baseline between ~1,400 and ~2,200 MB/s from run to run.
+channels use the same options (max message sizes), and the echo process gets the glibc malloc thresholds the
+server gives itself (chunkattn_server/allocator.py), through MALLOC_*_THRESHOLD_: without them its cost per
+message depended on what it had received before (glibc adapts its thresholds to the largest blocks freed),
+which moved the KV row's baseline between ~1,400 and ~2,200 MB/s from run to run. This process (the client
+of both) imports chunkattn_server for those numbers, and with it torch, which it does not use.
 
 Payloads: 64 KiB, 1 MiB and 16 MiB requests, each unary (one RPC per call) and stream (one long-lived
 bidirectional stream per contender, each request awaited before the next is sent, as a model runner does).
@@ -146,7 +147,7 @@ class Child:
     """A server subprocess: started, awaited until it logs that it serves (the port is read from that
     line), and always stopped with SIGTERM (then SIGKILL if it lingers)."""
 
-    def __init__(self, name: str, argv: list[str], ready: re.Pattern[str]) -> None:
+    def __init__(self, name: str, argv: list[str], ready: re.Pattern[str], env: dict[str, str] | None = None) -> None:
         self.name = name
         self._ready = ready
         self._lines: deque[str] = deque(maxlen=40)
@@ -158,6 +159,7 @@ class Child:
             stderr=subprocess.PIPE,
             text=True,
             start_new_session=True,  # a Ctrl-C in the terminal reaches us, not the servers directly
+            env={**os.environ, **(env or {})},
         )
         self._reader = threading.Thread(target=self._read, name=f"{name}-stderr", daemon=True)
         self._reader.start()
@@ -210,8 +212,14 @@ def start_server(model: Model, *, kv: bool = False) -> Child:
 
 
 def start_echo() -> Child:
+    """The echo, with the malloc thresholds the chunkattn server sets itself (given through the environment,
+    so that the echo process stays plain gRPC: it imports neither chunkattn_server nor torch)."""
     argv = [sys.executable, os.path.abspath(__file__), "--echo-server"]
-    return Child("echo server", argv, re.compile(r"echo serving on 127\.0\.0\.1:(\d+)"))
+    malloc = {
+        "MALLOC_MMAP_THRESHOLD_": str(allocator.MMAP_THRESHOLD),
+        "MALLOC_TRIM_THRESHOLD_": str(allocator.TRIM_THRESHOLD),
+    }
+    return Child("echo server", argv, re.compile(r"echo serving on 127\.0\.0\.1:(\d+)"), env=malloc)
 
 
 # -- the echo server (runs in its own process: `transport.py --echo-server`) -------------------------
@@ -399,7 +407,7 @@ def bench_kv_transfer(
     plan: Plan,
     pids: dict[str, int],
 ) -> dict[str, Any]:
-    """TransferKV of one sequence between two servers against streaming the same message sizes.
+    """TransferKV of one sequence between two servers against streaming the same bytes with plain gRPC.
 
     ``pids``: the source, target and echo processes, whose CPU time per transfer is reported (Linux)."""
     piece = 256
@@ -558,7 +566,7 @@ def report(result: dict[str, Any]) -> str:
     lines += [
         "",
         f"KV transfer: TransferKV of {kv['tokens']} tokens ({kv['kv_bytes'] / MIB:.0f} MiB of K/V, {kv['messages']}"
-        " messages) between two servers, against a plain gRPC client stream of the same message sizes",
+        " messages) between two servers, against a plain gRPC client stream of the same bytes",
         f"{'':<7} {'':>8} {'':>6} {'stream bytes':>19} {'':>5} {'ours MB/s':>10} {'echo MB/s':>10} {'ours/echo':>13}",
         f"{'kv':<7} {'':>8} {'':>6} {kv['stream_bytes']:>19} {'':>5} {kv['ours_mbps']:>10.1f} {kv['echo_mbps']:>10.1f}"
         f" {ratio:>7.2f}x {'ok' if ratio >= 0.8 else 'MISS':>4}",
@@ -588,7 +596,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--echo-server", action="store_true", help=argparse.SUPPRESS)  # the baseline's process
     args = parser.parse_args(argv)
     if args.echo_server:
-        allocator.keep_freed_memory()  # the same malloc settings as the chunkattn server gives itself
         asyncio.run(_serve_echo())
         return 0
     plan = SMOKE if args.smoke else FULL
