@@ -108,6 +108,21 @@ def test_an_export_reads_the_pages_in_place_and_checksums_the_bytes_it_sends() -
         assert checksum(view.layer, view.logical, (record.k, record.v)) == view.checksum
 
 
+def test_the_device_path_reads_the_same_bytes_and_checksums_as_the_page_views() -> None:
+    """KVCache.block_views on a device gathers the blocks and copies them to the host; run on CPU tensors,
+    that branch must give the bytes and checksums of the CPU views."""
+    src, _, manifest, _ = _ready()
+
+    def read() -> list[tuple[bytes | memoryview, bytes | memoryview, int]]:
+        return [(r.k, r.v, r.checksum) for r in (v.copy() for v in src.export_views(manifest, manifest.expected()))]
+
+    want = read()
+    src.cache._host = None  # what a CUDA cache has: no numpy views of the pages
+    got = read()
+    assert got == want
+    assert src.cache.block_views(0, []) == []
+
+
 def _unchanged(dst: Engine) -> None:
     assert dst.pool.num_free == dst.pool.num_blocks
     assert dst.sequence_ids() == []

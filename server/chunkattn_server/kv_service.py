@@ -296,8 +296,8 @@ def _releaser(manifest: KVManifest) -> Callable[[Engine], EngineStats]:
 
 
 def _exporter(manifest: KVManifest, batch: Sequence[tuple[int, int]]) -> Callable[[Engine], tuple[bytes, int, int]]:
-    """A job that reads ``batch`` and encodes it: (serialized KVChunk, blocks, K/V bytes). The pages are
-    copied once, straight into the message, on the worker: the event loop is left to gRPC."""
+    """A job that reads ``batch`` and encodes it: (serialized KVChunk, blocks, K/V bytes), on the worker,
+    leaving the event loop to gRPC. On the CPU the pages are copied once, straight into the message."""
 
     def job(e: Engine) -> tuple[bytes, int, int]:
         views = e.export_views(manifest, batch)

@@ -82,7 +82,8 @@ def encode_trailer(num_records: int) -> bytes:
 
 
 def encode_blocks(views: Sequence[BlockView]) -> bytes:
-    """A serialized KVChunk of blocks; their K/V bytes are copied once, from the pages into the message."""
+    """A serialized KVChunk of blocks; their K/V pieces are copied once, into the message (on the CPU,
+    straight from the pages)."""
     return wire.encode_kv_blocks([(r.layer, r.logical, r.checksum, r.k, r.v) for r in views])
 
 

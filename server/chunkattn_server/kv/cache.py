@@ -59,6 +59,8 @@ class KVCache:
         """K and V of each of ``blocks`` in ``slot``, each as pieces whose concatenation is its bytes
         [Hkv, bs, D]. On the CPU: one piece per head, views of the pages (they show later writes); on a
         device: one piece, a view of a host copy of the blocks."""
+        if not blocks:
+            return []
         if self._host is not None:
             k_heads, v_heads = self._heads[slot]
             n = self._host[slot][0].shape[2]  # bytes of one head's rows of one block

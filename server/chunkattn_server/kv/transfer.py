@@ -1,11 +1,12 @@
 """A sequence's live KV as data that can leave one engine and enter another (no protobuf here).
 
 An export is a ``KVManifest`` (the model it came from, the sequence's length in every layer, and per KV
-group the logical blocks it holds) followed by one ``BlockRecord`` per (exported writing layer, logical
-block): that layer's K and V pages of the block, as raw bytes, with an XXH3-64 checksum over the layer,
-the block index and the bytes. Only live blocks exist to be sent: a chunked group holds its current
-chunk, a global group everything, so a 128K-token prompt with C = 8192 sends at most 8K tokens' worth
-for each chunked layer.
+group the logical blocks it holds) followed by one record per (exported writing layer, logical block):
+that layer's K and V pages of the block, as raw bytes, with an XXH3-64 checksum over the layer, the block
+index and the bytes. The exporter reads records as ``BlockView``s (views of the pages), the importer
+receives them as ``BlockRecord``s (views of the received message). Only live blocks exist to be sent: a
+chunked group holds its current chunk, a global group everything, so a 128K-token prompt with C = 8192
+sends at most 8K tokens' worth for each chunked layer.
 
 An import is a session: ``begin`` checks the manifest against this engine (model, free id, free
 blocks) and reserves every block; ``add`` checks each record (expected, not seen, checksum) and writes it;
@@ -90,7 +91,7 @@ class BlockRecord:
         return checksum(self.layer, self.logical, (self.k, self.v)) == self.checksum
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # views: compared and hashed by identity
 class BlockView:
     """A record as an export reads it: K and V each as pieces whose concatenation is its bytes
     [num_kv_heads, block_size, head_size] (on the CPU one piece per KV head, views of the pages, so no copy
