@@ -50,9 +50,7 @@ class ChannelPool:
             raise RuntimeError("the channel pool is closed (the server is stopping)")
         entry = self._entries.pop(target, None)
         if entry is not None and entry.channel.get_state() in BROKEN:
-            entry.dropped = True
-            if entry.users == 0:
-                await entry.channel.close()
+            await self._retire(entry)
             entry = None
         entry = entry or _Entry(grpc.aio.insecure_channel(target, options=self._options))
         self._entries[target] = entry
@@ -63,12 +61,12 @@ class ChannelPool:
         except grpc.aio.AioRpcError as e:
             if e.code() in DROP_ON and self._entries.get(target) is entry:
                 del self._entries[target]
-                entry.dropped = True  # closed below, when its last user leaves
+                await self._retire(entry)  # in use here: closed below, when its last user leaves
             raise
         finally:
             entry.users -= 1
-            if entry.dropped and entry.users == 0:
-                await entry.channel.close()
+            if entry.dropped:
+                await self._retire(entry)
             await self._trim()
 
     async def close(self) -> None:
@@ -80,6 +78,12 @@ class ChannelPool:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    async def _retire(self, entry: _Entry) -> None:
+        """Mark a channel that has left the pool; close it once no transfer uses it."""
+        entry.dropped = True
+        if entry.users == 0:
+            await entry.channel.close()
 
     async def _trim(self) -> None:
         """Close idle channels beyond the limit, least recently used first. The victims leave the pool

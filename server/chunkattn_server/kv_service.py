@@ -301,7 +301,7 @@ def _exporter(manifest: KVManifest, batch: Sequence[tuple[int, int]]) -> Callabl
 
     def job(e: Engine) -> tuple[bytes, int, int]:
         views = e.export_views(manifest, batch)
-        return kvwire.encode_blocks(views), len(views), sum(r.nbytes for r in views)
+        return kvwire.encode_blocks(views), len(views), len(views) * record_bytes(manifest.model)
 
     return job
 
