@@ -33,8 +33,10 @@ to the second, which checks, writes and commits it), timed from the call to its 
 released on the second server, untimed. The source keeps its channel to the target between transfers, as a
 server does (chunkattn_server/channels.py). The baseline streams the very bytes of that export's messages
 from this process to the echo process in one client-streaming RPC, which only counts them. MB/s = the
-stream's bytes / seconds. The CPU time of each process per transfer is reported beside it.
-Target: ours / echo >= 0.8.
+stream's bytes / seconds. The CPU time of each process per transfer is reported beside it, and, once every
+server has stopped, the CPU time of the engines' own part of a transfer measured alone in this process (the
+export's engine jobs, and decoding and writing the import; no gRPC): what a transfer costs beyond moving
+the bytes. Target: ours / echo >= 0.8.
 
 Before any timing, one Attend output (a 100-token sequence, so it crosses chunk boundaries) is compared
 against the float64 reference, unary and stream (float32 tolerance 1e-4), and the echo's answer length is
@@ -56,6 +58,7 @@ import platform
 import queue
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -69,11 +72,14 @@ from typing import Any
 import grpc
 import numpy as np
 import numpy.typing as npt
+import torch
 
 from chunkattn_client import BatchEntry, chunked_attention, codec, wire
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_client.client import ChunkAttnClient, attend_request, channel_options
-from chunkattn_server import allocator
+from chunkattn_server import Engine, allocator, kvwire
+from chunkattn_server.__main__ import engine_config, parse
+from chunkattn_server.kv_service import DEFAULT_KV_MESSAGE_BYTES, exporter, message_batches
 
 from timing import cpu_name, rounds  # benchmarks/timing.py
 
@@ -398,6 +404,14 @@ def bench_size(
     }
 
 
+def _kv_prompt(model: Model, plan: Plan, piece: int = 256) -> Iterator[tuple[int, int, Any, Any, Any]]:
+    """The transferred sequence's prefill: (position, tokens, q, k, v) of each call."""
+    for pos in range(0, plan.kv_tokens, piece):
+        n = min(piece, plan.kv_tokens - pos)
+        q, k, v = _inputs(model, n, seed=3 + pos)
+        yield pos, n, q, k, v
+
+
 def bench_kv_transfer(
     source: ChunkAttnClient,
     target: ChunkAttnClient,
@@ -410,10 +424,7 @@ def bench_kv_transfer(
     """TransferKV of one sequence between two servers against streaming the same bytes with plain gRPC.
 
     ``pids``: the source, target and echo processes, whose CPU time per transfer is reported (Linux)."""
-    piece = 256
-    for pos in range(0, plan.kv_tokens, piece):
-        n = min(piece, plan.kv_tokens - pos)
-        q, k, v = _inputs(model, n, seed=3 + pos)
+    for pos, n, q, k, v in _kv_prompt(model, plan):
         source.attend(0, [BatchEntry("kv-src", pos, n)], q, k, v)
     # The baseline streams the very bytes of the export's messages (real K/V, not zeros).
     payloads = [c.SerializeToString() for c in source.export_kv("kv-src")]
@@ -450,6 +461,42 @@ def bench_kv_transfer(
             "echo": cpu.mean_ms("echo", ("client", "echo")),
         },
     }
+
+
+def engine_work(model: Model, plan: Plan) -> dict[str, float]:
+    """The engines' own share of a transfer, without gRPC: median CPU ms, in this process, of the source's
+    export (each message's engine job as TransferKV runs it: read the pages, checksum, encode) and of the
+    target's import (decode each message, check its checksums, write it into the pages), on two engines
+    configured as the KV servers are, holding the same sequence. Each exported message is dropped once
+    encoded, as a sent one is; the import of the kept messages is then aborted, untimed.
+
+    This process takes the servers' malloc thresholds for it (chunkattn_server/allocator.py), after every
+    row that gRPC times."""
+    allocator.keep_freed_memory()
+    config = engine_config(parse(model.kv_server_args()))
+    source, target = Engine(config), Engine(config)
+    for pos, n, q, k, v in _kv_prompt(model, plan):
+        source.attend(0, [BatchEntry("kv-src", pos, n)], *(torch.from_numpy(x) for x in (q, k, v)))
+    manifest = source.export_manifest("kv-src", None)
+    jobs = [exporter(manifest, batch) for batch in message_batches(manifest, DEFAULT_KV_MESSAGE_BYTES)]
+    export_s: list[float] = []
+    import_s: list[float] = []
+    for _ in range(plan.repeats + 1):  # the first round warms up, untimed
+        started = time.thread_time()
+        for job in jobs:
+            job(source)
+        export_s.append(time.thread_time() - started)
+        messages = [job(source)[0] for job in jobs]
+        session = target.begin_import(manifest)
+        started = time.thread_time()
+        for message in messages:
+            part, records = kvwire.decode(message)
+            if part != "blocks" or not isinstance(records, list):
+                raise SystemExit(f"an export message decoded as {part!r}, not blocks")
+            target.import_records(session, records)
+        import_s.append(time.thread_time() - started)
+        target.abort_import(session)
+    return {"export": 1e3 * statistics.median(export_s[1:]), "import": 1e3 * statistics.median(import_s[1:])}
 
 
 class CpuTimes:
@@ -520,6 +567,7 @@ def run(model: Model, plan: Plan) -> dict[str, Any]:
     finally:
         for child in reversed(children):
             child.stop()
+    kv["engine_cpu_ms"] = engine_work(model, plan)  # with every server stopped
     return {
         "date": date.today().isoformat(),
         "machine": f"{cpu_name()}, {os.cpu_count()} cores, Python {platform.python_version()},"
@@ -579,6 +627,11 @@ def report(result: dict[str, Any]) -> str:
             + "; echo "
             + ", ".join(f"{n} {ms:.0f}" for n, ms in cpu["echo"].items())
         )
+    work = kv["engine_cpu_ms"]
+    lines.append(
+        f"the engines' own work, measured alone (no gRPC), CPU ms per transfer: export {work['export']:.0f},"
+        f" import {work['import']:.0f}"
+    )
     lines += [
         "",
         "target: ours/echo >= 0.8x at 1 MiB and above (64 KiB and below: no target), and for the KV transfer;"

@@ -38,3 +38,5 @@ def test_transport_benchmark_smoke_run_writes_the_documented_json(tmp_path: Path
     assert kv["echo_mbps"] > 0
     assert set(kv["cpu_ms"]["ours"]) == {"source", "target", "client"}  # /proc exists where CI runs
     assert all(ms >= 0 for ms in kv["cpu_ms"]["ours"].values())  # /proc counts 10 ms ticks: a smoke run may read 0
+    assert set(kv["engine_cpu_ms"]) == {"export", "import"}
+    assert all(ms > 0 for ms in kv["engine_cpu_ms"].values())  # thread_time: fine-grained, never 0 for real work

@@ -139,10 +139,8 @@ class KVService:
         With ``failure``, an error ends the stream early (no trailer: the importer sees it cut short) and is
         kept there for the caller, instead of being raised into the consumer (gRPC's request stream)."""
         yield kvwire.encode_header(manifest, as_id)
-        expected = manifest.expected()
-        per_message = max(1, limit // (record_bytes(manifest.model) + 64))
-        todo = batches(expected, per_message)
-        pending = asyncio.ensure_future(self._run("ExportKV", _exporter(manifest, todo[0]))) if todo else None
+        todo = message_batches(manifest, limit)
+        pending = asyncio.ensure_future(self._run("ExportKV", exporter(manifest, todo[0]))) if todo else None
         try:
             for i in range(len(todo)):
                 assert pending is not None
@@ -154,7 +152,7 @@ class KVService:
                     failure.append(e)
                     return
                 pending = (
-                    asyncio.ensure_future(self._run("ExportKV", _exporter(manifest, todo[i + 1])))
+                    asyncio.ensure_future(self._run("ExportKV", exporter(manifest, todo[i + 1])))
                     if i + 1 < len(todo)
                     else None
                 )
@@ -164,7 +162,7 @@ class KVService:
         finally:
             if pending is not None:
                 pending.cancel()
-        yield kvwire.encode_trailer(len(expected))
+        yield kvwire.encode_trailer(len(manifest.expected()))
 
     async def _import(self, chunks: AsyncIterator[bytes]) -> pb.ImportKVResponse:
         it = chunks.__aiter__()
@@ -295,9 +293,16 @@ def _releaser(manifest: KVManifest) -> Callable[[Engine], EngineStats]:
     return job
 
 
-def _exporter(manifest: KVManifest, batch: Sequence[tuple[int, int]]) -> Callable[[Engine], tuple[bytes, int, int]]:
-    """A job that reads ``batch`` and encodes it: (serialized KVChunk, blocks, K/V bytes), on the worker,
-    leaving the event loop to gRPC. On the CPU the pages are copied once, straight into the message."""
+def message_batches(manifest: KVManifest, limit: int) -> list[Sequence[tuple[int, int]]]:
+    """The export's records (layer, logical block) cut into messages of at most ``limit`` bytes (at least
+    one record each)."""
+    return batches(manifest.expected(), max(1, limit // (record_bytes(manifest.model) + 64)))
+
+
+def exporter(manifest: KVManifest, batch: Sequence[tuple[int, int]]) -> Callable[[Engine], tuple[bytes, int, int]]:
+    """The engine job that reads one message's records and encodes them: (serialized KVChunk, blocks, K/V
+    bytes), on the worker, leaving the event loop to gRPC. On the CPU the pages are copied once, straight
+    into the message."""
 
     def job(e: Engine) -> tuple[bytes, int, int]:
         views = e.export_views(manifest, batch)
