@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -28,6 +29,24 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def connections(pid: int, port: int) -> set[int]:
+    """Local ports of the established TCP connections from process ``pid`` to ``port`` (Linux /proc; gRPC's
+    sockets are IPv6 ones, with IPv4-mapped addresses for 127.0.0.1)."""
+    sockets = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            sockets.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in list(f)[1:]:
+                fields = line.split()
+                local, remote, state, inode = fields[1], fields[2], fields[3], fields[9]
+                if state == "01" and int(remote.split(":")[1], 16) == port and f"socket:[{inode}]" in sockets:
+                    ports.add(int(local.split(":")[1], 16))
+    return ports
 
 
 class ServerProcess:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from chunkattn_server import CacheConfig, Engine, EngineConfig, LayerSpec, ModelShape
+from chunkattn_server.__main__ import main as server_main
 from chunkattn_server.config import demo_model
 from chunkattn_server.errors import ConfigError
 
@@ -74,3 +75,15 @@ def test_sharers_join_their_source_group_and_pool_is_sized_from_the_budget() -> 
 
 def test_demo_model_is_llama4_interleaved() -> None:
     assert [s.chunk_size for s in demo_model().layers] == [1024, 1024, 1024, 0]
+
+
+@pytest.mark.parametrize("value", ["2", "-1"])
+def test_a_transfer_keepalive_servers_would_refuse_is_refused_at_start(
+    value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as e:
+        server_main(["--transfer-keepalive-s", value])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--transfer-keepalive-s must be 0 (no pings) or >= 5, the most frequent pings chunkattn servers" in err
+    assert f"accept; got {value}" in err

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import os
 import signal
 import tempfile
 import threading
@@ -22,7 +23,7 @@ from chunkattn_client import BatchEntry, ChunkAttnClient, ChunkAttnError, Refere
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2_grpc as pb_grpc
 from chunkattn_client.reference import within_tolerance
-from tests.server_process import SMALL, ServerProcess
+from tests.server_process import SMALL, ServerProcess, connections
 
 H, HKV, D = 4, 2, 16
 CHUNKS = [16, 16, 16, 0]
@@ -462,3 +463,24 @@ def test_bytes_that_are_not_an_attend_request_are_invalid_argument(server: Serve
             attend(b"\x1a\x05ab", timeout=30)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "not a valid chunkattn.v1.AttendRequest" in (err.value.details() or "")
+
+
+@pytest.mark.slow  # ~25 s: five pings 5.5 s apart
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads the connections from Linux's /proc/net/tcp")
+def test_a_client_pinging_every_few_seconds_keeps_its_connection(server: ServerProcess) -> None:
+    """Keepalive pings 5.5 s apart, between calls, are welcome (MIN_PING_INTERVAL_S is 5). With gRPC's own
+    server policy (one ping per 5 minutes, none between calls) the third such ping gets GOAWAY
+    "too_many_pings", which closes the connection."""
+    options = [
+        ("grpc.keepalive_time_ms", 5500),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),  # else the client itself slows down to one ping a minute
+    ]
+    with grpc.insecure_channel(server.target, options=options) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        answer = health.Check(health_pb2.HealthCheckRequest(), timeout=30)
+        assert answer.status == health_pb2.HealthCheckResponse.SERVING
+        first = connections(os.getpid(), server.port)
+        assert len(first) == 1
+        time.sleep(25)
+        assert connections(os.getpid(), server.port) == first, "the server hung up on the pings"

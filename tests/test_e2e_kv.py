@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -16,7 +16,7 @@ import pytest
 
 from chunkattn_client import BatchEntry, ChunkAttnClient, ChunkAttnError, ReferenceModel, kvfile
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
-from tests.server_process import SMALL, ServerProcess, counter, free_port
+from tests.server_process import SMALL, ServerProcess, connections, counter, free_port
 
 H, HKV, D, C, BS = 4, 2, 16, 16, 4
 
@@ -196,33 +196,15 @@ def test_transfer_with_release_moves_the_sequence_and_counts_it(a: ServerProcess
     assert counter(a.metrics(), "chunkattn_kv_transfers_total", code="OK", direction="out") >= 1
 
 
-def _connections(pid: int, port: int) -> set[int]:
-    """Local ports of the established TCP connections from process ``pid`` to ``port`` (Linux /proc; gRPC's
-    sockets are IPv6 ones, with IPv4-mapped addresses for 127.0.0.1)."""
-    sockets = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        with contextlib.suppress(OSError):
-            sockets.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
-    ports = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            for line in list(f)[1:]:
-                fields = line.split()
-                local, remote, state, inode = fields[1], fields[2], fields[3], fields[9]
-                if state == "01" and int(remote.split(":")[1], 16) == port and f"socket:[{inode}]" in sockets:
-                    ports.add(int(local.split(":")[1], 16))
-    return ports
-
-
 @pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads the connections from Linux's /proc/net/tcp")
 def test_transfers_to_one_target_reuse_the_sources_connection(a: ServerProcess, b: ServerProcess) -> None:
     with client(a) as ca, client(b) as cb:
         Feed(8).step([ca], ["kept"], 0, 9)
         ca.transfer_kv("kept", b.target, new_seq_id="kept-1")
-        first = _connections(a.proc.pid, b.port)
+        first = connections(a.proc.pid, b.port)
         assert len(first) == 1, f"the source holds {len(first)} connections to the target after a transfer"
         ca.transfer_kv("kept", b.target, new_seq_id="kept-2")
-        assert _connections(a.proc.pid, b.port) == first  # the same connection, not a new one
+        assert connections(a.proc.pid, b.port) == first  # the same connection, not a new one
         assert cb.release(["kept-1", "kept-2"]) == 2
         ca.release(["kept"])
 
@@ -341,3 +323,37 @@ def test_an_import_cancelled_mid_stream_returns_every_reserved_block(
     while pool(b) != (free_before, active_before):
         assert time.monotonic() < deadline, f"blocks not returned: {pool(b)} vs {(free_before, active_before)}"
         time.sleep(0.05)
+
+
+@pytest.mark.slow  # ~20 s: two servers and two keepalive periods
+def test_a_frozen_target_fails_the_transfer_after_an_unanswered_ping_not_at_its_deadline() -> None:
+    """A target that stops answering without closing its connection (SIGSTOP: the kernel keeps the TCP
+    connection up, nothing answers HTTP/2 pings; as a host cut off or powered off) fails the transfer with
+    UNAVAILABLE within two keepalive periods of the source, not at the call's 120 s deadline. The source
+    keeps its sequence and its blocks, and transfers again once the target is back."""
+    with (
+        ServerProcess(*SMALL, "--transfer-keepalive-s", "5") as source,
+        ServerProcess(*SMALL) as target,
+        ChunkAttnClient(source.target, timeout_s=120) as cs,
+    ):
+        Feed(9).step([cs], ["frozen"], 0, 9)
+        cs.transfer_kv("frozen", target.target, new_seq_id="before")  # the source now holds a channel
+        before = pool(source)
+        target.proc.send_signal(signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(ChunkAttnError) as e:
+                cs.transfer_kv("frozen", target.target, new_seq_id="during")
+            took = time.monotonic() - started
+        finally:
+            target.proc.send_signal(signal.SIGCONT)
+        assert e.value.code == grpc.StatusCode.UNAVAILABLE, e.value
+        assert "did not import" in e.value.message
+        assert took < 30, f"the source found out after {took:.0f} s (keepalive 5 s)"
+        assert pool(source) == before
+        cs.transfer_kv("frozen", target.target, new_seq_id="after")  # a fresh channel
+        with client(target) as ct:
+            assert ct.release(["before", "after"]) == 2
+            if ct.info().active_sequences:  # "during" could land once the target resumed; only its answer was lost
+                assert ct.release(["during"]) == 1
+        cs.release(["frozen"])

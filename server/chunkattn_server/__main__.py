@@ -26,7 +26,8 @@ from chunkattn_client import hfconfig
 from chunkattn_server import allocator
 from chunkattn_server.config import CacheConfig, EngineConfig, LayerSpec, ModelShape
 from chunkattn_server.errors import ConfigError
-from chunkattn_server.server import ServerConfig, serve
+from chunkattn_server.kv_service import DEFAULT_TRANSFER_KEEPALIVE_S
+from chunkattn_server.server import MIN_PING_INTERVAL_S, ServerConfig, serve
 
 log = logging.getLogger("chunkattn_server")
 
@@ -55,6 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=60.0,
         help="abandon a KV import whose next message takes longer, returning its blocks (default 60; 0: never)",
+    )
+    g.add_argument(
+        "--transfer-keepalive-s",
+        type=float,
+        default=DEFAULT_TRANSFER_KEEPALIVE_S,
+        help="TransferKV pings its target after this long without news and fails if no answer comes within as"
+        f" long (default {DEFAULT_TRANSFER_KEEPALIVE_S:g}; 0: no pings; else >= {MIN_PING_INTERVAL_S})",
     )
     m = p.add_argument_group("model (the attention shape; must match the client's model)")
     m.add_argument("--preset", choices=sorted(PRESETS), default="demo", help="start from a known shape (default demo)")
@@ -170,6 +178,11 @@ def main(argv: list[str] | None = None) -> int:
     for flag in ("idle_timeout_s", "grace_s", "max_concurrent_rpcs", "max_message_mib", "kv_import_stall_s"):
         if getattr(args, flag) < 0:
             build_parser().error(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
+    if 0 < args.transfer_keepalive_s < MIN_PING_INTERVAL_S or args.transfer_keepalive_s < 0:
+        build_parser().error(
+            f"--transfer-keepalive-s must be 0 (no pings) or >= {MIN_PING_INTERVAL_S}, the most frequent pings"
+            f" chunkattn servers accept; got {args.transfer_keepalive_s:g}"
+        )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log.info("%s", allocator.keep_freed_memory())
     server = ServerConfig(
@@ -181,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         idle_timeout_s=args.idle_timeout_s,
         grace_s=args.grace_s,
         kv_import_stall_s=args.kv_import_stall_s,
+        transfer_keepalive_s=args.transfer_keepalive_s,
     )
     try:
         asyncio.run(serve(engine_config(args), server))

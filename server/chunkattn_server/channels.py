@@ -8,8 +8,9 @@ least recently used first.
 A kept channel can go bad while idle. One that gRPC reports in TRANSIENT_FAILURE or SHUTDOWN is replaced
 when next used, and one whose transfer failed with UNAVAILABLE or DEADLINE_EXCEEDED is dropped, so the
 next transfer connects afresh instead of waiting out gRPC's reconnect backoff (the pool's channels do not
-share connections with any other channel: a local subchannel pool). Without keepalive pings, a target
-whose host vanished without resetting the connection costs the transfer that finds out its deadline.
+share connections with any other channel: a local subchannel pool). A target whose host vanished without
+resetting the connection is found by the keepalive pings the caller's ``options`` configure
+(kv_service.py): the unanswered ping fails the transfer with UNAVAILABLE, which drops the channel.
 """
 
 from __future__ import annotations

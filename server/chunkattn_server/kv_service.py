@@ -33,6 +33,7 @@ Run = Callable[[str, Callable[[Engine], T]], Awaitable[T]]
 DEFAULT_KV_MESSAGE_BYTES = 4 << 20
 DEFAULT_TRANSFER_TIMEOUT_S = 600.0  # when the caller sets no deadline: a hung target must not pin us forever
 DEFAULT_IMPORT_STALL_S = 60.0  # an import that sends nothing this long is abandoned and its blocks returned
+DEFAULT_TRANSFER_KEEPALIVE_S = 30.0  # TransferKV's channels ping their target after this long without news
 IMPORT_KV = "/chunkattn.v1.ChunkAttn/ImportKV"
 
 
@@ -48,6 +49,7 @@ class KVService:
         *,
         max_message_bytes: int,
         import_stall_s: float = DEFAULT_IMPORT_STALL_S,
+        transfer_keepalive_s: float = DEFAULT_TRANSFER_KEEPALIVE_S,
     ) -> None:
         self._run = run
         self._count = count
@@ -55,7 +57,15 @@ class KVService:
         self._metrics = metrics
         self._max_message_bytes = max_message_bytes
         self._import_stall_s = import_stall_s  # 0: wait for ever (the client's deadline still applies)
-        self._targets = ChannelPool(channel_options(max_message_bytes, None))  # TransferKV's, kept open
+        # TransferKV's channels, kept open. With keepalive, a target whose host vanished without closing the
+        # connection (no reset: powered off, cut off, frozen) is found out within two keepalive periods, an
+        # unanswered ping failing the transfer with UNAVAILABLE, instead of at the transfer's deadline.
+        # Both timeouts: with the keepalive one alone, gRPC 1.85 still waited its 60 s ping timeout.
+        options = channel_options(max_message_bytes, transfer_keepalive_s or None)
+        if transfer_keepalive_s:
+            wait_ms = int(transfer_keepalive_s * 1000)
+            options += [("grpc.keepalive_timeout_ms", wait_ms), ("grpc.http2.ping_timeout_ms", wait_ms)]
+        self._targets = ChannelPool(options)
 
     def handlers(self) -> dict[str, grpc.RpcMethodHandler[Any, Any]]:
         def ser(m: Any) -> bytes:

@@ -22,7 +22,7 @@ from prometheus_client import start_http_server
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_server.config import EngineConfig
 from chunkattn_server.engine import Engine
-from chunkattn_server.kv_service import DEFAULT_IMPORT_STALL_S
+from chunkattn_server.kv_service import DEFAULT_IMPORT_STALL_S, DEFAULT_TRANSFER_KEEPALIVE_S
 from chunkattn_server.metrics import Metrics
 from chunkattn_server.service import ChunkAttnService
 from chunkattn_server.worker import EngineWorker
@@ -31,11 +31,22 @@ log = logging.getLogger("chunkattn_server")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ChunkAttn"].full_name
 
+# Keepalive pings from clients (ChunkAttnClient(keepalive_s=...)) and from other servers' TransferKV channels
+# are accepted as often as every MIN_PING_INTERVAL_S, between calls too. gRPC's own policy takes one ping per
+# 5 minutes while the server sends nothing, none between calls, and answers the third ping too many with
+# GOAWAY "too_many_pings", closing the connection and failing every call on it.
+MIN_PING_INTERVAL_S = 5
+PING_POLICY = [
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_S * 1000),
+]
+
 
 @dataclass(frozen=True)
 class ServerConfig:
     """Network and limits. metrics_port 0 disables /metrics; idle_timeout_s 0 disables eviction;
-    kv_import_stall_s 0 lets a KV import wait for its next message for ever."""
+    kv_import_stall_s 0 lets a KV import wait for its next message for ever; transfer_keepalive_s 0 (else
+    >= MIN_PING_INTERVAL_S) sends no keepalive pings to TransferKV's targets."""
 
     host: str = "127.0.0.1"
     port: int = 50051
@@ -45,6 +56,7 @@ class ServerConfig:
     idle_timeout_s: float = 600.0
     grace_s: float = 10.0
     kv_import_stall_s: float = DEFAULT_IMPORT_STALL_S
+    transfer_keepalive_s: float = DEFAULT_TRANSFER_KEEPALIVE_S
 
 
 async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
@@ -59,10 +71,15 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
     options = [
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.max_receive_message_length", config.max_message_bytes),
+        *PING_POLICY,
     ]
     server = grpc.aio.server(options=options, maximum_concurrent_rpcs=config.max_concurrent_rpcs or None)
     service = ChunkAttnService(
-        worker, metrics, max_message_bytes=config.max_message_bytes, import_stall_s=config.kv_import_stall_s
+        worker,
+        metrics,
+        max_message_bytes=config.max_message_bytes,
+        import_stall_s=config.kv_import_stall_s,
+        transfer_keepalive_s=config.transfer_keepalive_s,
     )
     service.add_to_server(server)
     health_servicer = health.aio.HealthServicer()

@@ -19,7 +19,7 @@ from chunkattn_client.batch import BatchEntry
 from chunkattn_server import __version__
 from chunkattn_server.engine import DTYPES, Engine, EngineStats
 from chunkattn_server.errors import InvalidArgument, InvalidTensor, status_code
-from chunkattn_server.kv_service import DEFAULT_IMPORT_STALL_S, KVService
+from chunkattn_server.kv_service import DEFAULT_IMPORT_STALL_S, DEFAULT_TRANSFER_KEEPALIVE_S, KVService
 from chunkattn_server.metrics import Metrics
 from chunkattn_server.worker import EngineWorker
 
@@ -74,6 +74,7 @@ class ChunkAttnService:
         *,
         max_message_bytes: int,
         import_stall_s: float = DEFAULT_IMPORT_STALL_S,
+        transfer_keepalive_s: float = DEFAULT_TRANSFER_KEEPALIVE_S,
     ) -> None:
         self._worker = worker
         self._metrics = metrics
@@ -86,6 +87,7 @@ class ChunkAttnService:
             metrics,
             max_message_bytes=max_message_bytes,
             import_stall_s=import_stall_s,
+            transfer_keepalive_s=transfer_keepalive_s,
         )
         metrics.kv_blocks_total.set(worker.engine.stats().num_blocks)
 
