@@ -17,7 +17,8 @@ channels use the same options (max message sizes), and the echo process gets the
 server gives itself (chunkattn_server/allocator.py), through MALLOC_*_THRESHOLD_: without them its cost per
 message depended on what it had received before (glibc adapts its thresholds to the largest blocks freed),
 which moved the KV row's baseline between ~1,400 and ~2,200 MB/s from run to run. This process (the client
-of both) imports chunkattn_server for those numbers, and with it torch, which it does not use.
+of both) imports chunkattn_server for those numbers and for the engines of the KV row's last line, and with
+it torch; it runs no engine while gRPC is timed.
 
 Payloads: 64 KiB, 1 MiB and 16 MiB requests, each unary (one RPC per call) and stream (one long-lived
 bidirectional stream per contender, each request awaited before the next is sent, as a model runner does).
@@ -463,16 +464,17 @@ def bench_kv_transfer(
     }
 
 
-def engine_work(model: Model, plan: Plan) -> dict[str, float]:
+def engine_work(model: Model, plan: Plan) -> tuple[dict[str, float], str]:
     """The engines' own share of a transfer, without gRPC: median CPU ms, in this process, of the source's
     export (each message's engine job as TransferKV runs it: read the pages, checksum, encode) and of the
     target's import (decode each message, check its checksums, write it into the pages), on two engines
-    configured as the KV servers are, holding the same sequence. Each exported message is dropped once
-    encoded, as a sent one is; the import of the kept messages is then aborted, untimed.
+    configured as the KV servers are, holding the same sequence; and the malloc setting it ran under.
 
-    This process takes the servers' malloc thresholds for it (chunkattn_server/allocator.py), after every
-    row that gRPC times."""
-    allocator.keep_freed_memory()
+    As in the servers, each exported message is dropped once encoded (it was sent), and each imported one
+    is read just after it was written: a fresh copy of a message, as gRPC's receive makes, untimed. The
+    import is then aborted, untimed. This process takes the servers' malloc thresholds for it
+    (chunkattn_server/allocator.py), after every row that gRPC times."""
+    malloc = allocator.keep_freed_memory()
     config = engine_config(parse(model.kv_server_args()))
     source, target = Engine(config), Engine(config)
     for pos, n, q, k, v in _kv_prompt(model, plan):
@@ -486,17 +488,20 @@ def engine_work(model: Model, plan: Plan) -> dict[str, float]:
         for job in jobs:
             job(source)
         export_s.append(time.thread_time() - started)
-        messages = [job(source)[0] for job in jobs]
         session = target.begin_import(manifest)
-        started = time.thread_time()
-        for message in messages:
-            part, records = kvwire.decode(message)
+        spent = 0.0
+        for job in jobs:
+            received = bytes(memoryview(job(source)[0]))  # a copy: fresh memory, as gRPC's receive makes
+            started = time.thread_time()
+            part, records = kvwire.decode(received)
             if part != "blocks" or not isinstance(records, list):
                 raise SystemExit(f"an export message decoded as {part!r}, not blocks")
             target.import_records(session, records)
-        import_s.append(time.thread_time() - started)
+            spent += time.thread_time() - started
+        import_s.append(spent)
         target.abort_import(session)
-    return {"export": 1e3 * statistics.median(export_s[1:]), "import": 1e3 * statistics.median(import_s[1:])}
+    cpu_ms = {"export": 1e3 * statistics.median(export_s[1:]), "import": 1e3 * statistics.median(import_s[1:])}
+    return cpu_ms, malloc
 
 
 class CpuTimes:
@@ -567,7 +572,7 @@ def run(model: Model, plan: Plan) -> dict[str, Any]:
     finally:
         for child in reversed(children):
             child.stop()
-    kv["engine_cpu_ms"] = engine_work(model, plan)  # with every server stopped
+    kv["engine_cpu_ms"], kv["engine_malloc"] = engine_work(model, plan)  # with every server stopped
     return {
         "date": date.today().isoformat(),
         "machine": f"{cpu_name()}, {os.cpu_count()} cores, Python {platform.python_version()},"
@@ -630,7 +635,7 @@ def report(result: dict[str, Any]) -> str:
     work = kv["engine_cpu_ms"]
     lines.append(
         f"the engines' own work, measured alone (no gRPC), CPU ms per transfer: export {work['export']:.0f},"
-        f" import {work['import']:.0f}"
+        f" import {work['import']:.0f} ({kv['engine_malloc']})"
     )
     lines += [
         "",

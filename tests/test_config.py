@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
+from chunkattn_client import ChunkAttnClient
 from chunkattn_server import CacheConfig, Engine, EngineConfig, LayerSpec, ModelShape
-from chunkattn_server.__main__ import main as server_main
+from chunkattn_server.__main__ import check, parse
 from chunkattn_server.config import demo_model
 from chunkattn_server.errors import ConfigError
 
@@ -77,13 +80,21 @@ def test_demo_model_is_llama4_interleaved() -> None:
     assert [s.chunk_size for s in demo_model().layers] == [1024, 1024, 1024, 0]
 
 
-@pytest.mark.parametrize("value", ["2", "-1"])
-def test_a_transfer_keepalive_servers_would_refuse_is_refused_at_start(
+@pytest.mark.parametrize("value", ["2", "-1", "nan", "inf", "1e7"])
+def test_a_keepalive_servers_would_refuse_or_grpc_cannot_take_is_refused_up_front(
     value: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(SystemExit) as e:
-        server_main(["--transfer-keepalive-s", value])
+        check(parse(["--transfer-keepalive-s", value]))
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert "--transfer-keepalive-s must be 0 (no pings) or >= 5, the most frequent pings chunkattn servers" in err
-    assert f"accept; got {value}" in err
+    assert "--transfer-keepalive-s: keepalive must be 0 (no pings) or from 5 s (chunkattn servers refuse more" in err
+    assert f"to 86400 s; got {float(value):g}" in err
+    with pytest.raises(ValueError, match=re.escape(f"s; got {float(value):g}")):
+        ChunkAttnClient("127.0.0.1:1", keepalive_s=float(value))
+
+
+@pytest.mark.parametrize("value", [0.0, 5.0, 86_400.0])
+def test_keepalives_servers_accept_are_taken(value: float) -> None:
+    check(parse(["--transfer-keepalive-s", str(value)]))
+    ChunkAttnClient("127.0.0.1:1", keepalive_s=value).close()

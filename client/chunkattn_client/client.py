@@ -173,13 +173,39 @@ def open_channel(
     return api.secure_channel(target, creds, options=options)
 
 
+# Keepalive pings: chunkattn servers take one every MIN_KEEPALIVE_S or more (server.PING_POLICY).
+MIN_KEEPALIVE_S = 5.0
+MAX_KEEPALIVE_S = 86_400.0
+
+
+def check_keepalive(keepalive_s: float | None) -> None:
+    """ValueError unless ``keepalive_s`` is None or 0 (no pings) or within [MIN_KEEPALIVE_S, MAX_KEEPALIVE_S]."""
+    if keepalive_s and not MIN_KEEPALIVE_S <= keepalive_s <= MAX_KEEPALIVE_S:  # NaN fails the comparison too
+        raise ValueError(
+            f"keepalive must be 0 (no pings) or from {MIN_KEEPALIVE_S:g} s (chunkattn servers refuse more frequent"
+            f" pings) to {MAX_KEEPALIVE_S:g} s; got {keepalive_s:g}"
+        )
+
+
 def channel_options(max_message_bytes: int, keepalive_s: float | None) -> list[tuple[str, Any]]:
+    """gRPC channel arguments. With ``keepalive_s``, the channel pings the server after that long without
+    activity (between calls too) and closes the connection, failing its calls with UNAVAILABLE, when a ping
+    is not answered within as long: a server that vanished without closing the connection is found out
+    within ~2 x keepalive_s. ValueError for a keepalive servers would refuse (see check_keepalive)."""
     options: list[tuple[str, Any]] = [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
     ]
     if keepalive_s:
-        options += [("grpc.keepalive_time_ms", int(keepalive_s * 1000)), ("grpc.keepalive_permit_without_calls", 1)]
+        check_keepalive(keepalive_s)
+        ms = int(keepalive_s * 1000)
+        options += [
+            ("grpc.keepalive_time_ms", ms),
+            ("grpc.keepalive_permit_without_calls", 1),
+            # Both timeouts: with the keepalive one alone, gRPC 1.85 still waits its 60 s ping timeout.
+            ("grpc.keepalive_timeout_ms", ms),
+            ("grpc.http2.ping_timeout_ms", ms),
+        ]
     return options
 
 

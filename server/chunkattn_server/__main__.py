@@ -23,11 +23,12 @@ import sys
 from typing import Any
 
 from chunkattn_client import hfconfig
+from chunkattn_client.client import MIN_KEEPALIVE_S, check_keepalive
 from chunkattn_server import allocator
 from chunkattn_server.config import CacheConfig, EngineConfig, LayerSpec, ModelShape
 from chunkattn_server.errors import ConfigError
 from chunkattn_server.kv_service import DEFAULT_TRANSFER_KEEPALIVE_S
-from chunkattn_server.server import MIN_PING_INTERVAL_S, ServerConfig, serve
+from chunkattn_server.server import ServerConfig, serve
 
 log = logging.getLogger("chunkattn_server")
 
@@ -62,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=DEFAULT_TRANSFER_KEEPALIVE_S,
         help="TransferKV pings its target after this long without news and fails if no answer comes within as"
-        f" long (default {DEFAULT_TRANSFER_KEEPALIVE_S:g}; 0: no pings; else >= {MIN_PING_INTERVAL_S})",
+        f" long (default {DEFAULT_TRANSFER_KEEPALIVE_S:g}; 0: no pings; else >= {MIN_KEEPALIVE_S:g})",
     )
     m = p.add_argument_group("model (the attention shape; must match the client's model)")
     m.add_argument("--preset", choices=sorted(PRESETS), default="demo", help="start from a known shape (default demo)")
@@ -173,16 +174,20 @@ def cache_config(args: argparse.Namespace) -> CacheConfig:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse(argv)
+def check(args: argparse.Namespace) -> None:
+    """Exit with a usage error (status 2) naming the first flag out of range."""
     for flag in ("idle_timeout_s", "grace_s", "max_concurrent_rpcs", "max_message_mib", "kv_import_stall_s"):
         if getattr(args, flag) < 0:
             build_parser().error(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
-    if 0 < args.transfer_keepalive_s < MIN_PING_INTERVAL_S or args.transfer_keepalive_s < 0:
-        build_parser().error(
-            f"--transfer-keepalive-s must be 0 (no pings) or >= {MIN_PING_INTERVAL_S}, the most frequent pings"
-            f" chunkattn servers accept; got {args.transfer_keepalive_s:g}"
-        )
+    try:
+        check_keepalive(args.transfer_keepalive_s)
+    except ValueError as e:
+        build_parser().error(f"--transfer-keepalive-s: {e}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    check(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log.info("%s", allocator.keep_freed_memory())
     server = ServerConfig(

@@ -60,12 +60,7 @@ class KVService:
         # TransferKV's channels, kept open. With keepalive, a target whose host vanished without closing the
         # connection (no reset: powered off, cut off, frozen) is found out within two keepalive periods, an
         # unanswered ping failing the transfer with UNAVAILABLE, instead of at the transfer's deadline.
-        # Both timeouts: with the keepalive one alone, gRPC 1.85 still waited its 60 s ping timeout.
-        options = channel_options(max_message_bytes, transfer_keepalive_s or None)
-        if transfer_keepalive_s:
-            wait_ms = int(transfer_keepalive_s * 1000)
-            options += [("grpc.keepalive_timeout_ms", wait_ms), ("grpc.http2.ping_timeout_ms", wait_ms)]
-        self._targets = ChannelPool(options)
+        self._targets = ChannelPool(channel_options(max_message_bytes, transfer_keepalive_s or None))
 
     def handlers(self) -> dict[str, grpc.RpcMethodHandler[Any, Any]]:
         def ser(m: Any) -> bytes:

@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
+from chunkattn_client.client import MIN_KEEPALIVE_S
 from chunkattn_server.config import EngineConfig
 from chunkattn_server.engine import Engine
 from chunkattn_server.kv_service import DEFAULT_IMPORT_STALL_S, DEFAULT_TRANSFER_KEEPALIVE_S
@@ -32,21 +33,21 @@ log = logging.getLogger("chunkattn_server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ChunkAttn"].full_name
 
 # Keepalive pings from clients (ChunkAttnClient(keepalive_s=...)) and from other servers' TransferKV channels
-# are accepted as often as every MIN_PING_INTERVAL_S, between calls too. gRPC's own policy takes one ping per
-# 5 minutes while the server sends nothing, none between calls, and answers the third ping too many with
-# GOAWAY "too_many_pings", closing the connection and failing every call on it.
-MIN_PING_INTERVAL_S = 5
+# are accepted every MIN_KEEPALIVE_S or more, between calls too (the policy allows a second less: pings are
+# timed on two clocks). gRPC's own policy takes one ping per 5 minutes while the server sends nothing, none
+# between calls, and answers the third ping too many with GOAWAY "too_many_pings", closing the connection
+# and failing every call on it.
 PING_POLICY = [
     ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_S * 1000),
+    ("grpc.http2.min_ping_interval_without_data_ms", int((MIN_KEEPALIVE_S - 1) * 1000)),
 ]
 
 
 @dataclass(frozen=True)
 class ServerConfig:
     """Network and limits. metrics_port 0 disables /metrics; idle_timeout_s 0 disables eviction;
-    kv_import_stall_s 0 lets a KV import wait for its next message for ever; transfer_keepalive_s 0 (else
-    >= MIN_PING_INTERVAL_S) sends no keepalive pings to TransferKV's targets."""
+    kv_import_stall_s 0 lets a KV import wait for its next message for ever; transfer_keepalive_s 0 sends no
+    keepalive pings to TransferKV's targets (else see chunkattn_client.client.check_keepalive)."""
 
     host: str = "127.0.0.1"
     port: int = 50051
