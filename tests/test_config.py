@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from chunkattn_client import ChunkAttnClient
+from chunkattn_client import AsyncChunkAttnClient, ChunkAttnClient
 from chunkattn_server import CacheConfig, Engine, EngineConfig, LayerSpec, ModelShape
 from chunkattn_server.__main__ import check, parse
 from chunkattn_server.config import demo_model
@@ -88,10 +88,11 @@ def test_a_keepalive_servers_would_refuse_or_grpc_cannot_take_is_refused_up_fron
         check(parse(["--transfer-keepalive-s", value]))
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert "--transfer-keepalive-s: keepalive must be 0 (no pings) or from 5 s (chunkattn servers refuse more" in err
-    assert f"to 86400 s; got {float(value):g}" in err
-    with pytest.raises(ValueError, match=re.escape(f"s; got {float(value):g}")):
-        ChunkAttnClient("127.0.0.1:1", keepalive_s=float(value))
+    assert "--transfer-keepalive-s: keepalive must be None or 0 (no pings), or from 5 s (chunkattn servers" in err
+    assert f"to 86400 s; got {float(value)!r}" in err
+    for client in (ChunkAttnClient, AsyncChunkAttnClient):
+        with pytest.raises(ValueError, match=re.escape(f"s; got {float(value)!r}")):
+            client("127.0.0.1:1", keepalive_s=float(value))
 
 
 @pytest.mark.parametrize("value", [0.0, 5.0, 86_400.0])

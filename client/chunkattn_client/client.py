@@ -182,8 +182,8 @@ def check_keepalive(keepalive_s: float | None) -> None:
     """ValueError unless ``keepalive_s`` is None or 0 (no pings) or within [MIN_KEEPALIVE_S, MAX_KEEPALIVE_S]."""
     if keepalive_s and not MIN_KEEPALIVE_S <= keepalive_s <= MAX_KEEPALIVE_S:  # NaN fails the comparison too
         raise ValueError(
-            f"keepalive must be 0 (no pings) or from {MIN_KEEPALIVE_S:g} s (chunkattn servers refuse more frequent"
-            f" pings) to {MAX_KEEPALIVE_S:g} s; got {keepalive_s:g}"
+            f"keepalive must be None or 0 (no pings), or from {MIN_KEEPALIVE_S:g} s (chunkattn servers refuse more"
+            f" frequent pings) to {MAX_KEEPALIVE_S:g} s; got {keepalive_s!r}"
         )
 
 
@@ -202,6 +202,7 @@ def channel_options(max_message_bytes: int, keepalive_s: float | None) -> list[t
         options += [
             ("grpc.keepalive_time_ms", ms),
             ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0),  # else, between calls, two pings and then one a minute
             # Both timeouts: with the keepalive one alone, gRPC 1.85 still waits its 60 s ping timeout.
             ("grpc.keepalive_timeout_ms", ms),
             ("grpc.http2.ping_timeout_ms", ms),

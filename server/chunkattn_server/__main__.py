@@ -23,7 +23,7 @@ import sys
 from typing import Any
 
 from chunkattn_client import hfconfig
-from chunkattn_client.client import MIN_KEEPALIVE_S, check_keepalive
+from chunkattn_client.client import MAX_KEEPALIVE_S, MIN_KEEPALIVE_S, check_keepalive
 from chunkattn_server import allocator
 from chunkattn_server.config import CacheConfig, EngineConfig, LayerSpec, ModelShape
 from chunkattn_server.errors import ConfigError
@@ -63,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=DEFAULT_TRANSFER_KEEPALIVE_S,
         help="TransferKV pings its target after this long without news and fails if no answer comes within as"
-        f" long (default {DEFAULT_TRANSFER_KEEPALIVE_S:g}; 0: no pings; else >= {MIN_KEEPALIVE_S:g})",
+        f" long (default {DEFAULT_TRANSFER_KEEPALIVE_S:g}; 0: no pings; else {MIN_KEEPALIVE_S:g} to"
+        f" {MAX_KEEPALIVE_S:g})",
     )
     m = p.add_argument_group("model (the attention shape; must match the client's model)")
     m.add_argument("--preset", choices=sorted(PRESETS), default="demo", help="start from a known shape (default demo)")
