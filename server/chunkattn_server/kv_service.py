@@ -167,7 +167,7 @@ class KVService:
         finally:
             if pending is not None:
                 pending.cancel()
-        yield kvwire.encode_trailer(len(manifest.expected()))
+        yield kvwire.encode_trailer(sum(len(batch) for batch in todo))
 
     async def _import(self, chunks: AsyncIterator[bytes]) -> pb.ImportKVResponse:
         it = chunks.__aiter__()

@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
-from chunkattn_client.client import MIN_KEEPALIVE_S
+from chunkattn_client.client import MIN_KEEPALIVE_S, channel_options
 from chunkattn_server.config import EngineConfig
 from chunkattn_server.engine import Engine
 from chunkattn_server.kv_service import DEFAULT_IMPORT_STALL_S, DEFAULT_TRANSFER_KEEPALIVE_S
@@ -69,11 +69,7 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
     worker = EngineWorker(lambda: Engine(engine_config))  # allocates the KV pool: SERVING only after this
     engine = worker.engine
     metrics = Metrics()
-    options = [
-        ("grpc.max_send_message_length", config.max_message_bytes),
-        ("grpc.max_receive_message_length", config.max_message_bytes),
-        *PING_POLICY,
-    ]
+    options = [*channel_options(config.max_message_bytes, None), *PING_POLICY]  # the clients' message limits
     server = grpc.aio.server(options=options, maximum_concurrent_rpcs=config.max_concurrent_rpcs or None)
     service = ChunkAttnService(
         worker,
