@@ -95,13 +95,24 @@ def _ready(shape: ModelShape = MODELS["gqa"]) -> tuple[Engine, Engine, KVManifes
 
 
 def test_an_export_reads_the_pages_in_place_and_checksums_the_bytes_it_sends() -> None:
-    src, _, manifest, _ = _ready()
+    """Blocks the layer holds whole are views of the pages; the last, partly filled one is a copy whose
+    positions past the sequence's length are zeros."""
+    src, _, manifest, _ = _ready()  # 21 tokens: blocks of 4, the last holds 1
     shape = MODELS["gqa"]
     pages = [t.view(torch.uint8).numpy() for t in src.cache.k]
-    for view in src.export_views(manifest, manifest.expected()):
-        assert len(view.k) == len(view.v) == shape.num_kv_heads  # one piece per head, no copy yet
-        k = [np.frombuffer(piece, np.uint8) for piece in view.k]
-        assert all(any(np.shares_memory(piece, slot) for slot in pages) for piece in k)
+    views = src.export_views(manifest, manifest.expected())
+    assert any(v.logical == 5 for v in views)
+    assert any(v.logical < 5 for v in views)
+    for view in views:
+        if view.logical < 5:
+            assert len(view.k) == len(view.v) == shape.num_kv_heads  # one piece per head, no copy yet
+            k = [np.frombuffer(piece, np.uint8) for piece in view.k]
+            assert all(any(np.shares_memory(piece, slot) for slot in pages) for piece in k)
+        else:
+            (k_bytes,) = view.k
+            rows = np.frombuffer(k_bytes, np.float32).reshape(shape.num_kv_heads, 4, shape.head_size)
+            assert rows[:, 0].any()
+            assert not rows[:, 1:].any()
         record = view.copy()
         assert view.nbytes == len(record.k) + len(record.v)
         assert record.intact()  # the checksum over the pieces is the checksum of the bytes as sent
@@ -207,20 +218,32 @@ def test_a_sequence_that_changes_during_its_export_is_reported() -> None:
         src.export_views(manifest, manifest.expected()[:1])
 
 
-@pytest.mark.parametrize(
-    ("change", "message"),
-    [
-        ({"lengths": (21, 21, 10**15, 21, 21, 10**15)}, "lacks blocks"),  # a forged length: refused at once
-        ({"blocks": None}, "more than once"),
-        ({"layers": (0, 1, 2, 3)}, "layer 4 has 21 tokens but its KV is not in the stream"),
-        ({"seq_id": ""}, "non-empty id"),
-    ],
-)
-def test_forged_manifests_are_refused_before_anything_is_reserved(change: dict[str, object], message: str) -> None:
+# The gqa model's KV groups: layers 0, 1 (C = 8); 2, 5 (global); 3, 4 (C = 16). 21 tokens in blocks of 4.
+FORGED: dict[str, tuple[dict[str, object], str]] = {
+    "a length past int64 arithmetic": ({"lengths": (21, 21, 2**63 - 1024, 21, 21, 21)}, "outside 0..2147483647"),
+    "a length with no blocks for it": ({"lengths": (21, 21, 10**9, 21, 21, 10**9)}, "need exactly"),
+    "a block listed twice": ({"blocks": "repeat"}, "need exactly"),
+    "a block no length needs": ({"blocks": "extra"}, "need exactly"),
+    # Blocks of a group none of whose layers is exported: nothing would write them, and an export of the new
+    # sequence would have sent what their last holder left there.
+    "blocks of a group nothing writes": ({"lengths": (21, 21, 21, 0, 0, 21), "layers": (0, 1, 2, 5)}, "need exactly"),
+    "a layer exported 3,000 times": ({"layers": (0,) * 3000}, "twice"),
+    "a layer that does not exist": ({"layers": (0, 1, 2, 3, 4, 5, 6)}, "distinct layers"),
+    "lengths of the wrong count": ({"lengths": (21,) * 5}, "this model has 6 layers"),
+    "a layer whose KV is not sent": ({"layers": (0, 1, 2, 3)}, "layer 4 has 21 tokens but its KV is not in the stream"),
+    "an empty id": ({"seq_id": ""}, "non-empty"),
+    "an id too long": ({"seq_id": "x" * 300}, "too long: at most 256 bytes of UTF-8, got 300"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FORGED))
+def test_forged_manifests_are_refused_before_anything_is_reserved(case: str) -> None:
     _, dst, manifest, _ = _ready()
-    if change.get("blocks", 0) is None:
+    change, message = FORGED[case]
+    if change.get("blocks") in ("repeat", "extra"):
         first = manifest.blocks[0]
-        change = {"blocks": ((*first, first[0]), *manifest.blocks[1:])}
+        more = first[0] if change["blocks"] == "repeat" else max(first) + 1
+        change = {"blocks": ((*first, more), *manifest.blocks[1:])}
     with pytest.raises((IncompatibleKV, InvalidBatch), match=message):
         dst.begin_import(dataclasses.replace(manifest, **change))  # type: ignore[arg-type]
     _unchanged(dst)

@@ -11,6 +11,7 @@ The engine is not thread-safe: exactly one worker calls it (the service's engine
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
 import warnings
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 
 from chunkattn_client.batch import BatchEntry
+from chunkattn_client.limits import MAX_BATCH, MAX_TOKENS, QUOTE_IDS, id_problem, quote, some
 from chunkattn_server.attention.backends import AttentionBatch, Backend, TorchBackend
 from chunkattn_server.config import EngineConfig, KVGroup, LayerSpec
 from chunkattn_server.errors import (
@@ -39,7 +41,7 @@ from chunkattn_server.errors import (
 from chunkattn_server.kv.block_pool import BlockPool
 from chunkattn_server.kv.cache import KVCache
 from chunkattn_server.kv.sequences import Retention, SequenceState, chunk_start
-from chunkattn_server.kv.transfer import BlockRecord, BlockView, KVManifest, ModelFingerprint, record_bytes
+from chunkattn_server.kv.transfer import BlockRecord, BlockView, KVManifest, ModelFingerprint, masked, record_bytes
 
 # Tensors made from received bytes (requests, imported KV) are read-only views; the engine never writes into
 # them, so torch.frombuffer's warning about it says nothing.
@@ -374,13 +376,15 @@ class Engine:
 
         Raises UnknownSequence (no parent), SequenceExists (child taken) or InvalidBatch (a bad id).
         """
+        for what, seq_id in (("parent", parent), ("child", child)):
+            problem = id_problem(seq_id, what)
+            if problem:
+                raise InvalidBatch(problem)
         state = self._seqs.get(parent)
         if state is None:
-            raise UnknownSequence(f"cannot fork sequence {parent!r}: it does not exist")
-        if not isinstance(child, str) or not child:
-            raise InvalidBatch(f"the new sequence's id must be a non-empty string, got {child!r}")
+            raise UnknownSequence(f"cannot fork sequence {quote(parent)}: it does not exist")
         if child in self._seqs:
-            raise SequenceExists(f"cannot fork into {child!r}: a sequence with that id exists; pick a new id")
+            raise SequenceExists(f"cannot fork into {quote(child)}: a sequence with that id exists; pick a new id")
         blocks = state.blocks()
         self.pool.share(blocks)
         self._seqs[child] = SequenceState(child, list(state.lengths), [dict(t) for t in state.tables])
@@ -402,83 +406,86 @@ class Engine:
 
     def export_manifest(self, seq_id: str, layers: Sequence[int] | None = None) -> KVManifest:
         """What an export of ``seq_id`` (every layer, or ``layers``) sends. Raises UnknownSequence,
-        UnknownLayer, or InvalidBatch for a KV-sharing layer listed without its source."""
-        state = self._seqs.get(seq_id)
-        if state is None:
-            raise UnknownSequence(f"cannot export sequence {seq_id!r}: it does not exist")
+        UnknownLayer, or InvalidBatch for a layer listed twice, or a KV-sharing layer listed without its
+        source or a source without its sharers (a source keeps older keys for its sharers: apart, either
+        side's state would be wrong).
+
+        Per KV group the manifest lists the blocks the exported layers need, nothing more."""
+        problem = id_problem(seq_id)
+        if problem:
+            raise InvalidBatch(problem)
         model = self.config.model
-        listed = sorted(set(range(model.num_layers) if layers is None else layers))
+        if layers is not None and len(set(layers)) != len(layers):
+            raise InvalidBatch(f"{len(layers)} layers to export with repeats; list each layer once")
+        listed = sorted(range(model.num_layers) if layers is None else layers)
         for layer in listed:
             spec = self._layer_spec(layer)
             if spec.kv_source is not None and spec.kv_source not in listed:
                 raise InvalidBatch(
                     f"layer {layer} reads layer {spec.kv_source}'s KV: export layer {spec.kv_source} too"
                 )
-        writing = tuple(x for x in listed if model.layers[x].kv_source is None)
-        groups = {self._group_of[x].index for x in writing}
+            missing = [s for s in self._retention.sharers_of(layer) if s not in listed]
+            if missing:
+                raise InvalidBatch(f"layer {layer}'s KV is read by layers {missing} (KV sharing): export them too")
+        state = self._seqs.get(seq_id)
+        if state is None:
+            raise UnknownSequence(f"cannot export sequence {quote(seq_id)}: it does not exist")
+        lengths = tuple(state.lengths[x] if x in listed else 0 for x in range(model.num_layers))
+        blocks = []
+        for group, table in zip(self.groups, state.tables, strict=True):
+            spans = self._retention.needed_blocks(lengths, group)
+            blocks.append(tuple(b for b in sorted(table) if any(lo <= b < hi for lo, hi in spans)))
         return KVManifest(
             seq_id=seq_id,
             model=self.fingerprint(),
-            lengths=tuple(state.lengths[x] if x in listed else 0 for x in range(model.num_layers)),
-            layers=writing,
-            blocks=tuple(tuple(sorted(t)) if g in groups else () for g, t in enumerate(state.tables)),
+            lengths=lengths,
+            layers=tuple(x for x in listed if model.layers[x].kv_source is None),
+            blocks=tuple(blocks),
             group_of=tuple(g.index for g in self._group_of),
         )
 
     def export_views(self, manifest: KVManifest, items: Sequence[tuple[int, int]]) -> list[BlockView]:
-        """The records (layer, logical block) of an export with their checksums, as views of the pages on the
-        CPU (see BlockView: encode them before this engine runs anything else).
+        """The records (layer, logical block) of an export with their checksums. A record carries only the
+        positions its layer wrote and keeps ([Retention.held_from, length)); the rest of the block is zeros,
+        never what an earlier holder of the block left there. Full blocks are views of the pages on the CPU
+        (see BlockView: encode them before this engine runs anything else).
 
         Raises SequenceChanged when the sequence is no longer what the manifest describes."""
         state = self._seqs.get(manifest.seq_id)
-        current = None if state is None else self.export_manifest(manifest.seq_id, _listed(manifest))
+        current = None if state is None else self.export_manifest(manifest.seq_id, self._listed(manifest))
         if current != manifest or state is None:
-            raise SequenceChanged(f"sequence {manifest.seq_id!r} changed during its export; export it again")
+            raise SequenceChanged(f"sequence {quote(manifest.seq_id)} changed during its export; export it again")
+        bs, heads = self.block_size, self.config.model.num_kv_heads
         views: list[BlockView] = []
         for layer in dict.fromkeys(x for x, _ in items):
             logicals = [b for x, b in items if x == layer]
             table = state.tables[self._group_of[layer].index]
             pieces = self.cache.block_views(self._slot_of[layer], [table[b] for b in logicals])
-            views += [BlockView.of(layer, b, k, v) for b, (k, v) in zip(logicals, pieces, strict=True)]
+            lo, hi = self._retention.held_from(manifest.lengths, layer), manifest.lengths[layer]
+            for b, (k, v) in zip(logicals, pieces, strict=True):
+                first, end = min(max(lo - b * bs, 0), bs), min(max(hi - b * bs, 0), bs)
+                if (first, end) == (0, bs):  # the whole block is the layer's: views, no copy
+                    views.append(BlockView.of(layer, b, k, v))
+                else:  # an edge of what the layer holds: a copy with the rest zeroed
+                    views.append(
+                        BlockView.of(layer, b, [masked(k, heads, bs, first, end)], [masked(v, heads, bs, first, end)])
+                    )
         return views
 
     def begin_import(self, manifest: KVManifest) -> ImportSession:
         """Check a manifest against this engine and reserve every block it needs (see kv/transfer.py).
 
-        Raises IncompatibleKV, SequenceExists or OutOfBlocks, having reserved nothing."""
-        diffs = self.fingerprint().differences(manifest.model)
-        if diffs:
-            raise IncompatibleKV("the KV comes from another model shape: " + "; ".join(diffs))
-        model = self.config.model
-        groups = len(self.groups)
-        if (
-            len(manifest.lengths) != model.num_layers
-            or len(manifest.blocks) != groups
-            or manifest.group_of != tuple(g.index for g in self._group_of)
-            or any(n < 0 for n in manifest.lengths)
-            or any(model.layers[x].kv_source is not None for x in manifest.layers)
-        ):
-            raise IncompatibleKV("the KV manifest contradicts this model's layers and KV groups")
-        for g, logicals in enumerate(manifest.blocks):
-            if len(set(logicals)) != len(logicals) or any(b < 0 for b in logicals):
-                raise IncompatibleKV(f"the KV manifest lists KV group {g}'s blocks more than once, or negative ones")
-        for x, spec in enumerate(model.layers):
-            source = spec.kv_source
-            if manifest.lengths[x] and (x if source is None else source) not in manifest.layers:
-                raise IncompatibleKV(f"layer {x} has {manifest.lengths[x]} tokens but its KV is not in the stream")
-        probe = SequenceState(manifest.seq_id, list(manifest.lengths), [dict.fromkeys(b, 0) for b in manifest.blocks])
-        for group in self.groups:
-            held = set(manifest.blocks[group.index])
-            for lo, hi in self._retention.needed_blocks(probe, group):
-                # Length checked first: a forged length must not make us enumerate a huge range.
-                if hi - lo > len(held) or not set(range(lo, hi)) <= held:
-                    raise IncompatibleKV(
-                        f"the KV manifest lacks blocks of KV group {group.index} that its lengths need"
-                    )
-        if not manifest.seq_id:
-            raise InvalidBatch("the imported sequence needs a non-empty id")
+        The checks take time in proportion to the manifest's size, whatever it claims, and the blocks it
+        lists must be exactly those its lengths need: a block no exported layer writes would hand the new
+        sequence whatever an earlier holder left in it.
+
+        Raises IncompatibleKV, InvalidBatch (a bad id), SequenceExists or OutOfBlocks, having reserved nothing."""
+        self._check_manifest(manifest)
+        problem = id_problem(manifest.seq_id)
+        if problem:
+            raise InvalidBatch(f"the imported sequence's {problem}")
         if manifest.seq_id in self._seqs:
-            raise SequenceExists(f"cannot import into {manifest.seq_id!r}: a sequence with that id exists")
+            raise SequenceExists(f"cannot import into {quote(manifest.seq_id)}: a sequence with that id exists")
         total = sum(len(b) for b in manifest.blocks)
         if not self.pool.can_allocate(total):
             raise OutOfBlocks(
@@ -489,6 +496,49 @@ class Engine:
         for logicals in manifest.blocks:
             tables.append(dict(zip(logicals, self.pool.allocate(len(logicals)), strict=True)))
         return ImportSession(manifest, tables, set(manifest.expected()))
+
+    def _check_manifest(self, manifest: KVManifest) -> None:
+        """IncompatibleKV unless the manifest fits this model and describes a state this engine could hold."""
+        diffs = self.fingerprint().differences(manifest.model)
+        if diffs:
+            raise IncompatibleKV("the KV comes from another model shape: " + "; ".join(diffs))
+        model = self.config.model
+        if (
+            len(manifest.lengths) != model.num_layers
+            or len(manifest.blocks) != len(self.groups)
+            or manifest.group_of != tuple(g.index for g in self._group_of)
+        ):
+            raise IncompatibleKV(
+                f"the KV manifest has {len(manifest.lengths)} layers and {len(manifest.blocks)} KV groups; this"
+                f" model has {model.num_layers} layers in {len(self.groups)} KV groups"
+            )
+        bad = [x for x in manifest.layers if not 0 <= x < model.num_layers or model.layers[x].kv_source is not None]
+        if bad or len(set(manifest.layers)) != len(manifest.layers):
+            raise IncompatibleKV(
+                f"the KV manifest's exported layers must be distinct layers with KV of their own, got {some(bad)}"
+                if bad
+                else "the KV manifest lists an exported layer twice"
+            )
+        for x, n in enumerate(manifest.lengths):
+            if not 0 <= n <= MAX_TOKENS:
+                raise IncompatibleKV(f"layer {x}'s length {n} in the KV manifest is outside 0..{MAX_TOKENS}")
+            source = model.layers[x].kv_source
+            if n and (x if source is None else source) not in manifest.layers:
+                raise IncompatibleKV(f"layer {x} has {n} tokens but its KV is not in the stream")
+        for group in self.groups:
+            held = manifest.blocks[group.index]
+            if len(held) > self.pool.num_blocks:
+                raise OutOfBlocks(
+                    f"the import needs {len(held)} KV blocks for KV group {group.index} alone, and this server's"
+                    f" pool has {self.pool.num_blocks} in all"
+                )
+            needed = _merged(self._retention.needed_blocks(manifest.lengths, group))
+            size = sum(hi - lo for lo, hi in needed)
+            if size != len(held) or len(set(held)) != len(held) or not all(_within(needed, b) for b in held):
+                raise IncompatibleKV(
+                    f"the KV manifest lists {len(held)} blocks for KV group {group.index}, but its lengths need"
+                    f" exactly the {size} blocks {_spans_text(needed)}"
+                )
 
     def import_records(self, session: ImportSession, records: Sequence[BlockRecord]) -> None:
         """Check and write records of an import. Raises IncompatibleKV (unexpected, repeated or misshapen
@@ -516,17 +566,24 @@ class Engine:
             )
         seq_id = session.manifest.seq_id
         if seq_id in self._seqs:
-            raise SequenceExists(f"cannot import into {seq_id!r}: a sequence with that id was created meanwhile")
+            raise SequenceExists(f"cannot import into {quote(seq_id)}: a sequence with that id was created meanwhile")
         self._seqs[seq_id] = SequenceState(seq_id, list(session.manifest.lengths), session.tables)
         session.committed = True
         return sum(len(t) for t in session.tables)
+
+    def _listed(self, manifest: KVManifest) -> list[int]:
+        """The layers an export covered: its writing layers and their sharers."""
+        sharers = (s for x in manifest.layers for s in self._retention.sharers_of(x))
+        return sorted({*manifest.layers, *sharers})
 
     def release_exported(self, manifest: KVManifest) -> None:
         """Release a sequence that was exported, unless it changed since (SequenceChanged: then a call
         to it ran after the export, and releasing would lose what it wrote)."""
         state = self._seqs.get(manifest.seq_id)
-        if state is None or self.export_manifest(manifest.seq_id, _listed(manifest)) != manifest:
-            raise SequenceChanged(f"sequence {manifest.seq_id!r} changed after its export, so it was not released here")
+        if state is None or self.export_manifest(manifest.seq_id, self._listed(manifest)) != manifest:
+            raise SequenceChanged(
+                f"sequence {quote(manifest.seq_id)} changed after its export, so it was not released here"
+            )
         self.release([manifest.seq_id])
 
     def abort_import(self, session: ImportSession) -> None:
@@ -541,9 +598,22 @@ class Engine:
         An unknown id raises UnknownSequence (and releases nothing) unless ``missing_ok``.
         """
         ids = list(dict.fromkeys(seq_ids))
+        if len(ids) > MAX_BATCH:
+            raise InvalidBatch(f"{len(ids)} sequences to release; at most {MAX_BATCH} per call")
+        for i, seq_id in enumerate(ids):
+            problem = id_problem(seq_id)
+            if problem:
+                raise InvalidBatch(f"id {i}: {problem}; nothing was released")
         unknown = [s for s in ids if s not in self._seqs]
         if unknown and not missing_ok:
-            raise UnknownSequence(f"cannot release unknown sequences {unknown}; nothing was released")
+            raise UnknownSequence(
+                f"{len(unknown)} of the {len(ids)} sequences to release do not exist ({some(unknown)});"
+                " nothing was released (missing_ok ignores unknown ids)"
+            )
+        return self._drop(ids)
+
+    def _drop(self, ids: Iterable[str]) -> int:
+        """Drop the sequences of ``ids`` that exist and return their blocks; returns how many existed."""
         released = 0
         for seq_id in ids:
             state = self._seqs.pop(seq_id, None)
@@ -556,7 +626,7 @@ class Engine:
         """Release every sequence untouched for more than ``max_idle_s`` seconds; returns their ids."""
         now = time.monotonic() if now is None else now
         idle = [s for s, state in self._seqs.items() if now - state.last_used > max_idle_s]
-        self.release(idle)
+        self._drop(idle)
         return idle
 
     def stats(self) -> EngineStats:
@@ -580,7 +650,7 @@ class Engine:
         """A copy of a sequence's state. Raises UnknownSequence."""
         state = self._seqs.get(seq_id)
         if state is None:
-            raise UnknownSequence(f"sequence {seq_id!r} does not exist")
+            raise UnknownSequence(f"sequence {quote(seq_id)} does not exist")
         return SequenceInfo(
             seq_id=seq_id,
             lengths=tuple(state.lengths),
@@ -596,7 +666,7 @@ class Engine:
     def _layer_spec(self, layer: int) -> LayerSpec:
         layers = self.config.model.layers
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < len(layers):
-            raise UnknownLayer(f"layer {layer!r} does not exist; the model has layers 0..{len(layers) - 1}")
+            raise UnknownLayer(f"layer {quote(layer)} does not exist; the model has layers 0..{len(layers) - 1}")
         return layers[layer]
 
     def _check_tensors(
@@ -630,13 +700,13 @@ class Engine:
             if state is None:
                 if e.position != 0:
                     raise UnknownSequence(
-                        f"sequence {e.seq_id!r} does not exist; a new sequence starts at position 0,"
+                        f"sequence {quote(e.seq_id)} does not exist; a new sequence starts at position 0,"
                         f" got position {e.position}"
                     )
             elif e.position != state.lengths[layer]:
                 have = state.lengths[layer]
                 raise PositionMismatch(
-                    f"sequence {e.seq_id!r} has {have} tokens in layer {layer}, so its next position is"
+                    f"sequence {quote(e.seq_id)} has {have} tokens in layer {layer}, so its next position is"
                     f" {have}; got position {e.position}"
                 )
             source = spec.kv_source
@@ -645,7 +715,7 @@ class Engine:
                 if e.position + e.num_tokens > held:
                     raise PositionMismatch(
                         f"layer {layer} reads layer {source}'s KV cache, which holds {held} tokens of sequence"
-                        f" {e.seq_id!r}; positions up to {e.position + e.num_tokens - 1} need layer {source}"
+                        f" {quote(e.seq_id)}; positions up to {e.position + e.num_tokens - 1} need layer {source}"
                         " to be called first"
                     )
 
@@ -654,20 +724,34 @@ def _check_entries(entries: Sequence[BatchEntry]) -> int:
     """Validate batch metadata on its own; returns the total number of tokens."""
     if not entries:
         raise InvalidBatch("the batch is empty; send at least one sequence")
+    if len(entries) > MAX_BATCH:
+        raise InvalidBatch(f"the batch has {len(entries)} sequences; at most {MAX_BATCH} per call")
     seen: set[str] = set()
     for i, e in enumerate(entries):
         if not isinstance(e, BatchEntry):
             raise InvalidBatch(
                 f"entry {i} is a {type(e).__name__}; expected a BatchEntry(seq_id, position, num_tokens)"
             )
-        if not isinstance(e.seq_id, str) or not e.seq_id:
-            raise InvalidBatch(f"entry {i}: seq_id must be a non-empty string, got {e.seq_id!r}")
+        problem = id_problem(e.seq_id)
+        if problem:
+            raise InvalidBatch(f"entry {i}: {problem}")
         if isinstance(e.position, bool) or not isinstance(e.position, int) or e.position < 0:
-            raise InvalidBatch(f"entry {i} ({e.seq_id!r}): position must be an integer >= 0, got {e.position!r}")
+            raise InvalidBatch(
+                f"entry {i} ({quote(e.seq_id)}): position must be an integer >= 0, got {quote(e.position)}"
+            )
         if isinstance(e.num_tokens, bool) or not isinstance(e.num_tokens, int) or e.num_tokens < 1:
-            raise InvalidBatch(f"entry {i} ({e.seq_id!r}): num_tokens must be an integer >= 1, got {e.num_tokens!r}")
+            raise InvalidBatch(
+                f"entry {i} ({quote(e.seq_id)}): num_tokens must be an integer >= 1, got {quote(e.num_tokens)}"
+            )
+        if e.position + e.num_tokens > MAX_TOKENS:
+            raise InvalidBatch(
+                f"entry {i} ({quote(e.seq_id)}): position {e.position} + num_tokens {e.num_tokens} is past the"
+                f" longest sequence served, {MAX_TOKENS} tokens"
+            )
         if e.seq_id in seen:
-            raise InvalidBatch(f"sequence {e.seq_id!r} appears twice in the batch; send each sequence once per call")
+            raise InvalidBatch(
+                f"sequence {quote(e.seq_id)} appears twice in the batch; send each sequence once per call"
+            )
         seen.add(e.seq_id)
     return sum(e.num_tokens for e in entries)
 
@@ -694,9 +778,26 @@ class ImportSession:
     committed: bool = False
 
 
-def _listed(manifest: KVManifest) -> list[int]:
-    """The layers an export covered: its writing layers and the sharers it carried lengths for."""
-    return [x for x, n in enumerate(manifest.lengths) if x in manifest.layers or n > 0]
+def _merged(spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Ranges [lo, hi) merged where they overlap or touch, sorted."""
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(spans):
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def _within(spans: Sequence[tuple[int, int]], b: int) -> bool:
+    """Whether ``b`` lies in one of the sorted, disjoint ``spans``."""
+    i = bisect.bisect_right(spans, (b, MAX_TOKENS + 1)) - 1
+    return i >= 0 and spans[i][0] <= b < spans[i][1]
+
+
+def _spans_text(spans: Sequence[tuple[int, int]]) -> str:
+    text = ", ".join(f"{lo}..{hi - 1}" for lo, hi in spans[:QUOTE_IDS]) or "(none)"
+    return text + (f" and {len(spans) - QUOTE_IDS} more ranges" if len(spans) > QUOTE_IDS else "")
 
 
 def _slots(table: dict[int, int], start: int, end: int, block_size: int) -> np.ndarray:

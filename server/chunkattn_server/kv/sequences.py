@@ -60,16 +60,26 @@ class Retention:
             start = min(start, chunk_start(lengths[s], c))
         return start
 
-    def needed_blocks(self, state: SequenceState, group: KVGroup) -> list[tuple[int, int]]:
-        """Logical block ranges [lo, hi) the group must hold for this sequence now."""
+    def held_from(self, lengths: Sequence[int], layer: int) -> int:
+        """First position a writing layer's cache holds, given every layer's length: the positions
+        [held_from, lengths[layer]) are the ones it wrote and keeps (its chunk, and older keys its sharers
+        still read); everything else in its blocks is not its data."""
+        return self.keep_from(lengths, layer, lengths[layer])
+
+    def needed_blocks(self, lengths: Sequence[int], group: KVGroup) -> list[tuple[int, int]]:
+        """Logical block ranges [lo, hi) the group must hold for a sequence of these lengths."""
         bs = self.block_size
         c = group.chunk_size
-        spans = [(chunk_start(state.lengths[i], c), state.lengths[i]) for i in group.layers]
+        spans = [(chunk_start(lengths[i], c), lengths[i]) for i in group.layers]
         for s in group.sharers:
             source = self._layers[s].kv_source
             assert source is not None  # sharers always have a source (checked by the config)
-            spans.append((chunk_start(state.lengths[s], c), state.lengths[source]))
+            spans.append((chunk_start(lengths[s], c), lengths[source]))
         return [(lo // bs, -(-hi // bs)) for lo, hi in spans if hi > lo]
+
+    def sharers_of(self, layer: int) -> list[int]:
+        """The layers that read ``layer``'s cache (KV sharing)."""
+        return self._sharers_of[layer]
 
     def unneeded(self, state: SequenceState, group: KVGroup) -> list[int]:
         """Logical blocks the group holds for this sequence that no layer needs any more.
@@ -78,5 +88,5 @@ class Retention:
         """
         if group.chunk_size == 0:
             return []  # global groups keep every block until release
-        needed = {b for lo, hi in self.needed_blocks(state, group) for b in range(lo, hi)}
+        needed = {b for lo, hi in self.needed_blocks(state.lengths, group) for b in range(lo, hi)}
         return [b for b in state.tables[group.index] if b not in needed]

@@ -51,7 +51,7 @@ class KVManifest:
 
     lengths: tokens per layer (0 for a layer that is not exported).
     layers: the exported writing layers, whose blocks follow.
-    blocks: per KV group, the logical blocks the sequence holds there (sorted).
+    blocks: per KV group, the logical blocks the exported layers need there (sorted).
     """
 
     seq_id: str
@@ -60,6 +60,10 @@ class KVManifest:
     layers: tuple[int, ...]
     blocks: tuple[tuple[int, ...], ...]
     group_of: tuple[int, ...]  # per layer: its KV group
+
+    def num_records(self) -> int:
+        """len(expected()), without listing them."""
+        return sum(len(self.blocks[self.group_of[layer]]) for layer in self.layers)
 
     def expected(self) -> list[tuple[int, int]]:
         """(layer, logical block) of every record, in the order an export sends them."""
@@ -116,6 +120,19 @@ class BlockView:
 
     def copy(self) -> BlockRecord:
         return BlockRecord(self.layer, self.logical, b"".join(self.k), b"".join(self.v), self.checksum)
+
+
+def masked(pieces: Sequence[Buffer], heads: int, block_size: int, first: int, end: int) -> bytes:
+    """The bytes [heads, block_size, row] that ``pieces`` concatenate to, with every token row outside
+    [first, end) zeroed: what a record carries of a block its layer holds only in part."""
+    data = bytearray(b"".join(pieces))
+    per_head = len(data) // heads
+    row = per_head // block_size
+    for h in range(heads):
+        at = h * per_head
+        data[at : at + first * row] = bytes(first * row)
+        data[at + end * row : at + per_head] = bytes(per_head - end * row)
+    return bytes(data)
 
 
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
