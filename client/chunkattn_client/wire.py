@@ -11,7 +11,9 @@ The bytes are plain protobuf either way (tests/test_wire.py checks both directio
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
+
+from google.protobuf.descriptor import FieldDescriptor
 
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 
@@ -97,17 +99,24 @@ def encode_kv_blocks(records: Sequence[KVPieces]) -> bytes:
     return b"".join([b"\x12", _varint(body_size), *parts])
 
 
-def decode_kv_chunk(data: bytes) -> tuple[str, memoryview | list[KVRecord]]:
+def decode_kv_chunk(data: bytes, max_records: int | None = None) -> tuple[str, memoryview | list[KVRecord]]:
     """A serialized KVChunk: ("blocks", its records, the K/V as views of ``data``), or ("header" or
-    "trailer", the submessage's bytes), or ("", empty) for a message with none. WireError when malformed."""
+    "trailer", the submessage's bytes), or ("", empty) for a message with none. WireError when malformed,
+    or when it holds more than ``max_records`` records (found before reading more than that many)."""
     buf = memoryview(data)
     found: tuple[str, memoryview | list[KVRecord]] = ("", memoryview(b""))
-    for field, kind, start, end in _fields(buf):
+    for field, kind, start, end in _fields(buf, 8):
         if kind != 2 or field not in (1, 2, 3):
             continue
         body = _payload(buf, start, end)
         if field == 2:
-            found = ("blocks", [_kv_record(_payload(body, s, e)) for f, k, s, e in _fields(body) if f == 1 and k == 2])
+            try:
+                fields = _fields(body, max_records)
+            except TooManyFields:
+                raise WireError(
+                    f"a KV message of {len(data)} bytes has more than the {max_records} blocks that fit"
+                ) from None
+            found = ("blocks", [_kv_record(_payload(body, s, e)) for f, k, s, e in fields if f == 1 and k == 2])
         else:
             found = ("header" if field == 1 else "trailer", body)
     return found
@@ -117,7 +126,7 @@ def _kv_record(body: memoryview) -> KVRecord:
     """One KVBlock's fields."""
     layer = logical = checksum = 0
     k = v = memoryview(b"")
-    for f, kind, s, e in _fields(body):
+    for f, kind, s, e in _fields(body, 16):
         _, value_at = _read_varint(body, s)
         if f == 1 and kind == 0:
             layer = _read_varint(body, value_at)[0]
@@ -140,6 +149,10 @@ def _kv_record(body: memoryview) -> KVRecord:
 
 class WireError(ValueError):
     """Bytes that are not a valid message of the expected kind."""
+
+
+class TooManyFields(WireError):
+    """A message with more fields than any valid one of its kind has."""
 
 
 class Split(NamedTuple):
@@ -169,11 +182,14 @@ def _payload(buf: memoryview, start: int, end: int) -> memoryview:
     return buf[at:end]
 
 
-def _fields(buf: memoryview) -> list[tuple[int, int, int, int]]:
-    """(field number, wire type, start of the field's key, end of the field) for each top-level field."""
-    out = []
+def _fields(buf: memoryview, limit: int | None = None) -> list[tuple[int, int, int, int]]:
+    """(field number, wire type, start of the field's key, end of the field) for each top-level field; with
+    ``limit``, WireError on reaching the limit+1-th, so that the scan's cost is bounded by the limit."""
+    out: list[tuple[int, int, int, int]] = []
     pos = 0
     while pos < len(buf):
+        if limit is not None and len(out) == limit:
+            raise TooManyFields(f"the message has more than {limit} fields")
         start = pos
         key, pos = _read_varint(buf, pos)
         field, kind = key >> 3, key & 7
@@ -194,16 +210,17 @@ def _fields(buf: memoryview) -> list[tuple[int, int, int, int]]:
     return out
 
 
-def split(data: bytes, tensor_fields: frozenset[int]) -> Split:
+def split(data: bytes, tensor_fields: frozenset[int], max_fields: int | None = None) -> Split:
     """Take the Tensor submessages in ``tensor_fields`` apart without copying their data (see ``Split``).
 
     A tensor field that appears more than once is refused (protobuf would merge the copies; no client
-    of ours sends that).
+    of ours sends that), and so is a message of more than ``max_fields`` top-level fields (TooManyFields,
+    before more are read), or a tensor of more than 64.
     """
     buf = memoryview(data)
     rest: list[memoryview] = []
     tensors: dict[int, tuple[bytes, memoryview]] = {}
-    for field, kind, start, end in _fields(buf):
+    for field, kind, start, end in _fields(buf, max_fields):
         if field not in tensor_fields or kind != 2:
             rest.append(buf[start:end])
             continue
@@ -212,10 +229,75 @@ def split(data: bytes, tensor_fields: frozenset[int]) -> Split:
         body = _payload(buf, start, end)
         header: list[memoryview] = []
         payload = memoryview(b"")
-        for f, k, s, e in _fields(body):
+        for f, k, s, e in _fields(body, 64):
             if f == 3 and k == 2:  # Tensor.data: keep a view of the bytes, no copy
                 payload = _payload(body, s, e)
             else:
                 header.append(body[s:e])
         tensors[field] = (b"".join(header), payload)
     return Split(b"".join(rest), tensors)
+
+
+# -- why bytes do not parse ------------------------------------------------------------------------------
+
+_VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
+_WIRE_NAMES = {_VARINT: "varint", _I64: "64-bit", _LEN: "length-delimited", _I32: "32-bit"}
+
+
+def _wire_type(field: FieldDescriptor) -> int:
+    """The wire type a field's values take when not packed."""
+    if field.type in (FieldDescriptor.TYPE_STRING, FieldDescriptor.TYPE_BYTES, FieldDescriptor.TYPE_MESSAGE):
+        return _LEN
+    if field.type in (FieldDescriptor.TYPE_DOUBLE, FieldDescriptor.TYPE_FIXED64, FieldDescriptor.TYPE_SFIXED64):
+        return _I64
+    if field.type in (FieldDescriptor.TYPE_FLOAT, FieldDescriptor.TYPE_FIXED32, FieldDescriptor.TYPE_SFIXED32):
+        return _I32
+    return _VARINT
+
+
+def explain(descriptor: Any, data: bytes | memoryview, path: str = "") -> str:
+    """Why ``data`` is not a valid message of ``descriptor``'s type, naming the field (protobuf's own error
+    says only "Error parsing message"); "" when no reason is found. As protobuf does, a known field sent with
+    another wire type is skipped as unknown. Reads the bytes up to the first fault, once."""
+    buf = memoryview(data)
+    inside = f"in {path}: " if path else ""
+    pos = 0
+    while pos < len(buf):
+        at = pos
+        try:
+            key, pos = _read_varint(buf, pos)
+        except WireError:
+            return f"{inside}byte {at}: a field key that is cut short or longer than 10 bytes"
+        number, kind = key >> 3, key & 7
+        field = descriptor.fields_by_number.get(number)
+        name = f"{path}." if path else ""
+        name += field.name if field else f"field {number}"
+        if number == 0:
+            return f"{inside}byte {at}: field number 0 does not exist"
+        if kind not in _WIRE_NAMES:
+            return f"{name} (byte {at}): wire type {kind} is not one this protocol uses"
+        try:
+            if kind == _VARINT:
+                _, pos = _read_varint(buf, pos)
+            elif kind == _LEN:
+                size, pos = _read_varint(buf, pos)
+                start, pos = pos, pos + size
+            else:
+                pos += 8 if kind == _I64 else 4
+        except WireError:
+            return f"{name} (byte {at}): its value is a varint cut short or longer than 10 bytes"
+        if pos > len(buf):
+            return f"{name} (byte {at}): its value runs past the end of the message (cut short?)"
+        if field is None or kind != _LEN or _wire_type(field) != _LEN:
+            continue  # unknown fields, and known ones of another wire type, are skipped (as protobuf does)
+        value = buf[start:pos]
+        if field.type == FieldDescriptor.TYPE_STRING:
+            try:
+                str(value, "utf-8")
+            except UnicodeDecodeError as e:
+                return f"{name}: not valid UTF-8 (byte {e.start} of the string)"
+        elif field.type == FieldDescriptor.TYPE_MESSAGE:
+            inner = explain(field.message_type, value, name)
+            if inner:
+                return inner
+    return ""

@@ -25,10 +25,19 @@ from typing import Any
 from chunkattn_client import hfconfig
 from chunkattn_client.client import MAX_KEEPALIVE_S, MIN_KEEPALIVE_S, check_keepalive
 from chunkattn_server import allocator
-from chunkattn_server.config import CacheConfig, EngineConfig, LayerSpec, ModelShape
+from chunkattn_server.config import (
+    DEFAULT_IMPORT_STALL_S,
+    DEFAULT_MAX_MESSAGE_MIB,
+    DEFAULT_STREAM_IDLE_S,
+    DEFAULT_TRANSFER_KEEPALIVE_S,
+    CacheConfig,
+    EngineConfig,
+    LayerSpec,
+    ModelShape,
+    ServerConfig,
+)
 from chunkattn_server.errors import ConfigError
-from chunkattn_server.kv_service import DEFAULT_TRANSFER_KEEPALIVE_S
-from chunkattn_server.server import ServerConfig, serve
+from chunkattn_server.server import serve
 
 log = logging.getLogger("chunkattn_server")
 
@@ -48,15 +57,41 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
     g.add_argument("--port", type=int, default=50051, help="gRPC port (default 50051; 0 picks a free one)")
     g.add_argument("--metrics-port", type=int, default=9400, help="Prometheus /metrics port (default 9400; 0: off)")
-    g.add_argument("--max-message-mib", type=int, default=256, help="largest request/response in MiB (default 256)")
-    g.add_argument("--max-concurrent-rpcs", type=int, default=64, help="beyond this, RESOURCE_EXHAUSTED (default 64)")
+    g.add_argument(
+        "--max-message-mib",
+        type=int,
+        default=DEFAULT_MAX_MESSAGE_MIB,
+        help="largest request or response in MiB; receiving one pauses every other call for ~1.5-5 ms per MiB"
+        f" (default {DEFAULT_MAX_MESSAGE_MIB}: a 2,048-token Llama-4-Scout prefill in bf16)",
+    )
+    g.add_argument(
+        "--max-concurrent-rpcs",
+        type=int,
+        default=64,
+        help="calls the server works on at once, beyond which new ones get RESOURCE_EXHAUSTED; a stream counts"
+        " only while one of its messages is served; health and Info never count (default 64; 0: no limit)",
+    )
+    g.add_argument(
+        "--max-inflight-mib",
+        type=int,
+        help="request bytes held at once, beyond which a new request over 64 KiB gets RESOURCE_EXHAUSTED"
+        " (default: an eighth of the machine's memory, at least --max-message-mib, at most 32 GiB)",
+    )
+    g.add_argument(
+        "--stream-idle-s",
+        type=float,
+        default=DEFAULT_STREAM_IDLE_S,
+        help="close a stream whose client sends nothing (or reads nothing) this long, with DEADLINE_EXCEEDED"
+        f" (default {DEFAULT_STREAM_IDLE_S:g}; 0: never)",
+    )
     g.add_argument("--idle-timeout-s", type=float, default=600.0, help="release sequences idle this long (0: never)")
     g.add_argument("--grace-s", type=float, default=10.0, help="on SIGTERM, time for calls in flight (default 10)")
     g.add_argument(
         "--kv-import-stall-s",
         type=float,
-        default=60.0,
-        help="abandon a KV import whose next message takes longer, returning its blocks (default 60; 0: never)",
+        default=DEFAULT_IMPORT_STALL_S,
+        help="abandon a KV import whose next message takes longer, returning its blocks"
+        f" (default {DEFAULT_IMPORT_STALL_S:g}; 0: never)",
     )
     g.add_argument(
         "--transfer-keepalive-s",
@@ -177,9 +212,13 @@ def cache_config(args: argparse.Namespace) -> CacheConfig:
 
 def check(args: argparse.Namespace) -> None:
     """Exit with a usage error (status 2) naming the first flag out of range."""
-    for flag in ("idle_timeout_s", "grace_s", "max_concurrent_rpcs", "max_message_mib", "kv_import_stall_s"):
-        if getattr(args, flag) < 0:
+    for flag in ("idle_timeout_s", "grace_s", "max_concurrent_rpcs", "max_message_mib", "kv_import_stall_s",
+                 "stream_idle_s", "max_inflight_mib"):  # fmt: skip
+        value = getattr(args, flag)
+        if value is not None and not value >= 0:  # NaN too
             build_parser().error(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
+    if args.max_message_mib < 1:
+        build_parser().error(f"--max-message-mib must be >= 1, got {args.max_message_mib}")
     try:
         check_keepalive(args.transfer_keepalive_s)
     except ValueError as e:
@@ -191,18 +230,20 @@ def main(argv: list[str] | None = None) -> int:
     check(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log.info("%s", allocator.keep_freed_memory())
-    server = ServerConfig(
-        host=args.host,
-        port=args.port,
-        metrics_port=args.metrics_port,
-        max_message_bytes=args.max_message_mib << 20,
-        max_concurrent_rpcs=args.max_concurrent_rpcs,
-        idle_timeout_s=args.idle_timeout_s,
-        grace_s=args.grace_s,
-        kv_import_stall_s=args.kv_import_stall_s,
-        transfer_keepalive_s=args.transfer_keepalive_s,
-    )
     try:
+        server = ServerConfig(
+            host=args.host,
+            port=args.port,
+            metrics_port=args.metrics_port,
+            max_message_bytes=args.max_message_mib << 20,
+            max_concurrent_rpcs=args.max_concurrent_rpcs,
+            max_inflight_bytes=None if args.max_inflight_mib is None else args.max_inflight_mib << 20,
+            stream_idle_s=args.stream_idle_s,
+            idle_timeout_s=args.idle_timeout_s,
+            grace_s=args.grace_s,
+            kv_import_stall_s=args.kv_import_stall_s,
+            transfer_keepalive_s=args.transfer_keepalive_s,
+        )
         asyncio.run(serve(engine_config(args), server))
     except (ConfigError, OSError) as e:
         log.error("cannot start: %s", e)

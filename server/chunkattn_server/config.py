@@ -1,4 +1,5 @@
-"""Frozen, validated configuration: the model's attention shape, the KV pool, the device.
+"""Frozen, validated configuration: the model's attention shape, the KV pool, the device, and the server's
+network and limits.
 
 Everything here is checked once at start-up with a message that says what is wrong and what is
 expected; the engine then trusts it. No torch here: the config is plain data.
@@ -7,6 +8,7 @@ expected; the engine then trusts it. No torch here: the config is plain data.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -214,3 +216,62 @@ def demo_model() -> ModelShape:
     return ModelShape.interleaved(
         num_layers=4, chunk_size=1024, global_every=4, num_heads=8, num_kv_heads=2, head_size=64
     )
+
+
+# -- the server around the engine --------------------------------------------------------------------------
+
+# The largest message. gRPC Python builds each received message on the event loop, every other call waiting:
+# ~1.5-5 ms per MiB on the dev VMs (a plain grpc.aio echo alike), so this is also the longest pause a client
+# can cause. 32 MiB holds a 2,048-token Llama-4-Scout prefill in bf16 (28 MiB of q, k and v).
+DEFAULT_MAX_MESSAGE_MIB = 32
+DEFAULT_IMPORT_STALL_S = 60.0  # an import that sends nothing this long is abandoned and its blocks returned
+DEFAULT_STREAM_IDLE_S = 300.0  # a stream that makes no progress this long is closed
+DEFAULT_TRANSFER_KEEPALIVE_S = 30.0  # TransferKV's channels ping their target after this long without news
+
+
+def default_inflight_bytes(max_message_bytes: int) -> int:
+    """The request bytes a server holds at once unless told: an eighth of the machine's memory (each request
+    in flight costs about 2-4x its size while it is parsed, served and answered), at least one largest
+    message, at most 32 GiB."""
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not a POSIX system that says
+        memory = 16 << 30
+    return max(max_message_bytes, min(memory // 8, 32 << 30))
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Network and limits (the README's "Limits and errors" lists them with their statuses).
+
+    metrics_port 0 disables /metrics; idle_timeout_s 0 disables eviction; max_concurrent_rpcs 0 sets no limit;
+    stream_idle_s and kv_import_stall_s 0 let streams wait for ever (the client's deadline still applies);
+    transfer_keepalive_s 0 sends no keepalive pings to TransferKV's targets (else see
+    chunkattn_client.client.check_keepalive); max_inflight_bytes None: ``default_inflight_bytes``.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    metrics_port: int = 9400
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_MIB << 20
+    max_concurrent_rpcs: int = 64
+    max_inflight_bytes: int | None = None
+    idle_timeout_s: float = 600.0
+    grace_s: float = 10.0
+    stream_idle_s: float = DEFAULT_STREAM_IDLE_S
+    kv_import_stall_s: float = DEFAULT_IMPORT_STALL_S
+    transfer_keepalive_s: float = DEFAULT_TRANSFER_KEEPALIVE_S
+
+    def __post_init__(self) -> None:
+        if self.max_inflight_bytes is not None and self.max_inflight_bytes < self.max_message_bytes:
+            raise ConfigError(
+                f"the bytes in flight ({self.max_inflight_bytes >> 20} MiB) must hold at least one largest message"
+                f" ({self.max_message_bytes >> 20} MiB): raise --max-inflight-mib or lower --max-message-mib"
+            )
+
+    @property
+    def inflight_bytes(self) -> int:
+        """max_inflight_bytes, or the default for this machine."""
+        if self.max_inflight_bytes is not None:
+            return self.max_inflight_bytes
+        return default_inflight_bytes(self.max_message_bytes)

@@ -59,7 +59,16 @@ class PositionMismatch(EngineError):
 
 
 class StreamStalled(EngineError):
-    """A client stream (a KV import) sent nothing for longer than the server waits; what it held was returned."""
+    """A stream made no progress for longer than the server waits (its client sent nothing, or read nothing);
+    it was closed and what it held returned."""
+
+
+class Overloaded(EngineError):
+    """The server is serving as much as its limits allow (calls at once, bytes in flight): retry later."""
+
+
+class ShuttingDown(EngineError):
+    """The server is draining: reconnect elsewhere."""
 
 
 class OutOfBlocks(EngineError):
@@ -93,6 +102,8 @@ _STATUS: dict[type[BaseException], grpc.StatusCode] = {
     PositionMismatch: grpc.StatusCode.FAILED_PRECONDITION,
     OutOfBlocks: grpc.StatusCode.RESOURCE_EXHAUSTED,
     StreamStalled: grpc.StatusCode.DEADLINE_EXCEEDED,
+    Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ShuttingDown: grpc.StatusCode.UNAVAILABLE,
 }
 
 

@@ -1,10 +1,10 @@
 """The KV RPCs: Fork, ExportKV, ImportKV and TransferKV (server-to-server), over the engine worker.
 
-As in service.py, each reads as decode -> run on the engine worker -> encode, and errors become
-statuses through ``errors.status_code`` alone. An export reads the sequence in batches (one engine job
-each, so calls to other sequences interleave) and fails with ABORTED if the sequence changes in
-between. An import reserves its blocks when the header arrives and returns them unless the stream ends
-with every block intact and a trailer.
+As in service.py, each reads as parse -> run on the engine worker -> encode, with ``rpc.py`` around it.
+An export reads the sequence in batches (one engine job each, so calls to other sequences interleave) and
+fails with ABORTED if the sequence changes in between. An import reserves its blocks when the header
+arrives and returns them unless the stream ends with every block intact and a trailer; its messages are
+decoded on the worker thread, so the event loop never walks a client's KV message.
 """
 
 from __future__ import annotations
@@ -19,114 +19,116 @@ import grpc
 from chunkattn_client import wire
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_client.client import channel_options
+from chunkattn_client.limits import MAX_ID_BYTES, id_problem, target_problem
 from chunkattn_server import kvwire
 from chunkattn_server.channels import ChannelPool
+from chunkattn_server.config import ServerConfig
 from chunkattn_server.engine import Engine, EngineStats, ImportSession
-from chunkattn_server.errors import DataLoss, IncompatibleKV, StreamStalled, TargetError, status_code
-from chunkattn_server.kv.transfer import BlockRecord, KVManifest, batches, record_bytes
+from chunkattn_server.errors import (
+    DataLoss,
+    IncompatibleKV,
+    InvalidArgument,
+    InvalidBatch,
+    TargetError,
+    status_code,
+)
+from chunkattn_server.kv.transfer import KVManifest, batches, record_bytes
 from chunkattn_server.metrics import Metrics
+from chunkattn_server.rpc import Context, Rpcs, Stream, Ticket
 
 T = TypeVar("T")
-Context = grpc.aio.ServicerContext[Any, Any]
 Run = Callable[[str, Callable[[Engine], T]], Awaitable[T]]
 
 DEFAULT_KV_MESSAGE_BYTES = 4 << 20
 DEFAULT_TRANSFER_TIMEOUT_S = 600.0  # when the caller sets no deadline: a hung target must not pin us forever
-DEFAULT_IMPORT_STALL_S = 60.0  # an import that sends nothing this long is abandoned and its blocks returned
-DEFAULT_TRANSFER_KEEPALIVE_S = 30.0  # TransferKV's channels ping their target after this long without news
 IMPORT_KV = "/chunkattn.v1.ChunkAttn/ImportKV"
+# Fork, ExportKV and TransferKV requests: a few ids, a target and a list of layers.
+MAX_SMALL_REQUEST_BYTES = 64 << 10
 
 
 class KVService:
-    """The KV RPCs. ``run`` runs a function on the engine worker; ``count`` records a finished RPC."""
+    """The KV RPCs. ``run`` runs a function on the engine worker; ``rpcs`` builds their gRPC handlers."""
 
     def __init__(
         self,
         run: Run[Any],
-        count: Callable[[str, grpc.StatusCode], None],
+        rpcs: Rpcs,
         observe_pool: Callable[[EngineStats], None],
         metrics: Metrics,
-        *,
-        max_message_bytes: int,
-        import_stall_s: float = DEFAULT_IMPORT_STALL_S,
-        transfer_keepalive_s: float = DEFAULT_TRANSFER_KEEPALIVE_S,
+        engine: Engine,
+        config: ServerConfig,
     ) -> None:
         self._run = run
-        self._count = count
+        self._rpcs = rpcs
         self._observe_pool = observe_pool  # the KV-in-use and active-sequence gauges
         self._metrics = metrics
-        self._max_message_bytes = max_message_bytes
-        self._import_stall_s = import_stall_s  # 0: wait for ever (the client's deadline still applies)
+        self._config = config
+        self._model = engine.fingerprint()
+        # A header lists each layer and each held block at most once: a few varint bytes for each.
+        self._max_header_bytes = (
+            1024 + MAX_ID_BYTES + 16 * (len(engine.groups) * engine.pool.num_blocks + 4 * len(self._model.chunk_sizes))
+        )
         # TransferKV's channels, kept open. With keepalive, a target whose host vanished without closing the
         # connection (no reset: powered off, cut off, frozen) is found out within two keepalive periods, an
         # unanswered ping failing the transfer with UNAVAILABLE, instead of at the transfer's deadline.
-        self._targets = ChannelPool(channel_options(max_message_bytes, transfer_keepalive_s or None))
+        self._targets = ChannelPool(channel_options(config.max_message_bytes, config.transfer_keepalive_s or None))
 
     def handlers(self) -> dict[str, grpc.RpcMethodHandler[Any, Any]]:
-        def ser(m: Any) -> bytes:
-            return bytes(m.SerializeToString())
-
+        r, c, small = self._rpcs, self._config, MAX_SMALL_REQUEST_BYTES
         return {
-            "Fork": grpc.unary_unary_rpc_method_handler(
-                self.Fork, request_deserializer=pb.ForkRequest.FromString, response_serializer=ser
-            ),
+            "Fork": r.unary("Fork", self.Fork, pb.ForkRequest, small),
             # KV chunks travel as bytes built and read by kvwire (no copies of the K/V through protobuf).
-            "ExportKV": grpc.unary_stream_rpc_method_handler(
-                self.ExportKV, request_deserializer=pb.ExportKVRequest.FromString, response_serializer=wire.identity
+            "ExportKV": r.server_stream(
+                "ExportKV", self.ExportKV, pb.ExportKVRequest, small, c.stream_idle_s, "--stream-idle-s"
             ),
-            "ImportKV": grpc.stream_unary_rpc_method_handler(
-                self.ImportKV, request_deserializer=wire.identity, response_serializer=ser
-            ),
-            "TransferKV": grpc.unary_unary_rpc_method_handler(
-                self.TransferKV, request_deserializer=pb.TransferKVRequest.FromString, response_serializer=ser
-            ),
+            "ImportKV": r.client_stream("ImportKV", self.ImportKV, c.kv_import_stall_s, "--kv-import-stall-s"),
+            "TransferKV": r.unary("TransferKV", self.TransferKV, pb.TransferKVRequest, small),
         }
 
     async def Fork(self, request: pb.ForkRequest, context: Context) -> pb.ForkResponse:  # noqa: N802
-        try:
-            shared, stats = await self._run("Fork", lambda e: (e.fork(request.parent, request.child), e.stats()))
-        except Exception as e:
-            await self._fail("Fork", context, e)
+        parent, child = request.parent, request.child
+        shared, stats = await self._run("Fork", lambda e: (e.fork(parent, child), e.stats()))
         self._metrics.forked.inc()
         self._observe_pool(stats)
-        self._count("Fork", grpc.StatusCode.OK)
         return pb.ForkResponse(shared_blocks=shared)
 
     async def ExportKV(self, request: pb.ExportKVRequest, context: Context) -> AsyncIterator[bytes]:  # noqa: N802
         started = time.perf_counter()
-        limit = min(request.max_message_bytes or DEFAULT_KV_MESSAGE_BYTES, self._max_message_bytes)
+        if request.max_message_bytes < 0:
+            raise InvalidArgument(f"max_message_bytes must be >= 0 (0: 4 MiB), got {request.max_message_bytes}")
+        limit = min(request.max_message_bytes or DEFAULT_KV_MESSAGE_BYTES, self._config.max_message_bytes)
         try:
             manifest = await self._manifest(request.seq_id, list(request.layers))
             async for chunk in self._chunks(manifest, limit):
                 yield chunk
-        except Exception as e:
-            self._transferred("out", status_code(e), started)
-            await self._fail("ExportKV", context, e)
+        except BaseException as e:
+            self._transferred("out", _code(e), started)
+            raise
         self._transferred("out", grpc.StatusCode.OK, started)
-        self._count("ExportKV", grpc.StatusCode.OK)
 
-    async def ImportKV(self, request_iterator: AsyncIterator[bytes], context: Context) -> pb.ImportKVResponse:  # noqa: N802
+    async def ImportKV(self, stream: Stream, context: Context) -> pb.ImportKVResponse:  # noqa: N802
         started = time.perf_counter()
         try:
-            response = await self._import(request_iterator)
-        except Exception as e:
-            self._transferred("in", status_code(e), started)
-            await self._fail("ImportKV", context, e)
+            response = await self._import(stream)
+        except BaseException as e:
+            self._transferred("in", _code(e), started)
+            raise
         self._transferred("in", grpc.StatusCode.OK, started)
-        self._count("ImportKV", grpc.StatusCode.OK)
         return response
 
     async def TransferKV(self, request: pb.TransferKVRequest, context: Context) -> pb.TransferKVResponse:  # noqa: N802
         started = time.perf_counter()
         try:
+            problem = target_problem(request.target)
+            if problem:
+                raise InvalidArgument(problem)
             remaining = context.time_remaining()
             response = await self._transfer(request, DEFAULT_TRANSFER_TIMEOUT_S if remaining is None else remaining)
-        except Exception as e:
-            self._transferred("out", status_code(e), started)
-            await self._fail("TransferKV", context, e)
+        except BaseException as e:
+            self._transferred("out", _code(e), started)
+            raise
         response.seconds = time.perf_counter() - started
         self._transferred("out", grpc.StatusCode.OK, started)
-        self._count("TransferKV", grpc.StatusCode.OK)
         return response
 
     # -- the work --------------------------------------------------------------------------------------
@@ -169,33 +171,25 @@ class KVService:
                 pending.cancel()
         yield kvwire.encode_trailer(sum(len(batch) for batch in todo))
 
-    async def _import(self, chunks: AsyncIterator[bytes]) -> pb.ImportKVResponse:
-        it = chunks.__aiter__()
-        received = 0
-
-        async def receive() -> bytes | None:
-            """The stream's next message (None at its end); StreamStalled after too long a silence."""
-            nonlocal received
-            try:
-                async with asyncio.timeout(self._import_stall_s or None):  # no task per message, as wait_for makes
-                    data = await anext(it, None)
-            except TimeoutError:
-                raise StreamStalled(
-                    f"the KV stream sent nothing for {self._import_stall_s:g} s (messages so far: {received}), so"
-                    " the import was abandoned and its blocks returned (chunkattn-server --kv-import-stall-s)"
-                ) from None
-            received += 1
-            return data
-
-        first = await receive()
+    async def _import(self, stream: Stream) -> pb.ImportKVResponse:
+        """The header is decoded, checked and its blocks reserved in one engine job; each later message is
+        decoded and written in one job, running while the next message arrives. Every message counts in the
+        server's limits from its arrival until it is written; only the header's can be refused."""
+        admission = self._rpcs.admission
+        first = await stream.read()
         if first is None:
             raise DataLoss("the KV stream is empty; it must start with its header")
-        part, manifest = kvwire.decode(first)
-        if part != "header" or not isinstance(manifest, KVManifest):
-            raise IncompatibleKV("a KV stream must start with its header")
+        if len(first) > self._max_header_bytes:
+            raise IncompatibleKV(
+                f"a KV stream's first message must be its header, and a header for this server is at most"
+                f" {self._max_header_bytes} bytes; this one has {len(first)}"
+            )
         holder: list[ImportSession] = []  # set on the worker, so that no cancellation can lose the session
 
         def begin(e: Engine) -> ImportSession:
+            part, manifest = kvwire.decode(first)
+            if part != "header" or not isinstance(manifest, KVManifest):
+                raise IncompatibleKV("a KV stream must start with its header")
             holder.append(e.begin_import(manifest))
             return holder[0]
 
@@ -204,34 +198,39 @@ class KVService:
                 e.abort_import(holder[0])  # nothing to do after a commit
 
         records = nbytes = 0
-        # The previous message's write (its job, blocks, bytes), running while the next message arrives.
-        writing: tuple[asyncio.Future[None], int, int] | None = None
+        trailer = False
+        # The previous message's write (its job, its admission), running while the next message arrives.
+        writing: tuple[asyncio.Future[tuple[int, int, bool]], Ticket] | None = None
 
         async def written() -> None:
             """Wait for the previous message's write (raising what it raised) and count it."""
-            nonlocal writing, records, nbytes
+            nonlocal writing, records, nbytes, trailer
             if writing is not None:
-                (job, count, size), writing = writing, None
-                await job
+                (job, ticket), writing = writing, None
+                try:
+                    count, size, trailer = await job
+                finally:
+                    ticket.release()
                 records += count
                 nbytes += size
                 self._metrics.kv_transfer_blocks.labels("in").inc(count)
                 self._metrics.kv_transfer_bytes.labels("in").inc(size)
 
         try:
-            session: ImportSession = await self._run("ImportKV", begin)
-            trailer = False
-            while (data := await receive()) is not None:
-                await written()  # a damaged block is reported before anything about the next message
-                part, body = kvwire.decode(data)
-                if trailer or part not in ("blocks", "trailer"):
-                    raise IncompatibleKV(f"unexpected {part or 'empty'} message in the KV stream after its header")
-                if part == "trailer":
-                    trailer = True
-                    continue
-                assert isinstance(body, list)
-                job = asyncio.ensure_future(self._run("ImportKV", _importer(session, body)))
-                writing = (job, len(body), sum(len(r.k) + len(r.v) for r in body))
+            with admission.admit(len(first)):
+                session: ImportSession = await self._run("ImportKV", begin)
+            while (data := await stream.read()) is not None:
+                ticket = admission.admit(len(data), refusable=False)
+                try:
+                    await written()  # a damaged block is reported before anything about the next message
+                except BaseException:
+                    ticket.release()
+                    raise
+                if trailer:
+                    ticket.release()
+                    raise IncompatibleKV("unexpected message in the KV stream after its trailer")
+                job = asyncio.ensure_future(self._run("ImportKV", self._importer(session, data)))
+                writing = (job, ticket)
             await written()
             if not trailer:
                 raise DataLoss(f"the KV stream ended before its trailer, after {records} blocks: it was cut short")
@@ -239,15 +238,35 @@ class KVService:
             self._observe_pool(stats)
         finally:
             if writing is not None:  # the stream failed while a write was queued or running: drop it
-                dropped = writing[0]
+                dropped, ticket = writing
                 dropped.cancel()
                 dropped.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: nothing to log
+                ticket.release()
             # Queued behind the begin job and any running write (one worker, in order) and shielded: a
             # cancelled RPC still returns every reserved block, even when cancelled while the begin job ran.
             await asyncio.shield(self._run("ImportKV", abort))
-        return pb.ImportKVResponse(seq_id=manifest.seq_id, blocks=blocks, records=records, bytes=nbytes)
+        return pb.ImportKVResponse(seq_id=session.manifest.seq_id, blocks=blocks, records=records, bytes=nbytes)
+
+    def _importer(self, session: ImportSession, data: bytes) -> Callable[[Engine], tuple[int, int, bool]]:
+        """The engine job that decodes one message after the header and writes its blocks: (blocks, bytes,
+        whether it was the trailer)."""
+        model = self._model
+
+        def job(e: Engine) -> tuple[int, int, bool]:
+            part, body = kvwire.decode(data, model)
+            if part == "trailer":
+                return 0, 0, True
+            if part != "blocks" or not isinstance(body, list):
+                raise IncompatibleKV(f"unexpected {part or 'empty'} message in the KV stream after its header")
+            e.import_records(session, body)
+            return len(body), len(body) * record_bytes(model), False
+
+        return job
 
     async def _transfer(self, request: pb.TransferKVRequest, timeout: float | None) -> pb.TransferKVResponse:
+        problem = request.new_seq_id and id_problem(request.new_seq_id, "new_seq_id")
+        if problem:
+            raise InvalidBatch(problem)
         manifest = await self._manifest(request.seq_id, list(request.layers))  # NOT_FOUND before any connection
         failure: list[BaseException] = []
         chunks = self._chunks(manifest, DEFAULT_KV_MESSAGE_BYTES, as_id=request.new_seq_id, failure=failure)
@@ -284,10 +303,11 @@ class KVService:
         self._metrics.kv_transfers.labels(direction, code.name).inc()
         self._metrics.kv_transfer_seconds.labels(direction).observe(time.perf_counter() - started)
 
-    async def _fail(self, rpc: str, context: Context, e: BaseException) -> None:
-        code = status_code(e)
-        self._count(rpc, code)
-        await context.abort(code, str(e))
+
+def _code(e: BaseException) -> grpc.StatusCode:
+    """What a transfer that ended with ``e`` is counted as: cancelled when its client went away or stopped
+    reading (the export's generator closed), else the status the caller gets."""
+    return grpc.StatusCode.CANCELLED if isinstance(e, asyncio.CancelledError | GeneratorExit) else status_code(e)
 
 
 def _releaser(manifest: KVManifest) -> Callable[[Engine], EngineStats]:
@@ -314,7 +334,3 @@ def exporter(manifest: KVManifest, batch: Sequence[tuple[int, int]]) -> Callable
         return kvwire.encode_blocks(views), len(views), len(views) * record_bytes(manifest.model)
 
     return job
-
-
-def _importer(session: ImportSession, batch: list[BlockRecord]) -> Callable[[Engine], None]:
-    return lambda e: e.import_records(session, batch)

@@ -13,7 +13,7 @@ from google.protobuf.message import DecodeError
 from chunkattn_client import codec, wire
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_server.errors import IncompatibleKV
-from chunkattn_server.kv.transfer import BlockRecord, BlockView, KVManifest, ModelFingerprint
+from chunkattn_server.kv.transfer import BlockRecord, BlockView, KVManifest, ModelFingerprint, record_bytes
 
 
 def manifest_to_pb(m: KVManifest) -> pb.KVHeader:
@@ -33,7 +33,7 @@ def manifest_to_pb(m: KVManifest) -> pb.KVHeader:
         layers=m.layers,
         groups=[pb.KVGroupBlocks(logical=b) for b in m.blocks],
         group_of=m.group_of,
-        num_records=len(m.expected()),
+        num_records=m.num_records(),
     )
 
 
@@ -64,8 +64,9 @@ def manifest_from_pb(h: pb.KVHeader) -> KVManifest:
         not 0 <= x < len(manifest.group_of) for x in manifest.layers
     ):
         raise IncompatibleKV("the KV header's layers and groups do not fit together")
-    if h.num_records != len(manifest.expected()):
-        raise IncompatibleKV(f"the KV header announces {h.num_records} blocks but lists {len(manifest.expected())}")
+    listed = manifest.num_records()  # arithmetic: layers x blocks is what the stream claims, not its size
+    if h.num_records != listed:
+        raise IncompatibleKV(f"the KV header announces {h.num_records} blocks but lists {listed}")
     return manifest
 
 
@@ -87,14 +88,22 @@ def encode_blocks(views: Sequence[BlockView]) -> bytes:
     return wire.encode_kv_blocks([(r.layer, r.logical, r.checksum, r.k, r.v) for r in views])
 
 
-def decode(data: bytes) -> tuple[str, KVManifest | list[BlockRecord] | int | None]:
+def decode(
+    data: bytes, model: ModelFingerprint | None = None
+) -> tuple[str, KVManifest | list[BlockRecord] | int | None]:
     """A serialized KVChunk: ("header", manifest), ("blocks", records viewing ``data``), ("trailer", count)
-    or ("", None). IncompatibleKV when it does not parse."""
+    or ("", None). IncompatibleKV when it does not parse, or (given the stream's ``model``) when a block
+    has the wrong size: found before reading more blocks than the message's size can hold."""
+    size = None if model is None else record_bytes(model) // 2
     try:
-        part, body = wire.decode_kv_chunk(data)
+        part, body = wire.decode_kv_chunk(data, None if size is None else len(data) // (2 * size))
         if part == "blocks":
             assert isinstance(body, list)
-            return part, [BlockRecord(layer, logical, k, v, digest) for layer, logical, digest, k, v in body]
+            records = [BlockRecord(layer, logical, k, v, digest) for layer, logical, digest, k, v in body]
+            for r in records:
+                if size is not None and not len(r.k) == len(r.v) == size:
+                    raise IncompatibleKV(f"record (layer {r.layer}, block {r.logical}) has the wrong size")
+            return part, records
         assert isinstance(body, memoryview)
         if part == "header":
             return part, manifest_from_pb(pb.KVHeader.FromString(bytes(body)))

@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import logging
 import signal
-from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -21,9 +20,8 @@ from prometheus_client import start_http_server
 
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_client.client import MIN_KEEPALIVE_S, channel_options
-from chunkattn_server.config import EngineConfig
+from chunkattn_server.config import EngineConfig, ServerConfig
 from chunkattn_server.engine import Engine
-from chunkattn_server.kv_service import DEFAULT_IMPORT_STALL_S, DEFAULT_TRANSFER_KEEPALIVE_S
 from chunkattn_server.metrics import Metrics
 from chunkattn_server.service import ChunkAttnService
 from chunkattn_server.worker import EngineWorker
@@ -31,6 +29,11 @@ from chunkattn_server.worker import EngineWorker
 log = logging.getLogger("chunkattn_server")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ChunkAttn"].full_name
+# At most this many calls open at once on one connection (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS): a client
+# that opens more waits for one to end (its channel queues them), so one connection cannot pile up calls
+# without bound. gRPC's own default sets no limit.
+MAX_STREAMS_PER_CONNECTION = 1024
+STREAM_LIMITS = [("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION)]
 
 # Keepalive pings from clients (ChunkAttnClient(keepalive_s=...)) and from other servers' TransferKV channels
 # are accepted every MIN_KEEPALIVE_S or more, between calls too (the policy allows a second less: pings are
@@ -43,23 +46,6 @@ PING_POLICY = [
 ]
 
 
-@dataclass(frozen=True)
-class ServerConfig:
-    """Network and limits. metrics_port 0 disables /metrics; idle_timeout_s 0 disables eviction;
-    kv_import_stall_s 0 lets a KV import wait for its next message for ever; transfer_keepalive_s 0 sends no
-    keepalive pings to TransferKV's targets (else see chunkattn_client.client.check_keepalive)."""
-
-    host: str = "127.0.0.1"
-    port: int = 50051
-    metrics_port: int = 9400
-    max_message_bytes: int = 256 << 20
-    max_concurrent_rpcs: int = 64
-    idle_timeout_s: float = 600.0
-    grace_s: float = 10.0
-    kv_import_stall_s: float = DEFAULT_IMPORT_STALL_S
-    transfer_keepalive_s: float = DEFAULT_TRANSFER_KEEPALIVE_S
-
-
 async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
     """Run until SIGTERM/SIGINT, then shut down gracefully."""
     stop = asyncio.Event()
@@ -69,15 +55,11 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
     worker = EngineWorker(lambda: Engine(engine_config))  # allocates the KV pool: SERVING only after this
     engine = worker.engine
     metrics = Metrics()
-    options = [*channel_options(config.max_message_bytes, None), *PING_POLICY]  # the clients' message limits
-    server = grpc.aio.server(options=options, maximum_concurrent_rpcs=config.max_concurrent_rpcs or None)
-    service = ChunkAttnService(
-        worker,
-        metrics,
-        max_message_bytes=config.max_message_bytes,
-        import_stall_s=config.kv_import_stall_s,
-        transfer_keepalive_s=config.transfer_keepalive_s,
-    )
+    # The clients' message limits. No gRPC-wide limit on calls: it would refuse health checks too, and count
+    # calls still being received; the service admits its own calls (rpc.Admission).
+    options = [*channel_options(config.max_message_bytes, None), *PING_POLICY, *STREAM_LIMITS]
+    server = grpc.aio.server(options=options)
+    service = ChunkAttnService(worker, metrics, config)
     service.add_to_server(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -105,6 +87,13 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
         stats.num_blocks,
         stats.block_size,
         stats.num_blocks * stats.bytes_per_block / 2**20,
+    )
+    log.info(
+        "limits: messages of %d MiB, %s calls at once, %d MiB of requests in flight, streams idle %s",
+        config.max_message_bytes >> 20,
+        config.max_concurrent_rpcs or "any number of",
+        config.inflight_bytes >> 20,
+        f"{config.stream_idle_s:g} s at most" if config.stream_idle_s else "for ever",
     )
 
     evictor = (

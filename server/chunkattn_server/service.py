@@ -1,12 +1,15 @@
 """The gRPC servicer: protobuf <-> domain objects, and nothing else.
 
-Each RPC reads as decode -> run on the engine worker -> encode. No tensor math here: the worker thread
-owns the engine. Errors become statuses through ``errors.status_code`` alone.
+Each RPC reads as parse -> run on the engine worker -> encode; ``rpc.py`` does the parsing, limits and
+statuses around them. No tensor math here: the worker thread owns the engine. Errors become statuses
+through ``errors.status_code`` alone.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+import asyncio
+import concurrent.futures
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import grpc
@@ -16,26 +19,34 @@ from google.protobuf.message import DecodeError
 from chunkattn_client import codec, wire
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_client.batch import BatchEntry
+from chunkattn_client.limits import MAX_BATCH, MAX_ID_BYTES, bounded
 from chunkattn_server import __version__
+from chunkattn_server.config import ServerConfig
 from chunkattn_server.engine import DTYPES, Engine, EngineStats
-from chunkattn_server.errors import InvalidArgument, InvalidTensor, status_code
-from chunkattn_server.kv_service import DEFAULT_IMPORT_STALL_S, DEFAULT_TRANSFER_KEEPALIVE_S, KVService
+from chunkattn_server.errors import InvalidArgument, InvalidBatch, InvalidTensor, ShuttingDown, status_code
+from chunkattn_server.kv_service import KVService
 from chunkattn_server.metrics import Metrics
+from chunkattn_server.rpc import Admission, Context, Rpcs, Stream
 from chunkattn_server.worker import EngineWorker
 
 T = TypeVar("T")
-Context = grpc.aio.ServicerContext[Any, Any]
-
 
 _TORCH: dict[int, torch.dtype] = {wire_dtype: DTYPES[name] for name, wire_dtype in codec.WIRE_DTYPES.items()}
 _WIRE = {DTYPES[name]: wire_dtype for name, wire_dtype in codec.WIRE_DTYPES.items()}
 
+# Requests up to this size are parsed by protobuf's C parser on the event loop (a copy of their tensors is
+# nothing at this size, and the worst such message, 32K empty entries, parses in ~0.4 ms); larger ones are
+# taken apart without copying their tensors (wire.split), in a thread: its field-by-field Python scan of a
+# message with thousands of entries would hold up the event loop for milliseconds.
+INLINE_PARSE_BYTES = 64 << 10
+# A ReleaseRequest of MAX_BATCH ids of MAX_ID_BYTES, with room for their keys and lengths.
+MAX_RELEASE_BYTES = MAX_BATCH * (MAX_ID_BYTES + 4) + 64
 
-def tensor_from_parts(name: str, header: bytes, data: wire.Buffer) -> torch.Tensor:
-    """A torch view of a tensor taken apart by ``wire.split`` (no copy). InvalidTensor when dtype, shape and
-    byte count disagree."""
+
+def tensor(name: str, dtype: int, shape: tuple[int, ...], data: wire.Buffer) -> torch.Tensor:
+    """A torch view of a tensor's bytes (no copy). InvalidTensor when dtype, shape and byte count disagree."""
     try:
-        dtype, shape = codec.read_header(header, len(data))
+        codec.check(dtype, shape, len(data))
         if not len(data):
             return torch.empty(shape, dtype=_TORCH[dtype])
         return torch.frombuffer(data, dtype=_TORCH[dtype]).view(shape)
@@ -44,15 +55,36 @@ def tensor_from_parts(name: str, header: bytes, data: wire.Buffer) -> torch.Tens
 
 
 def parse_attend_request(raw: bytes) -> tuple[pb.AttendRequest, dict[str, torch.Tensor]]:
-    """The request's small fields (protobuf) and its tensors (views of ``raw``) by name."""
+    """The request's small fields (protobuf) and its tensors by name: for a large request views of ``raw``.
+    InvalidArgument naming the field when it does not parse; InvalidBatch past MAX_BATCH entries."""
     try:
-        parts = wire.split(raw, _REQUEST_FIELDS)
-        request = pb.AttendRequest.FromString(parts.rest)
+        if len(raw) <= INLINE_PARSE_BYTES:
+            request = pb.AttendRequest.FromString(raw)
+            tensors = {}
+            for name in _REQUEST_TENSORS.values():
+                if request.HasField(name):
+                    t = getattr(request, name)
+                    tensors[name] = tensor(name, t.dtype, tuple(t.shape), t.data)
+        else:
+            parts = wire.split(raw, _REQUEST_FIELDS, max_fields=MAX_BATCH + 8)
+            request = pb.AttendRequest.FromString(parts.rest)
+            tensors = {}
+            for field, name in _REQUEST_TENSORS.items():
+                if field in parts.tensors:
+                    header, data = parts.tensors[field]
+                    dtype, shape = codec.read_header(header, len(data))
+                    tensors[name] = tensor(name, dtype, shape, data)
+    except wire.TooManyFields:
+        raise InvalidBatch(
+            f"the request has more fields than a batch can: at most {MAX_BATCH} sequences per call"
+        ) from None
     except (wire.WireError, DecodeError) as e:
-        raise InvalidArgument(f"the request is not a valid chunkattn.v1.AttendRequest: {e}") from None
-    tensors = {
-        name: tensor_from_parts(name, *parts.tensors[f]) for f, name in _REQUEST_TENSORS.items() if f in parts.tensors
-    }
+        why = wire.explain(pb.AttendRequest.DESCRIPTOR, raw) or str(e)
+        raise InvalidArgument(f"the request is not a valid chunkattn.v1.AttendRequest: {why}") from None
+    except codec.CodecError as e:
+        raise InvalidTensor(str(e)) from None
+    if len(request.entries) > MAX_BATCH:
+        raise InvalidBatch(f"the batch has {len(request.entries)} sequences; at most {MAX_BATCH} per call")
     return request, tensors
 
 
@@ -63,61 +95,31 @@ _REQUEST_FIELDS = frozenset(_REQUEST_TENSORS)
 class ChunkAttnService:
     """Info, Attend, AttendStream and Release over one engine worker (and the KV RPCs, from KVService).
 
-    Attend and AttendStream answer with serialized AttendResponses (``wire``), which ``add_to_server``
-    registers with an identity serializer: protobuf's own serializer is slow on MiBs of tensor bytes.
+    Attend and AttendStream answer with serialized AttendResponses (``wire``): protobuf's own serializer is
+    slow on MiBs of tensor bytes.
     """
 
-    def __init__(
-        self,
-        worker: EngineWorker,
-        metrics: Metrics,
-        *,
-        max_message_bytes: int,
-        import_stall_s: float = DEFAULT_IMPORT_STALL_S,
-        transfer_keepalive_s: float = DEFAULT_TRANSFER_KEEPALIVE_S,
-    ) -> None:
+    def __init__(self, worker: EngineWorker, metrics: Metrics, config: ServerConfig) -> None:
         self._worker = worker
         self._metrics = metrics
-        self._engine_info = _static_info(worker.engine, max_message_bytes)
+        self._config = config
+        self._engine_info = _static_info(worker.engine, config.max_message_bytes)
         self._draining = False
-        self._kv = KVService(
-            self._run,
-            self._count,
-            self._observe_pool,
-            metrics,
-            max_message_bytes=max_message_bytes,
-            import_stall_s=import_stall_s,
-            transfer_keepalive_s=transfer_keepalive_s,
-        )
+        self._rpcs = Rpcs(self._count, Admission(config.max_concurrent_rpcs, config.inflight_bytes))
+        self._parser = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="chunkattn-parse")
+        self._kv = KVService(self._run, self._rpcs, self._observe_pool, metrics, worker.engine, config)
         metrics.kv_blocks_total.set(worker.engine.stats().num_blocks)
-
-    async def Info(self, request: pb.InfoRequest, context: Context) -> pb.InfoResponse:  # noqa: N802
-        stats = await self._run("Info", lambda e: e.stats())
-        self._observe_pool(stats)
-        response = pb.InfoResponse()
-        response.CopyFrom(self._engine_info)
-        response.free_blocks = stats.free_blocks
-        response.active_sequences = stats.num_sequences
-        self._count("Info", grpc.StatusCode.OK)
-        return response
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         """Register the RPCs of chunkattn.v1.ChunkAttn (the KV ones live in kv_service.py)."""
-        # Attend messages bypass protobuf for their tensor bytes (see chunkattn_client.wire).
-        request, response = wire.identity, wire.identity
+        r = self._rpcs
         handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
-            "Info": grpc.unary_unary_rpc_method_handler(
-                self.Info, request_deserializer=pb.InfoRequest.FromString, response_serializer=_serialize
+            "Info": r.unary("Info", self.Info, pb.InfoRequest, 1024, admit=False),
+            "Attend": r.unary("Attend", self.Attend, None, self._config.max_message_bytes),
+            "AttendStream": r.bidi_stream(
+                "AttendStream", self.AttendStream, self._config.stream_idle_s, "--stream-idle-s"
             ),
-            "Attend": grpc.unary_unary_rpc_method_handler(
-                self.Attend, request_deserializer=request, response_serializer=response
-            ),
-            "AttendStream": grpc.stream_stream_rpc_method_handler(
-                self.AttendStream, request_deserializer=request, response_serializer=response
-            ),
-            "Release": grpc.unary_unary_rpc_method_handler(
-                self.Release, request_deserializer=pb.ReleaseRequest.FromString, response_serializer=_serialize
-            ),
+            "Release": r.unary("Release", self.Release, pb.ReleaseRequest, MAX_RELEASE_BYTES),
             **self._kv.handlers(),
         }
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("chunkattn.v1.ChunkAttn", handlers),))
@@ -128,79 +130,83 @@ class ChunkAttnService:
 
     async def close(self) -> None:
         """Release what the service holds besides the engine (after the server stopped)."""
+        self._parser.shutdown(wait=False, cancel_futures=True)
         await self._kv.close()
 
-    async def Attend(self, request: bytes, context: Context) -> bytes:  # noqa: N802
-        try:
-            response = await self._attend(*parse_attend_request(request))
-        except Exception as e:  # every failure becomes a status; nothing has changed on the engine
-            code = status_code(e)
-            self._count("Attend", code)
-            await context.abort(code, str(e))
-        self._count("Attend", grpc.StatusCode.OK)
+    async def Info(self, request: pb.InfoRequest, context: Context) -> pb.InfoResponse:  # noqa: N802
+        """Never queued behind the engine's jobs: the pool as of the last one that finished."""
+        stats = self._worker.stats
+        self._observe_pool(stats)
+        response = pb.InfoResponse()
+        response.CopyFrom(self._engine_info)
+        response.free_blocks = stats.free_blocks
+        response.active_sequences = stats.num_sequences
         return response
 
-    async def AttendStream(  # noqa: N802
-        self, request_iterator: AsyncIterator[bytes], context: Context
-    ) -> AsyncIterator[bytes]:
-        async for raw in request_iterator:
+    async def Attend(self, raw: bytes, context: Context) -> bytes:  # noqa: N802
+        return await self._attend(*await self._parse(raw))
+
+    async def AttendStream(self, stream: Stream, context: Context) -> None:  # noqa: N802
+        """One answer per request, in order; a failed request is answered with its status and the stream
+        goes on. Each request is admitted on its own; an idle stream holds nothing."""
+        while (raw := await stream.read()) is not None:
             if self._draining:
-                self._count("AttendStream", grpc.StatusCode.UNAVAILABLE)
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; reconnect elsewhere")
+                raise ShuttingDown("the server is shutting down; reconnect elsewhere")
             request_id = 0  # stays 0 when the request cannot be read at all
             try:
-                request, tensors = parse_attend_request(raw)
-                request_id = request.request_id
-                response = await self._attend(request, tensors)
+                with self._rpcs.admission.admit(len(raw)):
+                    request, tensors = await self._parse(raw)
+                    request_id = request.request_id
+                    response = await self._attend(request, tensors)
             except Exception as e:
                 code = status_code(e)
-                self._count("AttendStream", code)
-                yield wire.encode_attend_response(request_id, None, code.value[0], str(e))
-                continue
-            self._count("AttendStream", grpc.StatusCode.OK)
-            yield response
+                response = wire.encode_attend_response(request_id, None, code.value[0], bounded(str(e)))
+            else:
+                code = grpc.StatusCode.OK
+            self._count("AttendStream", code)
+            await stream.write(response)
 
     async def Release(self, request: pb.ReleaseRequest, context: Context) -> pb.ReleaseResponse:  # noqa: N802
-        ids = list(request.seq_ids)
-        try:
-            released, stats = await self._run(
-                "Release", lambda e: (e.release(ids, missing_ok=request.missing_ok), e.stats())
-            )
-        except Exception as e:
-            code = status_code(e)
-            self._count("Release", code)
-            await context.abort(code, str(e))
+        ids, missing_ok = request.seq_ids, request.missing_ok
+        released, stats = await self._run("Release", lambda e: (e.release(ids, missing_ok=missing_ok), e.stats()))
         self._metrics.released.inc(released)
         self._observe_pool(stats)
-        self._count("Release", grpc.StatusCode.OK)
         return pb.ReleaseResponse(released=released)
 
     # -- helpers -------------------------------------------------------------------------------------
 
+    async def _parse(self, raw: bytes) -> tuple[pb.AttendRequest, dict[str, torch.Tensor]]:
+        """parse_attend_request, off the event loop for a large request."""
+        if len(raw) <= INLINE_PARSE_BYTES:
+            return parse_attend_request(raw)
+        return await asyncio.get_running_loop().run_in_executor(self._parser, parse_attend_request, raw)
+
     async def _attend(self, request: pb.AttendRequest, tensors: dict[str, torch.Tensor]) -> bytes:
-        entries = [BatchEntry(e.seq_id, e.position, e.num_tokens) for e in request.entries]
-        ending = [e.seq_id for e in request.entries if e.end_of_sequence]
         if "q" not in tensors:
             raise InvalidTensor("q is missing; send q [tokens, num_heads, head_size]")
         q, k, v = tensors["q"], tensors.get("k"), tensors.get("v")
         if (k is None) != (v is None):
             raise InvalidTensor("send both k and v, or (for a KV-sharing layer) neither")
-        layer = request.layer
+        layer, sent = request.layer, request.entries
 
-        def job(engine: Engine) -> tuple[wire.RawTensor, EngineStats]:
+        def job(engine: Engine) -> tuple[wire.RawTensor, EngineStats, int, int, int]:
+            # The entries become domain objects here, on the worker: a batch of thousands costs milliseconds.
+            entries = [BatchEntry(e.seq_id, e.position, e.num_tokens) for e in sent]
             out = engine.attend(layer, entries, q, k, v)
+            ending = [e.seq_id for e in sent if e.end_of_sequence]
             if ending:
                 engine.release(ending)
-            return codec.to_raw(out), engine.stats()  # to host memory here, on the engine's thread
+            decode = sum(1 for e in entries if e.num_tokens == 1)
+            prefill = sum(e.num_tokens for e in entries if e.num_tokens > 1)
+            return codec.to_raw(out), engine.stats(), decode, prefill, len(ending)  # to host memory, here
 
-        output, stats = await self._run("Attend", job)
+        output, stats, decode, prefill, ended = await self._run("Attend", job)
         m = self._metrics
         m.bytes_received.inc(sum(t.numel() * t.element_size() for t in (q, k, v) if t is not None))
         m.bytes_sent.inc(len(output.data))
-        decode = sum(1 for e in entries if e.num_tokens == 1)
         m.tokens.labels("decode").inc(decode)
-        m.tokens.labels("prefill").inc(sum(e.num_tokens for e in entries if e.num_tokens > 1))
-        m.released.inc(len(ending))
+        m.tokens.labels("prefill").inc(prefill)
+        m.released.inc(ended)
         self._observe_pool(stats)
         return wire.encode_attend_response(request.request_id, output)
 
@@ -249,10 +255,6 @@ def _static_info(engine: Engine, max_message_bytes: int) -> pb.InfoResponse:
         dtypes=[_WIRE[d] for d in DTYPES.values()],
         max_message_bytes=max_message_bytes,
     )
-
-
-def _serialize(message: Any) -> bytes:
-    return bytes(message.SerializeToString())
 
 
 __all__ = ["ChunkAttnService", "parse_attend_request"]

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from chunkattn_server.engine import Engine
+from chunkattn_server.engine import Engine, EngineStats
 
 T = TypeVar("T")
 
@@ -32,6 +32,9 @@ class EngineWorker:
         except BaseException:
             self._pool.shutdown(wait=False)
             raise
+        # The pool and sequences after the last job, for readers that must not queue behind the jobs (Info):
+        # replaced whole by the worker thread, so a reader sees one job's state or the next one's.
+        self.stats: EngineStats = self.engine.stats()
 
     async def run(self, fn: Callable[[Engine], T], observe: Callable[[float, float], None] | None = None) -> T:
         """Run fn(engine) on the worker thread and return (or raise) what it does.
@@ -43,7 +46,10 @@ class EngineWorker:
 
         def job() -> T:
             started.append(time.perf_counter())
-            return fn(self.engine)
+            try:
+                return fn(self.engine)
+            finally:
+                self.stats = self.engine.stats()
 
         try:
             return await asyncio.wrap_future(self._pool.submit(job))

@@ -1,0 +1,261 @@
+"""Every chunkattn.v1 RPC's scaffolding, written once: parse -> admit -> run -> answer, or a status.
+
+Handlers are plain coroutines over parsed requests that raise domain errors (errors.py); this module
+registers them with gRPC as raw bytes (so that gRPC never parses a request: a parse failure here is
+INVALID_ARGUMENT naming the field, never UNKNOWN), maps every error to its status through
+``errors.status_code`` with a bounded message, counts every answer, and enforces the server's limits:
+
+- ``Admission``: how many calls the server works on at once (--max-concurrent-rpcs) and how many request
+  bytes it holds (--max-inflight-mib). A call counts while the server works on it, never while it waits for
+  its client: an idle stream holds nothing. Health, reflection and Info are not counted.
+- Streams: a read or a write that makes no progress for the stream's idle limit (--stream-idle-s, or
+  --kv-import-stall-s for ImportKV) ends the stream with DEADLINE_EXCEEDED.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Protocol, TypeVar
+
+import grpc
+from google.protobuf.message import DecodeError, Message
+
+from chunkattn_client import wire
+from chunkattn_client.limits import bounded
+from chunkattn_server.errors import InvalidArgument, Overloaded, StreamStalled, status_code
+
+Context = grpc.aio.ServicerContext[Any, Any]
+M = TypeVar("M", bound=Message)
+
+# Requests of at most this many bytes are never refused for the byte budget (decode-sized calls go on while
+# large prefills are shed), though they count in it.
+SMALL_REQUEST_BYTES = 64 << 10
+
+
+class Count(Protocol):
+    def __call__(self, rpc: str, code: grpc.StatusCode) -> None: ...
+
+
+class Ticket:
+    """One admitted piece of work: a call slot and ``nbytes`` of the byte budget, held until ``release``
+    (idempotent) or the end of its ``with`` block."""
+
+    def __init__(self, admission: Admission, nbytes: int) -> None:
+        self._admission: Admission | None = admission
+        self.nbytes = nbytes
+
+    def release(self) -> None:
+        if self._admission is not None:
+            self._admission._leave(self.nbytes)
+            self._admission = None
+
+    def __enter__(self) -> Ticket:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class Admission:
+    """The limits on what the server works on at once (event-loop only: not thread-safe).
+
+    ``max_calls`` 0: no limit. ``max_bytes``: the request bytes held by admitted work; a request over
+    SMALL_REQUEST_BYTES that would pass it is refused.
+    """
+
+    def __init__(self, max_calls: int, max_bytes: int) -> None:
+        self.max_calls = max_calls
+        self.max_bytes = max_bytes
+        self.calls = 0
+        self.bytes = 0
+
+    def admit(self, nbytes: int = 0, *, refusable: bool = True) -> Ticket:
+        """A ticket for work on a request of ``nbytes``; Overloaded when the server is full, unless the work
+        belongs to a stream already admitted (``refusable=False``: a stream is never refused halfway)."""
+        if refusable:
+            if self.max_calls and self.calls >= self.max_calls:
+                raise Overloaded(
+                    f"the server is working on {self.calls} calls, its limit (chunkattn-server"
+                    f" --max-concurrent-rpcs {self.max_calls}); retry later or elsewhere"
+                )
+            if nbytes > SMALL_REQUEST_BYTES and self.bytes + nbytes > self.max_bytes:
+                raise Overloaded(
+                    f"a request of {nbytes / 2**20:.1f} MiB would take the requests in flight to"
+                    f" {(self.bytes + nbytes) / 2**20:.1f} MiB, past the server's budget of"
+                    f" {self.max_bytes / 2**20:.0f} MiB (chunkattn-server --max-inflight-mib); retry later, or"
+                    " send smaller calls"
+                )
+        self.calls += 1
+        self.bytes += nbytes
+        return Ticket(self, nbytes)
+
+    def _leave(self, nbytes: int) -> None:
+        self.calls -= 1
+        self.bytes -= nbytes
+
+
+def parse(message: type[M], raw: bytes, max_bytes: int) -> M:
+    """``raw`` as a ``message``; InvalidArgument naming the field when it does not parse, or when it is
+    longer than any valid request of its kind (checked first: a parse costs time in its size)."""
+    name = message.DESCRIPTOR.full_name
+    if len(raw) > max_bytes:
+        raise InvalidArgument(f"a {name} of {len(raw)} bytes is longer than any valid one (at most {max_bytes})")
+    try:
+        return message.FromString(raw)
+    except DecodeError as e:
+        why = wire.explain(message.DESCRIPTOR, raw) or str(e)
+        raise InvalidArgument(f"the request is not a valid {name}: {why}") from None
+
+
+class Stream:
+    """A stream's reads and writes, each bounded in time: a client that sends nothing (or reads nothing)
+    for ``idle_s`` ends the stream with StreamStalled (DEADLINE_EXCEEDED). ``idle_s`` 0: no bound."""
+
+    def __init__(self, requests: AsyncIterator[bytes] | None, context: Context, idle_s: float, flag: str) -> None:
+        self._requests = None if requests is None else requests.__aiter__()
+        self._context = context
+        self._idle_s = idle_s
+        self._flag = flag
+        self.received = 0
+
+    async def read(self) -> bytes | None:
+        """The next request (None at the stream's end)."""
+        assert self._requests is not None
+        try:
+            async with asyncio.timeout(self._idle_s or None):  # no task per message, as wait_for makes
+                data = await anext(self._requests, None)
+        except TimeoutError:
+            raise StreamStalled(
+                f"the stream sent nothing for {self._idle_s:g} s (messages so far: {self.received}), so the"
+                f" server closed it and returned what it held (chunkattn-server {self._flag})"
+            ) from None
+        self.received += data is not None
+        return data
+
+    async def write(self, data: bytes) -> None:
+        try:
+            async with asyncio.timeout(self._idle_s or None):
+                await self._context.write(data)
+        except TimeoutError:
+            raise StreamStalled(
+                f"the client read nothing for {self._idle_s:g} s, so the server closed the stream"
+                f" (chunkattn-server {self._flag})"
+            ) from None
+
+
+Serialize = Callable[[Any], bytes]
+
+
+def serialize(message: Message | bytes) -> bytes:
+    """Responses: messages through protobuf, bytes (built by ``wire``) as they are."""
+    return message if isinstance(message, bytes) else bytes(message.SerializeToString())
+
+
+class Rpcs:
+    """Builds the gRPC handlers of one service's RPCs around plain coroutines (see the module docstring)."""
+
+    def __init__(self, count: Count, admission: Admission) -> None:
+        self._count = count
+        self.admission = admission
+
+    @contextlib.asynccontextmanager
+    async def _answering(self, rpc: str, context: Context, *, count_ok: bool = True) -> AsyncIterator[None]:
+        """Count the call's outcome (an OK one unless ``count_ok`` is False: a stream whose handler counts its
+        messages); turn any error into its status (the one place that aborts a call)."""
+        code = grpc.StatusCode.OK
+        try:
+            yield
+        except asyncio.CancelledError:  # the client went away: nobody to answer
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except Exception as e:
+            code = status_code(e)
+            await context.abort(code, bounded(str(e)))
+        finally:
+            if count_ok or code != grpc.StatusCode.OK:
+                self._count(rpc, code)
+
+    def unary(
+        self,
+        rpc: str,
+        handler: Callable[[Any, Context], Awaitable[Message | bytes]],
+        request: type[Message] | None,
+        max_bytes: int,
+        *,
+        admit: bool = True,
+    ) -> grpc.RpcMethodHandler[bytes, Any]:
+        """``handler(request, context)``: ``request`` parsed (or the raw bytes, with ``request`` None), the
+        call admitted for its whole duration unless ``admit`` is False."""
+
+        async def behavior(raw: bytes, context: Context) -> Message | bytes:
+            async with self._answering(rpc, context):
+                with self.admission.admit(len(raw)) if admit else contextlib.nullcontext():
+                    return await handler(raw if request is None else parse(request, raw, max_bytes), context)
+            raise AssertionError("unreachable: _answering aborted the call")  # for mypy: abort raises
+
+        return grpc.unary_unary_rpc_method_handler(
+            behavior, request_deserializer=wire.identity, response_serializer=serialize
+        )
+
+    def server_stream(
+        self,
+        rpc: str,
+        handler: Callable[[Any, Context], AsyncIterator[bytes]],
+        request: type[Message],
+        max_bytes: int,
+        idle_s: float,
+        flag: str,
+    ) -> grpc.RpcMethodHandler[bytes, bytes]:
+        """``handler(request, context)`` yields serialized responses. The call counts while the handler
+        makes its next response, not while the client reads the last one (bounded by ``idle_s``)."""
+
+        async def behavior(raw: bytes, context: Context) -> None:
+            async with self._answering(rpc, context):
+                out = Stream(None, context, idle_s, flag)
+                ticket = self.admission.admit(len(raw))
+                try:
+                    responses = handler(parse(request, raw, max_bytes), context)
+                    async with contextlib.aclosing(responses):  # type: ignore[type-var]
+                        while True:
+                            response = await anext(responses, None)
+                            ticket.release()
+                            if response is None:
+                                break
+                            await out.write(response)
+                            ticket = self.admission.admit(refusable=False)
+                finally:
+                    ticket.release()
+
+        return grpc.unary_stream_rpc_method_handler(
+            behavior, request_deserializer=wire.identity, response_serializer=wire.identity
+        )
+
+    def client_stream(
+        self, rpc: str, handler: Callable[[Stream, Context], Awaitable[Message]], idle_s: float, flag: str
+    ) -> grpc.RpcMethodHandler[bytes, Any]:
+        """``handler(stream, context)`` reads the requests (raw bytes) itself and admits its own work."""
+
+        async def behavior(requests: AsyncIterator[bytes], context: Context) -> Message:
+            async with self._answering(rpc, context):
+                return await handler(Stream(requests, context, idle_s, flag), context)
+            raise AssertionError("unreachable: _answering aborted the call")
+
+        return grpc.stream_unary_rpc_method_handler(
+            behavior, request_deserializer=wire.identity, response_serializer=serialize
+        )
+
+    def bidi_stream(
+        self, rpc: str, handler: Callable[[Stream, Context], Awaitable[None]], idle_s: float, flag: str
+    ) -> grpc.RpcMethodHandler[bytes, bytes]:
+        """``handler(stream, context)`` reads and writes raw messages itself, admits and counts its own work;
+        only a stream that ends badly (idle, draining, cancelled) is a status, and a count, here."""
+
+        async def behavior(requests: AsyncIterator[bytes], context: Context) -> None:
+            async with self._answering(rpc, context, count_ok=False):
+                await handler(Stream(requests, context, idle_s, flag), context)
+
+        return grpc.stream_stream_rpc_method_handler(
+            behavior, request_deserializer=wire.identity, response_serializer=wire.identity
+        )
