@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import os
 import signal
@@ -357,3 +358,23 @@ def test_a_frozen_target_fails_the_transfer_after_an_unanswered_ping_not_at_its_
             if ct.info().active_sequences:  # "during" could land once the target resumed; only its answer was lost
                 assert ct.release(["during"]) == 1
         cs.release(["frozen"])
+
+
+def test_a_target_that_refuses_imports_is_never_reported_as_internal() -> None:
+    """A full target ends each transfer's stream at its header. gRPC Python's asyncio client sometimes
+    reports that as INTERNAL "Internal error from Core" (grpc/grpc#36066); the source says UNAVAILABLE."""
+    with ServerProcess(*SMALL, "--num-blocks", "2048") as src, ServerProcess(*SMALL, "--num-blocks", "8") as full:
+        with client(src) as c:
+            rng = np.random.default_rng(0)
+            for layer in range(4):
+                q, k, v = (rng.standard_normal((2000, h, D), np.float32) for h in (H, HKV, HKV))
+                c.attend(layer, [BatchEntry("big", 0, 2000)], q, k, v)
+            codes: collections.Counter[grpc.StatusCode] = collections.Counter()
+            for _ in range(200):
+                with pytest.raises(ChunkAttnError) as err:
+                    c.transfer_kv("big", full.target)
+                codes[err.value.code] += 1
+                if err.value.code == grpc.StatusCode.UNAVAILABLE:
+                    assert "grpc/grpc#36066" in err.value.message
+        assert set(codes) <= {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE}, codes
+        assert pool(full)[0] == 8

@@ -97,6 +97,13 @@ def test_1_bad_utf8_is_invalid_argument_naming_the_field(raw: Raw, method: str) 
     refused(raw.call(method, data), INVALID, name, "UTF-8")
 
 
+def test_1_a_shape_of_many_huge_dimensions_is_invalid_argument(raw: Raw) -> None:
+    """Found by the fuzz test: the byte count of 1,000 dimensions of 2^62 has more digits than Python prints."""
+    shape = pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[2**62] * 1000)
+    request = pb.AttendRequest(entries=[pb.SequenceEntry(seq_id="s", num_tokens=1)], q=shape)
+    refused(raw.call("Attend", request.SerializeToString()), INVALID, "1000 dimensions; at most 8")
+
+
 # -- 2. messages quote a bounded prefix and a few ids ---------------------------------------------------
 
 
@@ -105,6 +112,20 @@ def test_2_five_thousand_unknown_ids_are_not_found_with_a_short_message(raw: Raw
     answer = raw.call("Release", pb.ReleaseRequest(seq_ids=ids).SerializeToString())
     refused(answer, grpc.StatusCode.NOT_FOUND, "5000 of the 5000", "'id-0', 'id-1', 'id-2' and 4997 more")
     assert len(answer.details) < 300
+
+
+def test_2_ids_repeated_by_the_hundred_thousand_are_refused_before_the_parse(server: ServerProcess, raw: Raw) -> None:
+    """2 MiB of one id repeated, and 2 MiB of fields with a fault at the end: counted before protobuf parses
+    them, explained within bounds, off the event loop."""
+    repeated = pb.ReleaseRequest(seq_ids=["a"] * 700_000).SerializeToString()
+    fault_at_end = b"\x10\x00" * 1_000_000 + b"\x0a\x01\xff"
+    with Raw(server.target) as other, Watch(other.health) as health:
+        time.sleep(0.05)
+        answers = [raw.call("Release", repeated), raw.call("Release", fault_at_end)]
+        time.sleep(0.05)
+    assert health.worst < 0.1, f"health took {health.worst * 1000:.0f} ms"
+    refused(answers[0], INVALID, "more than 8208 fields")
+    refused(answers[1], INVALID, "more than 8208 fields")
 
 
 def test_2_more_ids_than_a_call_takes_is_invalid_argument(raw: Raw) -> None:

@@ -68,11 +68,10 @@ class Client:
     def _tensors(self, t: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return tuple(self.np.standard_normal((t, h, D), np.float32) for h in (H, HKV, HKV))  # type: ignore[return-value]
 
-    def _note(self, op: str, code: grpc.StatusCode, expected: set[grpc.StatusCode]) -> bool:
+    def _note(self, op: str, code: grpc.StatusCode, expected: set[grpc.StatusCode], message: str = "") -> None:
         self.seen[f"{op} {code.name}"] += 1
         if code not in expected:
-            self.unexpected.append(f"{op}: {code.name}")
-        return code == OK
+            self.unexpected.append(f"{op}: {code.name}: {message}")
 
     def _steps(self, server: int, seq: str, position: int, n: int, stream: bool) -> bool:
         """n tokens of ``seq`` through every layer (unary calls or one stream)."""
@@ -88,7 +87,7 @@ class Client:
                     out = c.attend(layer, [BatchEntry(seq, position, n)], *self._tensors(n))
                     assert np.isfinite(out).all()
         except ChunkAttnError as e:
-            self._note("attend", e.code, {FULL})
+            self._note("attend", e.code, {FULL}, e.message)
             self._forget(seq)
             return False
         self.seen["attend OK"] += 1
@@ -123,7 +122,7 @@ class Client:
             try:
                 self.clients[server].fork(seq, child)
             except ChunkAttnError as e:
-                self._note("fork", e.code, {FULL})
+                self._note("fork", e.code, {FULL}, e.message)
                 return
             self.seen["fork OK"] += 1
             self.seqs[child] = (server, length)
@@ -136,7 +135,8 @@ class Client:
             try:
                 self.clients[server].transfer_kv(seq, self.targets[other], release_after=True)
             except ChunkAttnError as e:
-                self._note("transfer", e.code, {FULL})
+                lost = e.code == grpc.StatusCode.UNAVAILABLE and "grpc/grpc#36066" in e.message  # see kv_service
+                self._note("transfer", e.code, {FULL} | ({e.code} if lost else set()), e.message)
                 return
             self.seen["transfer OK"] += 1
             self.seqs[seq] = (other, length)
@@ -154,11 +154,14 @@ class Client:
             except grpc.FutureCancelledError:
                 self.seen["attend CANCELLED"] += 1
             except grpc.RpcError as e:
-                self._note("cancelled attend", e.code(), {FULL} | OWN_CANCEL)
+                self._note("cancelled attend", e.code(), {FULL} | OWN_CANCEL, e.details() or "")
             self._forget(seq)  # whether layer 0 took the token is not known: start over
         elif op == "drop":
             s = self.clients[server].stream()
-            s.attend(0, [BatchEntry(seq, length, 1)], *self._tensors(1))
+            try:
+                s.attend(0, [BatchEntry(seq, length, 1)], *self._tensors(1))
+            except ChunkAttnError as e:
+                self._note("streamed attend", e.code, {FULL}, e.message)
             s.cancel()  # dropped mid-session, without closing
             self.seen["stream dropped"] += 1
             self._forget(seq)

@@ -137,11 +137,19 @@ def decode(t: pb.Tensor) -> npt.NDArray[Any]:
     return arr.reshape(tuple(t.shape))
 
 
+# More dimensions than any tensor of the protocol has (they have 3), and few enough that a product of int64s
+# stays a number one can print.
+MAX_DIMS = 8
+
+
 def check(dtype: int, shape: tuple[int, ...], nbytes: int) -> None:
-    """CodecError unless dtype is known, no dimension is negative and nbytes = product(shape) * itemsize."""
+    """CodecError unless dtype is known, the shape has at most MAX_DIMS dimensions, none negative, and
+    nbytes = product(shape) * itemsize."""
     dt = _NUMPY.get(dtype)
     if dt is None:
         raise CodecError(f"unknown tensor dtype {dtype}; expected float32, float16 or bfloat16")
+    if len(shape) > MAX_DIMS:
+        raise CodecError(f"tensor shape has {len(shape)} dimensions; at most {MAX_DIMS}")
     if any(d < 0 for d in shape):
         raise CodecError(f"tensor shape {list(shape)} has a negative dimension")
     want = math.prod(shape) * dt.itemsize

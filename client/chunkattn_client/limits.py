@@ -64,7 +64,7 @@ def id_problem(seq_id: object, what: str = "seq_id") -> str | None:
     return None
 
 
-_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"  # RFC 1123
+_LABEL = r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"  # RFC 1123, and "_" as Docker's names have
 _HOSTNAME = re.compile(rf"(?=.{{1,253}}$){_LABEL}(?:\.{_LABEL})*\.?")
 TARGET_FORMS = (
     "host:port, [ipv6]:port, dns:///host:port, ipv4:a.b.c.d:port or ipv6:[addr]:port, with 1 <= port <= 65535"

@@ -28,6 +28,7 @@ from chunkattn_server import allocator
 from chunkattn_server.config import (
     DEFAULT_IMPORT_STALL_S,
     DEFAULT_MAX_MESSAGE_MIB,
+    DEFAULT_MAX_OPEN_CALLS,
     DEFAULT_STREAM_IDLE_S,
     DEFAULT_TRANSFER_KEEPALIVE_S,
     CacheConfig,
@@ -70,6 +71,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=64,
         help="calls the server works on at once, beyond which new ones get RESOURCE_EXHAUSTED; a stream counts"
         " only while one of its messages is served; health and Info never count (default 64; 0: no limit)",
+    )
+    g.add_argument(
+        "--max-open-calls",
+        type=int,
+        default=DEFAULT_MAX_OPEN_CALLS,
+        help="calls open at once, idle streams and calls still being received included, beyond which gRPC"
+        f" refuses new ones, health checks too, with RESOURCE_EXHAUSTED (default {DEFAULT_MAX_OPEN_CALLS}; 0: no"
+        " limit)",
     )
     g.add_argument(
         "--max-inflight-mib",
@@ -213,7 +222,7 @@ def cache_config(args: argparse.Namespace) -> CacheConfig:
 def check(args: argparse.Namespace) -> None:
     """Exit with a usage error (status 2) naming the first flag out of range."""
     for flag in ("idle_timeout_s", "grace_s", "max_concurrent_rpcs", "max_message_mib", "kv_import_stall_s",
-                 "stream_idle_s", "max_inflight_mib"):  # fmt: skip
+                 "stream_idle_s", "max_inflight_mib", "max_open_calls"):  # fmt: skip
         value = getattr(args, flag)
         if value is not None and not value >= 0:  # NaN too
             build_parser().error(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
@@ -237,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
             metrics_port=args.metrics_port,
             max_message_bytes=args.max_message_mib << 20,
             max_concurrent_rpcs=args.max_concurrent_rpcs,
+            max_open_calls=args.max_open_calls,
             max_inflight_bytes=None if args.max_inflight_mib is None else args.max_inflight_mib << 20,
             stream_idle_s=args.stream_idle_s,
             idle_timeout_s=args.idle_timeout_s,

@@ -224,6 +224,10 @@ def demo_model() -> ModelShape:
 # ~1.5-5 ms per MiB on the dev VMs (a plain grpc.aio echo alike), so this is also the longest pause a client
 # can cause. 32 MiB holds a 2,048-token Llama-4-Scout prefill in bf16 (28 MiB of q, k and v).
 DEFAULT_MAX_MESSAGE_MIB = 32
+# Calls open at once, idle streams and calls still being received included (gRPC's own limit, which refuses
+# health checks too): the only bound on what gRPC buffers before the service sees a request, at most this
+# many largest messages.
+DEFAULT_MAX_OPEN_CALLS = 1024
 DEFAULT_IMPORT_STALL_S = 60.0  # an import that sends nothing this long is abandoned and its blocks returned
 DEFAULT_STREAM_IDLE_S = 300.0  # a stream that makes no progress this long is closed
 DEFAULT_TRANSFER_KEEPALIVE_S = 30.0  # TransferKV's channels ping their target after this long without news
@@ -244,7 +248,8 @@ def default_inflight_bytes(max_message_bytes: int) -> int:
 class ServerConfig:
     """Network and limits (the README's "Limits and errors" lists them with their statuses).
 
-    metrics_port 0 disables /metrics; idle_timeout_s 0 disables eviction; max_concurrent_rpcs 0 sets no limit;
+    metrics_port 0 disables /metrics; idle_timeout_s 0 disables eviction; max_concurrent_rpcs and max_open_calls
+    0 set no limit;
     stream_idle_s and kv_import_stall_s 0 let streams wait for ever (the client's deadline still applies);
     transfer_keepalive_s 0 sends no keepalive pings to TransferKV's targets (else see
     chunkattn_client.client.check_keepalive); max_inflight_bytes None: ``default_inflight_bytes``.
@@ -255,6 +260,7 @@ class ServerConfig:
     metrics_port: int = 9400
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_MIB << 20
     max_concurrent_rpcs: int = 64
+    max_open_calls: int = DEFAULT_MAX_OPEN_CALLS
     max_inflight_bytes: int | None = None
     idle_timeout_s: float = 600.0
     grace_s: float = 10.0

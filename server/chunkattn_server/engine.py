@@ -597,13 +597,14 @@ class Engine:
 
         An unknown id raises UnknownSequence (and releases nothing) unless ``missing_ok``.
         """
-        ids = list(dict.fromkeys(seq_ids))
-        if len(ids) > MAX_BATCH:
-            raise InvalidBatch(f"{len(ids)} sequences to release; at most {MAX_BATCH} per call")
-        for i, seq_id in enumerate(ids):
+        given = list(seq_ids)
+        if len(given) > MAX_BATCH:
+            raise InvalidBatch(f"{len(given)} sequences to release; at most {MAX_BATCH} per call")
+        for i, seq_id in enumerate(given):
             problem = id_problem(seq_id)
             if problem:
                 raise InvalidBatch(f"id {i}: {problem}; nothing was released")
+        ids = list(dict.fromkeys(given))
         unknown = [s for s in ids if s not in self._seqs]
         if unknown and not missing_ok:
             raise UnknownSequence(

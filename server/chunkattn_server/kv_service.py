@@ -10,8 +10,9 @@ decoded on the worker thread, so the event loop never walks a client's KV messag
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -34,7 +35,7 @@ from chunkattn_server.errors import (
 )
 from chunkattn_server.kv.transfer import KVManifest, batches, record_bytes
 from chunkattn_server.metrics import Metrics
-from chunkattn_server.rpc import Context, Rpcs, Stream, Ticket
+from chunkattn_server.rpc import SMALL_REQUEST_BYTES, Context, Rpcs, Stream, Ticket
 
 T = TypeVar("T")
 Run = Callable[[str, Callable[[Engine], T]], Awaitable[T]]
@@ -42,8 +43,6 @@ Run = Callable[[str, Callable[[Engine], T]], Awaitable[T]]
 DEFAULT_KV_MESSAGE_BYTES = 4 << 20
 DEFAULT_TRANSFER_TIMEOUT_S = 600.0  # when the caller sets no deadline: a hung target must not pin us forever
 IMPORT_KV = "/chunkattn.v1.ChunkAttn/ImportKV"
-# Fork, ExportKV and TransferKV requests: a few ids, a target and a list of layers.
-MAX_SMALL_REQUEST_BYTES = 64 << 10
 
 
 class KVService:
@@ -74,7 +73,7 @@ class KVService:
         self._targets = ChannelPool(channel_options(config.max_message_bytes, config.transfer_keepalive_s or None))
 
     def handlers(self) -> dict[str, grpc.RpcMethodHandler[Any, Any]]:
-        r, c, small = self._rpcs, self._config, MAX_SMALL_REQUEST_BYTES
+        r, c, small = self._rpcs, self._config, SMALL_REQUEST_BYTES  # a few ids, a target, layers
         return {
             "Fork": r.unary("Fork", self.Fork, pb.ForkRequest, small),
             # KV chunks travel as bytes built and read by kvwire (no copies of the K/V through protobuf).
@@ -99,8 +98,9 @@ class KVService:
         limit = min(request.max_message_bytes or DEFAULT_KV_MESSAGE_BYTES, self._config.max_message_bytes)
         try:
             manifest = await self._manifest(request.seq_id, list(request.layers))
-            async for chunk in self._chunks(manifest, limit):
-                yield chunk
+            async with contextlib.aclosing(self._chunks(manifest, limit)) as chunks:  # its next job cancelled
+                async for chunk in chunks:
+                    yield chunk
         except BaseException as e:
             self._transferred("out", _code(e), started)
             raise
@@ -139,7 +139,7 @@ class KVService:
 
     async def _chunks(
         self, manifest: KVManifest, limit: int, *, as_id: str = "", failure: list[BaseException] | None = None
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes, None]:
         """Serialized KVChunks: header, blocks in messages of at most ``limit`` bytes (at least one block
         each), trailer. The next message's engine job runs while this one is on the wire.
 
@@ -174,7 +174,8 @@ class KVService:
     async def _import(self, stream: Stream) -> pb.ImportKVResponse:
         """The header is decoded, checked and its blocks reserved in one engine job; each later message is
         decoded and written in one job, running while the next message arrives. Every message counts in the
-        server's limits from its arrival until it is written; only the header's can be refused."""
+        server's limits from its arrival until it is written; only the header's can be refused, a later one
+        waits while the byte budget is full."""
         admission = self._rpcs.admission
         first = await stream.read()
         if first is None:
@@ -220,7 +221,7 @@ class KVService:
             with admission.admit(len(first)):
                 session: ImportSession = await self._run("ImportKV", begin)
             while (data := await stream.read()) is not None:
-                ticket = admission.admit(len(data), refusable=False)
+                ticket = await admission.admit_when_room(len(data))
                 try:
                     await written()  # a damaged block is reported before anything about the next message
                 except BaseException:
@@ -279,7 +280,18 @@ class KVService:
         except grpc.RpcError as e:
             if failure:  # our export failed first; the target only saw the stream stop
                 raise failure[0] from None
-            raise TargetError.from_rpc(e, request.target) from None
+            error = TargetError.from_rpc(e, request.target)
+            if error.code == grpc.StatusCode.INTERNAL and "Internal error from Core" in str(error):
+                # A target that refuses an import (a full pool, an id in use) ends the stream while we still
+                # send, and gRPC Python's asyncio client then sometimes reports this in place of the target's
+                # status (grpc/grpc#36066: about 1 such refusal in 50 here). Nothing was imported.
+                raise TargetError(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"the target {request.target} ended the KV stream before it was sent, refusing the import,"
+                    " and gRPC lost its reason (grpc/grpc#36066); nothing was imported: retry, or ask the target"
+                    " (a full pool or an id in use are the usual reasons)",
+                ) from None
+            raise error from None
         if failure:
             raise failure[0]
         released = False

@@ -32,7 +32,7 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ChunkAttn"].full_name
 # At most this many calls open at once on one connection (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS): a client
 # that opens more waits for one to end (its channel queues them), so one connection cannot pile up calls
 # without bound. gRPC's own default sets no limit.
-MAX_STREAMS_PER_CONNECTION = 1024
+MAX_STREAMS_PER_CONNECTION = 256
 STREAM_LIMITS = [("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION)]
 
 # Keepalive pings from clients (ChunkAttnClient(keepalive_s=...)) and from other servers' TransferKV channels
@@ -55,10 +55,11 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
     worker = EngineWorker(lambda: Engine(engine_config))  # allocates the KV pool: SERVING only after this
     engine = worker.engine
     metrics = Metrics()
-    # The clients' message limits. No gRPC-wide limit on calls: it would refuse health checks too, and count
-    # calls still being received; the service admits its own calls (rpc.Admission).
+    # The clients' message limits. The service admits the calls it works on (rpc.Admission: health checks
+    # and idle streams never count); gRPC's own limit, far above, bounds the calls open at once, those still
+    # being received included, which the service cannot see.
     options = [*channel_options(config.max_message_bytes, None), *PING_POLICY, *STREAM_LIMITS]
-    server = grpc.aio.server(options=options)
+    server = grpc.aio.server(options=options, maximum_concurrent_rpcs=config.max_open_calls or None)
     service = ChunkAttnService(worker, metrics, config)
     service.add_to_server(server)
     health_servicer = health.aio.HealthServicer()
@@ -89,9 +90,11 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
         stats.num_blocks * stats.bytes_per_block / 2**20,
     )
     log.info(
-        "limits: messages of %d MiB, %s calls at once, %d MiB of requests in flight, streams idle %s",
+        "limits: messages of %d MiB, %s calls worked on and %s open at once, %d MiB of requests in flight,"
+        " streams idle %s",
         config.max_message_bytes >> 20,
         config.max_concurrent_rpcs or "any number of",
+        config.max_open_calls or "any number",
         config.inflight_bytes >> 20,
         f"{config.stream_idle_s:g} s at most" if config.stream_idle_s else "for ever",
     )

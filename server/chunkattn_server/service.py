@@ -8,7 +8,6 @@ through ``errors.status_code`` alone.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -26,7 +25,7 @@ from chunkattn_server.engine import DTYPES, Engine, EngineStats
 from chunkattn_server.errors import InvalidArgument, InvalidBatch, InvalidTensor, ShuttingDown, status_code
 from chunkattn_server.kv_service import KVService
 from chunkattn_server.metrics import Metrics
-from chunkattn_server.rpc import Admission, Context, Rpcs, Stream
+from chunkattn_server.rpc import SMALL_REQUEST_BYTES, Admission, Context, Rpcs, Stream
 from chunkattn_server.worker import EngineWorker
 
 T = TypeVar("T")
@@ -34,11 +33,6 @@ T = TypeVar("T")
 _TORCH: dict[int, torch.dtype] = {wire_dtype: DTYPES[name] for name, wire_dtype in codec.WIRE_DTYPES.items()}
 _WIRE = {DTYPES[name]: wire_dtype for name, wire_dtype in codec.WIRE_DTYPES.items()}
 
-# Requests up to this size are parsed by protobuf's C parser on the event loop (a copy of their tensors is
-# nothing at this size, and the worst such message, 32K empty entries, parses in ~0.4 ms); larger ones are
-# taken apart without copying their tensors (wire.split), in a thread: its field-by-field Python scan of a
-# message with thousands of entries would hold up the event loop for milliseconds.
-INLINE_PARSE_BYTES = 64 << 10
 # A ReleaseRequest of MAX_BATCH ids of MAX_ID_BYTES, with room for their keys and lengths.
 MAX_RELEASE_BYTES = MAX_BATCH * (MAX_ID_BYTES + 4) + 64
 
@@ -55,10 +49,13 @@ def tensor(name: str, dtype: int, shape: tuple[int, ...], data: wire.Buffer) -> 
 
 
 def parse_attend_request(raw: bytes) -> tuple[pb.AttendRequest, dict[str, torch.Tensor]]:
-    """The request's small fields (protobuf) and its tensors by name: for a large request views of ``raw``.
-    InvalidArgument naming the field when it does not parse; InvalidBatch past MAX_BATCH entries."""
+    """The request's small fields (protobuf) and its tensors by name. A small request (rpc.SMALL_REQUEST_BYTES)
+    goes through protobuf's C parser, its tensors copied (nothing at this size); a large one is taken apart
+    without copying its tensors (wire.split, a Python scan of its fields, bounded by MAX_BATCH: the caller
+    runs it in a thread). InvalidArgument naming the field when it does not parse; InvalidBatch past
+    MAX_BATCH entries."""
     try:
-        if len(raw) <= INLINE_PARSE_BYTES:
+        if len(raw) <= SMALL_REQUEST_BYTES:
             request = pb.AttendRequest.FromString(raw)
             tensors = {}
             for name in _REQUEST_TENSORS.values():
@@ -106,7 +103,6 @@ class ChunkAttnService:
         self._engine_info = _static_info(worker.engine, config.max_message_bytes)
         self._draining = False
         self._rpcs = Rpcs(self._count, Admission(config.max_concurrent_rpcs, config.inflight_bytes))
-        self._parser = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="chunkattn-parse")
         self._kv = KVService(self._run, self._rpcs, self._observe_pool, metrics, worker.engine, config)
         metrics.kv_blocks_total.set(worker.engine.stats().num_blocks)
 
@@ -119,7 +115,9 @@ class ChunkAttnService:
             "AttendStream": r.bidi_stream(
                 "AttendStream", self.AttendStream, self._config.stream_idle_s, "--stream-idle-s"
             ),
-            "Release": r.unary("Release", self.Release, pb.ReleaseRequest, MAX_RELEASE_BYTES),
+            "Release": r.unary(
+                "Release", self.Release, pb.ReleaseRequest, MAX_RELEASE_BYTES, max_fields=MAX_BATCH + 16
+            ),
             **self._kv.handlers(),
         }
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("chunkattn.v1.ChunkAttn", handlers),))
@@ -130,7 +128,7 @@ class ChunkAttnService:
 
     async def close(self) -> None:
         """Release what the service holds besides the engine (after the server stopped)."""
-        self._parser.shutdown(wait=False, cancel_futures=True)
+        self._rpcs.close()
         await self._kv.close()
 
     async def Info(self, request: pb.InfoRequest, context: Context) -> pb.InfoResponse:  # noqa: N802
@@ -177,9 +175,9 @@ class ChunkAttnService:
 
     async def _parse(self, raw: bytes) -> tuple[pb.AttendRequest, dict[str, torch.Tensor]]:
         """parse_attend_request, off the event loop for a large request."""
-        if len(raw) <= INLINE_PARSE_BYTES:
+        if len(raw) <= SMALL_REQUEST_BYTES:
             return parse_attend_request(raw)
-        return await asyncio.get_running_loop().run_in_executor(self._parser, parse_attend_request, raw)
+        return await asyncio.get_running_loop().run_in_executor(self._rpcs.parser, parse_attend_request, raw)
 
     async def _attend(self, request: pb.AttendRequest, tensors: dict[str, torch.Tensor]) -> bytes:
         if "q" not in tensors:
