@@ -26,12 +26,15 @@ if _version_not_supported:
 
 
 class ChunkAttnStub:
-    """The attention service. Errors use the standard gRPC status codes: INVALID_ARGUMENT (malformed request),
-    NOT_FOUND (unknown sequence at position > 0), FAILED_PRECONDITION (position differs from the sequence's
-    length in that layer), RESOURCE_EXHAUSTED (KV pool full, message too large, too many concurrent calls),
-    UNAVAILABLE (the server is shutting down), ALREADY_EXISTS (Fork or ImportKV into an id in use), DATA_LOSS
-    (imported KV damaged or cut short), ABORTED (a sequence changed while it was exported). A refused request
-    changes nothing on the server.
+    """The attention service. Errors use the standard gRPC status codes: INVALID_ARGUMENT (a malformed request,
+    or one past a limit below), NOT_FOUND (unknown sequence at position > 0), FAILED_PRECONDITION (position
+    differs from the sequence's length in that layer), RESOURCE_EXHAUSTED (KV pool full, message too large,
+    too many calls or request bytes at once), DEADLINE_EXCEEDED (a stream that sent or read nothing for the
+    server's idle limit), UNAVAILABLE (the server is shutting down), ALREADY_EXISTS (Fork or ImportKV into an
+    id in use), DATA_LOSS (imported KV damaged or cut short), ABORTED (a sequence changed while it was
+    exported). A refused request changes nothing on the server; no request of a client gets UNKNOWN or
+    INTERNAL. Limits: a sequence id is 1 to 256 bytes of UTF-8; a call names at most 8192 sequences; a
+    sequence is at most 2^31 - 1 tokens long in any layer.
     """
 
     def __init__(self, channel):
@@ -83,12 +86,15 @@ class ChunkAttnStub:
 
 
 class ChunkAttnServicer:
-    """The attention service. Errors use the standard gRPC status codes: INVALID_ARGUMENT (malformed request),
-    NOT_FOUND (unknown sequence at position > 0), FAILED_PRECONDITION (position differs from the sequence's
-    length in that layer), RESOURCE_EXHAUSTED (KV pool full, message too large, too many concurrent calls),
-    UNAVAILABLE (the server is shutting down), ALREADY_EXISTS (Fork or ImportKV into an id in use), DATA_LOSS
-    (imported KV damaged or cut short), ABORTED (a sequence changed while it was exported). A refused request
-    changes nothing on the server.
+    """The attention service. Errors use the standard gRPC status codes: INVALID_ARGUMENT (a malformed request,
+    or one past a limit below), NOT_FOUND (unknown sequence at position > 0), FAILED_PRECONDITION (position
+    differs from the sequence's length in that layer), RESOURCE_EXHAUSTED (KV pool full, message too large,
+    too many calls or request bytes at once), DEADLINE_EXCEEDED (a stream that sent or read nothing for the
+    server's idle limit), UNAVAILABLE (the server is shutting down), ALREADY_EXISTS (Fork or ImportKV into an
+    id in use), DATA_LOSS (imported KV damaged or cut short), ABORTED (a sequence changed while it was
+    exported). A refused request changes nothing on the server; no request of a client gets UNKNOWN or
+    INTERNAL. Limits: a sequence id is 1 to 256 bytes of UTF-8; a call names at most 8192 sequences; a
+    sequence is at most 2^31 - 1 tokens long in any layer.
     """
 
     def Info(self, request, context):
@@ -131,7 +137,8 @@ class ChunkAttnServicer:
 
     def ExportKV(self, request, context):
         """A sequence's live KV as a stream: a header, messages of blocks (each at most max_message_bytes), a
-        trailer. Live means what the server keeps: a chunked layer's current chunk, a global layer's all.
+        trailer. Live means what the server keeps: a chunked layer's current chunk, a global layer's all. A
+        block carries only the positions its layer wrote and keeps; the rest of it is zeros.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -139,8 +146,9 @@ class ChunkAttnServicer:
 
     def ImportKV(self, request_iterator, context):
         """Such a stream in, as a new sequence on a server of the same model shape. All or nothing: a damaged or
-        cut-short stream (DATA_LOSS), another shape (INVALID_ARGUMENT), an id in use (ALREADY_EXISTS) or too
-        few free blocks (RESOURCE_EXHAUSTED) leave nothing behind.
+        cut-short stream (DATA_LOSS), another shape or a header whose blocks are not exactly those its lengths
+        need (INVALID_ARGUMENT), an id in use (ALREADY_EXISTS) or too few free blocks (RESOURCE_EXHAUSTED)
+        leave nothing behind.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -206,12 +214,15 @@ def add_ChunkAttnServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class ChunkAttn:
-    """The attention service. Errors use the standard gRPC status codes: INVALID_ARGUMENT (malformed request),
-    NOT_FOUND (unknown sequence at position > 0), FAILED_PRECONDITION (position differs from the sequence's
-    length in that layer), RESOURCE_EXHAUSTED (KV pool full, message too large, too many concurrent calls),
-    UNAVAILABLE (the server is shutting down), ALREADY_EXISTS (Fork or ImportKV into an id in use), DATA_LOSS
-    (imported KV damaged or cut short), ABORTED (a sequence changed while it was exported). A refused request
-    changes nothing on the server.
+    """The attention service. Errors use the standard gRPC status codes: INVALID_ARGUMENT (a malformed request,
+    or one past a limit below), NOT_FOUND (unknown sequence at position > 0), FAILED_PRECONDITION (position
+    differs from the sequence's length in that layer), RESOURCE_EXHAUSTED (KV pool full, message too large,
+    too many calls or request bytes at once), DEADLINE_EXCEEDED (a stream that sent or read nothing for the
+    server's idle limit), UNAVAILABLE (the server is shutting down), ALREADY_EXISTS (Fork or ImportKV into an
+    id in use), DATA_LOSS (imported KV damaged or cut short), ABORTED (a sequence changed while it was
+    exported). A refused request changes nothing on the server; no request of a client gets UNKNOWN or
+    INTERNAL. Limits: a sequence id is 1 to 256 bytes of UTF-8; a call names at most 8192 sequences; a
+    sequence is at most 2^31 - 1 tokens long in any layer.
     """
 
     @staticmethod

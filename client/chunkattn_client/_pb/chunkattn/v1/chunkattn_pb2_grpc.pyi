@@ -33,12 +33,15 @@ GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
 
 class ChunkAttnStub:
-    """The attention service. Errors use the standard gRPC status codes: INVALID_ARGUMENT (malformed request),
-    NOT_FOUND (unknown sequence at position > 0), FAILED_PRECONDITION (position differs from the sequence's
-    length in that layer), RESOURCE_EXHAUSTED (KV pool full, message too large, too many concurrent calls),
-    UNAVAILABLE (the server is shutting down), ALREADY_EXISTS (Fork or ImportKV into an id in use), DATA_LOSS
-    (imported KV damaged or cut short), ABORTED (a sequence changed while it was exported). A refused request
-    changes nothing on the server.
+    """The attention service. Errors use the standard gRPC status codes: INVALID_ARGUMENT (a malformed request,
+    or one past a limit below), NOT_FOUND (unknown sequence at position > 0), FAILED_PRECONDITION (position
+    differs from the sequence's length in that layer), RESOURCE_EXHAUSTED (KV pool full, message too large,
+    too many calls or request bytes at once), DEADLINE_EXCEEDED (a stream that sent or read nothing for the
+    server's idle limit), UNAVAILABLE (the server is shutting down), ALREADY_EXISTS (Fork or ImportKV into an
+    id in use), DATA_LOSS (imported KV damaged or cut short), ABORTED (a sequence changed while it was
+    exported). A refused request changes nothing on the server; no request of a client gets UNKNOWN or
+    INTERNAL. Limits: a sequence id is 1 to 256 bytes of UTF-8; a call names at most 8192 sequences; a
+    sequence is at most 2^31 - 1 tokens long in any layer.
     """
 
     @_typing.overload
@@ -62,12 +65,14 @@ class ChunkAttnStub:
     """
     ExportKV: _grpc.UnaryStreamMultiCallable[_chunkattn_pb2.ExportKVRequest, _chunkattn_pb2.KVChunk]
     """A sequence's live KV as a stream: a header, messages of blocks (each at most max_message_bytes), a
-    trailer. Live means what the server keeps: a chunked layer's current chunk, a global layer's all.
+    trailer. Live means what the server keeps: a chunked layer's current chunk, a global layer's all. A
+    block carries only the positions its layer wrote and keeps; the rest of it is zeros.
     """
     ImportKV: _grpc.StreamUnaryMultiCallable[_chunkattn_pb2.KVChunk, _chunkattn_pb2.ImportKVResponse]
     """Such a stream in, as a new sequence on a server of the same model shape. All or nothing: a damaged or
-    cut-short stream (DATA_LOSS), another shape (INVALID_ARGUMENT), an id in use (ALREADY_EXISTS) or too
-    few free blocks (RESOURCE_EXHAUSTED) leave nothing behind.
+    cut-short stream (DATA_LOSS), another shape or a header whose blocks are not exactly those its lengths
+    need (INVALID_ARGUMENT), an id in use (ALREADY_EXISTS) or too few free blocks (RESOURCE_EXHAUSTED)
+    leave nothing behind.
     """
     TransferKV: _grpc.UnaryUnaryMultiCallable[_chunkattn_pb2.TransferKVRequest, _chunkattn_pb2.TransferKVResponse]
     """This server streams a sequence's KV straight into another server's ImportKV (disaggregated
@@ -76,12 +81,15 @@ class ChunkAttnStub:
 
 @_typing.type_check_only
 class ChunkAttnAsyncStub(ChunkAttnStub):
-    """The attention service. Errors use the standard gRPC status codes: INVALID_ARGUMENT (malformed request),
-    NOT_FOUND (unknown sequence at position > 0), FAILED_PRECONDITION (position differs from the sequence's
-    length in that layer), RESOURCE_EXHAUSTED (KV pool full, message too large, too many concurrent calls),
-    UNAVAILABLE (the server is shutting down), ALREADY_EXISTS (Fork or ImportKV into an id in use), DATA_LOSS
-    (imported KV damaged or cut short), ABORTED (a sequence changed while it was exported). A refused request
-    changes nothing on the server.
+    """The attention service. Errors use the standard gRPC status codes: INVALID_ARGUMENT (a malformed request,
+    or one past a limit below), NOT_FOUND (unknown sequence at position > 0), FAILED_PRECONDITION (position
+    differs from the sequence's length in that layer), RESOURCE_EXHAUSTED (KV pool full, message too large,
+    too many calls or request bytes at once), DEADLINE_EXCEEDED (a stream that sent or read nothing for the
+    server's idle limit), UNAVAILABLE (the server is shutting down), ALREADY_EXISTS (Fork or ImportKV into an
+    id in use), DATA_LOSS (imported KV damaged or cut short), ABORTED (a sequence changed while it was
+    exported). A refused request changes nothing on the server; no request of a client gets UNKNOWN or
+    INTERNAL. Limits: a sequence id is 1 to 256 bytes of UTF-8; a call names at most 8192 sequences; a
+    sequence is at most 2^31 - 1 tokens long in any layer.
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -102,12 +110,14 @@ class ChunkAttnAsyncStub(ChunkAttnStub):
     """
     ExportKV: _aio.UnaryStreamMultiCallable[_chunkattn_pb2.ExportKVRequest, _chunkattn_pb2.KVChunk]  # type: ignore[assignment]
     """A sequence's live KV as a stream: a header, messages of blocks (each at most max_message_bytes), a
-    trailer. Live means what the server keeps: a chunked layer's current chunk, a global layer's all.
+    trailer. Live means what the server keeps: a chunked layer's current chunk, a global layer's all. A
+    block carries only the positions its layer wrote and keeps; the rest of it is zeros.
     """
     ImportKV: _aio.StreamUnaryMultiCallable[_chunkattn_pb2.KVChunk, _chunkattn_pb2.ImportKVResponse]  # type: ignore[assignment]
     """Such a stream in, as a new sequence on a server of the same model shape. All or nothing: a damaged or
-    cut-short stream (DATA_LOSS), another shape (INVALID_ARGUMENT), an id in use (ALREADY_EXISTS) or too
-    few free blocks (RESOURCE_EXHAUSTED) leave nothing behind.
+    cut-short stream (DATA_LOSS), another shape or a header whose blocks are not exactly those its lengths
+    need (INVALID_ARGUMENT), an id in use (ALREADY_EXISTS) or too few free blocks (RESOURCE_EXHAUSTED)
+    leave nothing behind.
     """
     TransferKV: _aio.UnaryUnaryMultiCallable[_chunkattn_pb2.TransferKVRequest, _chunkattn_pb2.TransferKVResponse]  # type: ignore[assignment]
     """This server streams a sequence's KV straight into another server's ImportKV (disaggregated
@@ -115,12 +125,15 @@ class ChunkAttnAsyncStub(ChunkAttnStub):
     """
 
 class ChunkAttnServicer(metaclass=_abc_1.ABCMeta):
-    """The attention service. Errors use the standard gRPC status codes: INVALID_ARGUMENT (malformed request),
-    NOT_FOUND (unknown sequence at position > 0), FAILED_PRECONDITION (position differs from the sequence's
-    length in that layer), RESOURCE_EXHAUSTED (KV pool full, message too large, too many concurrent calls),
-    UNAVAILABLE (the server is shutting down), ALREADY_EXISTS (Fork or ImportKV into an id in use), DATA_LOSS
-    (imported KV damaged or cut short), ABORTED (a sequence changed while it was exported). A refused request
-    changes nothing on the server.
+    """The attention service. Errors use the standard gRPC status codes: INVALID_ARGUMENT (a malformed request,
+    or one past a limit below), NOT_FOUND (unknown sequence at position > 0), FAILED_PRECONDITION (position
+    differs from the sequence's length in that layer), RESOURCE_EXHAUSTED (KV pool full, message too large,
+    too many calls or request bytes at once), DEADLINE_EXCEEDED (a stream that sent or read nothing for the
+    server's idle limit), UNAVAILABLE (the server is shutting down), ALREADY_EXISTS (Fork or ImportKV into an
+    id in use), DATA_LOSS (imported KV damaged or cut short), ABORTED (a sequence changed while it was
+    exported). A refused request changes nothing on the server; no request of a client gets UNKNOWN or
+    INTERNAL. Limits: a sequence id is 1 to 256 bytes of UTF-8; a call names at most 8192 sequences; a
+    sequence is at most 2^31 - 1 tokens long in any layer.
     """
 
     @_abc_1.abstractmethod
@@ -175,7 +188,8 @@ class ChunkAttnServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_chunkattn_pb2.KVChunk], _abc.AsyncIterator[_chunkattn_pb2.KVChunk]]:
         """A sequence's live KV as a stream: a header, messages of blocks (each at most max_message_bytes), a
-        trailer. Live means what the server keeps: a chunked layer's current chunk, a global layer's all.
+        trailer. Live means what the server keeps: a chunked layer's current chunk, a global layer's all. A
+        block carries only the positions its layer wrote and keeps; the rest of it is zeros.
         """
 
     @_abc_1.abstractmethod
@@ -185,8 +199,9 @@ class ChunkAttnServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_chunkattn_pb2.ImportKVResponse, _abc.Awaitable[_chunkattn_pb2.ImportKVResponse]]:
         """Such a stream in, as a new sequence on a server of the same model shape. All or nothing: a damaged or
-        cut-short stream (DATA_LOSS), another shape (INVALID_ARGUMENT), an id in use (ALREADY_EXISTS) or too
-        few free blocks (RESOURCE_EXHAUSTED) leave nothing behind.
+        cut-short stream (DATA_LOSS), another shape or a header whose blocks are not exactly those its lengths
+        need (INVALID_ARGUMENT), an id in use (ALREADY_EXISTS) or too few free blocks (RESOURCE_EXHAUSTED)
+        leave nothing behind.
         """
 
     @_abc_1.abstractmethod
