@@ -19,7 +19,10 @@ import pytest
 
 from chunkattn_client import ChunkAttnClient
 from chunkattn_client.cli import main
+from chunkattn_server.config import DEFAULT_MAX_MESSAGE_MIB
 from tests.server_process import SMALL, ServerProcess, counter, free_port
+
+MAX_MESSAGE = DEFAULT_MAX_MESSAGE_MIB << 20  # a default server's
 
 CHUNKATTN = str(Path(sys.executable).with_name("chunkattn"))  # the installed console script
 LAYERS = 4
@@ -318,7 +321,7 @@ def test_ctrl_c_stops_the_run_and_still_reports(server: ServerProcess, tmp_path:
         (["--sequences", "1", "--layers", "0,9"], "layers 0..3; got [9]"),
         (["--sequences", "1", "--sweep", "colour=1,2"], "--sweep: expected PARAM=V1,V2"),
         (["--sequences", "1", "--prompt-len", "0"], "--prompt-len: expected 1 <= LOW <= HIGH"),
-        (["--sequences", "1", "--prompt-len", "100000000"], "over the message limit of 33554432"),
+        (["--sequences", "1", "--prompt-len", "100000000"], f"over the message limit of {MAX_MESSAGE}"),
         (["--sequences", "1", "--metrics-url", "http://127.0.0.1:9/metrics"], "could not scrape"),
         (["--sequences", "1", "--rate", "5", "--sweep", "concurrency=1,2"], "sweep rate instead"),
         (["--sequences", "1", "--html", "/nonexistent/dir/r.html"], "cannot write /nonexistent/dir/r.html"),

@@ -24,6 +24,7 @@ from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2_grpc as pb_grpc
 from chunkattn_client.client import MIN_KEEPALIVE_S, channel_options
 from chunkattn_client.reference import within_tolerance
+from chunkattn_server.config import DEFAULT_MAX_MESSAGE_MIB
 from tests.server_process import SMALL, ServerProcess, connections
 
 H, HKV, D = 4, 2, 16
@@ -108,7 +109,7 @@ def test_info_describes_the_model_and_the_pool(client: ChunkAttnClient) -> None:
     assert info.cache_dtype == "float32"
     assert set(info.dtypes) == {"float32", "float16", "bfloat16"}
     assert (info.backend, info.device) == ("torch", "cpu")
-    assert info.max_message_bytes == 32 << 20
+    assert info.max_message_bytes == DEFAULT_MAX_MESSAGE_MIB << 20
 
 
 # -- standard services, metrics ---------------------------------------------------------------------
@@ -373,7 +374,8 @@ def test_idle_sequences_are_evicted() -> None:
 def test_graceful_shutdown_finishes_the_call_in_flight(sig: signal.Signals) -> None:
     """NOT_SERVING, open streams and new calls refused with UNAVAILABLE, the call in flight answered, exit 0."""
     big = ["--layers", "1", "--global-every", "1", "--heads", "8", "--kv-heads", "8", "--head-size", "64"]
-    with ServerProcess(*big, "--num-blocks", "4096", "--grace-s", "8") as s, ChunkAttnClient(s.target) as c:
+    flags = [*big, "--num-blocks", "4096", "--grace-s", "8", "--max-message-mib", "32"]
+    with ServerProcess(*flags) as s, ChunkAttnClient(s.target) as c:
         statuses: list[int] = []
         channel = grpc.insecure_channel(s.target)
         watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""))
@@ -402,6 +404,7 @@ def test_graceful_shutdown_finishes_the_call_in_flight(sig: signal.Signals) -> N
         caller.start()
         deadline = time.monotonic() + 30
         while s.metrics().get(("chunkattn_engine_jobs_in_flight", ()), 0) < 1:
+            assert "err" not in result, result["err"]
             assert time.monotonic() < deadline, "the call never reached the engine"
             time.sleep(0.005)
         s.proc.send_signal(sig)  # while the call computes

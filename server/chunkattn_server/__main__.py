@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=DEFAULT_MAX_MESSAGE_MIB,
         help="largest request or response in MiB; receiving one pauses every other call for ~1.5-5 ms per MiB"
-        f" (default {DEFAULT_MAX_MESSAGE_MIB}: a 2,048-token Llama-4-Scout prefill in bf16)",
+        f" (default {DEFAULT_MAX_MESSAGE_MIB}: a 1,024-token Llama-4-Scout prefill in bf16)",
     )
     g.add_argument(
         "--max-concurrent-rpcs",
