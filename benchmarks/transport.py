@@ -479,7 +479,7 @@ def engine_work(model: Model, plan: Plan) -> tuple[dict[str, float], str]:
     source, target = Engine(config), Engine(config)
     for pos, n, q, k, v in _kv_prompt(model, plan):
         source.attend(0, [BatchEntry("kv-src", pos, n)], *(torch.from_numpy(x) for x in (q, k, v)))
-    manifest = source.export_manifest("kv-src", None)
+    manifest = source.transfer.export_manifest("kv-src", None)
     jobs = [exporter(manifest, batch) for batch in message_batches(manifest, DEFAULT_KV_MESSAGE_BYTES)]
     export_s: list[float] = []
     import_s: list[float] = []
@@ -488,7 +488,7 @@ def engine_work(model: Model, plan: Plan) -> tuple[dict[str, float], str]:
         for job in jobs:
             job(source)
         export_s.append(time.thread_time() - started)
-        session = target.begin_import(manifest)
+        session = target.transfer.begin_import(manifest)
         spent = 0.0
         for job in jobs:
             received = bytes(memoryview(job(source)[0]))  # a copy: fresh memory, as gRPC's receive makes
@@ -496,10 +496,10 @@ def engine_work(model: Model, plan: Plan) -> tuple[dict[str, float], str]:
             part, records = kvwire.decode(received)
             if part != "blocks" or not isinstance(records, list):
                 raise SystemExit(f"an export message decoded as {part!r}, not blocks")
-            target.import_records(session, records)
+            target.transfer.import_records(session, records)
             spent += time.thread_time() - started
         import_s.append(spent)
-        target.abort_import(session)
+        target.transfer.abort_import(session)
     cpu_ms = {"export": 1e3 * statistics.median(export_s[1:]), "import": 1e3 * statistics.median(import_s[1:])}
     return cpu_ms, malloc
 

@@ -125,22 +125,22 @@ class EngineMachine(RuleBasedStateMachine):
         seq = data.draw(st.sampled_from(sorted(self.lengths)))
         layers = data.draw(st.one_of(st.none(), st.sets(st.integers(0, self.model.num_layers - 1), min_size=1)))
         try:
-            manifest = self.h.engine.export_manifest(seq, None if layers is None else sorted(layers))
+            manifest = self.h.engine.transfer.export_manifest(seq, None if layers is None else sorted(layers))
         except InvalidBatch:  # a KV-sharing layer without its source, or a source without its sharers
             return
-        records = [v.copy() for v in self.h.engine.export_views(manifest, manifest.expected())]
+        records = [v.copy() for v in self.h.engine.transfer.export_views(manifest, manifest.expected())]
         assert_no_nan(records)
         self.imported += 1
         new = f"imported-{self.imported}"
         try:
-            session = self.dst.begin_import(dataclasses.replace(manifest, seq_id=new))
+            session = self.dst.transfer.begin_import(dataclasses.replace(manifest, seq_id=new))
         except OutOfBlocks:
             return
-        self.dst.import_records(session, records)
-        self.dst.commit_import(session)
+        self.dst.transfer.import_records(session, records)
+        self.dst.transfer.commit_import(session)
         poison(self.dst)
-        again = self.dst.export_manifest(new, None if layers is None else sorted(layers))
-        assert_no_nan([v.copy() for v in self.dst.export_views(again, again.expected())])
+        again = self.dst.transfer.export_manifest(new, None if layers is None else sorted(layers))
+        assert_no_nan([v.copy() for v in self.dst.transfer.export_views(again, again.expected())])
         lengths = self.dst.sequence(new).lengths
         for layer in range(self.model.num_layers):  # one more token in every layer that can take one
             q, k, v = self.h.tensors(layer, 1)

@@ -28,14 +28,14 @@ def engine(model: ModelShape, num_blocks: int = 512) -> Engine:
 
 def move(src: Engine, dst: Engine, seq_id: str, *, new_id: str | None = None, per_batch: int = 3) -> KVManifest:
     """Export ``seq_id`` from src and import it into dst, a few records at a time, as a stream would."""
-    manifest = src.export_manifest(seq_id)
-    session = dst.begin_import(dataclasses.replace(manifest, seq_id=new_id or seq_id))
+    manifest = src.transfer.export_manifest(seq_id)
+    session = dst.transfer.begin_import(dataclasses.replace(manifest, seq_id=new_id or seq_id))
     try:
         for batch in batches(manifest.expected(), per_batch):
-            dst.import_records(session, [r.copy() for r in src.export_views(manifest, batch)])
-        dst.commit_import(session)
+            dst.transfer.import_records(session, [r.copy() for r in src.transfer.export_views(manifest, batch)])
+        dst.transfer.commit_import(session)
     finally:
-        dst.abort_import(session)
+        dst.transfer.abort_import(session)
     return manifest
 
 
@@ -90,8 +90,8 @@ def test_chunked_layers_send_at_most_one_chunk_and_a_block_whatever_the_prompt()
 def _ready(shape: ModelShape = MODELS["gqa"]) -> tuple[Engine, Engine, KVManifest, list[BlockRecord]]:
     src, dst = engine(shape), engine(shape)
     Feed(shape).step([src], ["s"], 0, 21)
-    manifest = src.export_manifest("s")
-    return src, dst, manifest, [r.copy() for r in src.export_views(manifest, manifest.expected())]
+    manifest = src.transfer.export_manifest("s")
+    return src, dst, manifest, [r.copy() for r in src.transfer.export_views(manifest, manifest.expected())]
 
 
 def test_an_export_reads_the_pages_in_place_and_checksums_the_bytes_it_sends() -> None:
@@ -100,7 +100,7 @@ def test_an_export_reads_the_pages_in_place_and_checksums_the_bytes_it_sends() -
     src, _, manifest, _ = _ready()  # 21 tokens: blocks of 4, the last holds 1
     shape = MODELS["gqa"]
     pages = [t.view(torch.uint8).numpy() for t in src.cache.k]
-    views = src.export_views(manifest, manifest.expected())
+    views = src.transfer.export_views(manifest, manifest.expected())
     assert any(v.logical == 5 for v in views)
     assert any(v.logical < 5 for v in views)
     for view in views:
@@ -125,7 +125,9 @@ def test_the_device_path_reads_the_same_bytes_and_checksums_as_the_page_views() 
     src, _, manifest, _ = _ready()
 
     def read() -> list[tuple[bytes | memoryview, bytes | memoryview, int]]:
-        return [(r.k, r.v, r.checksum) for r in (v.copy() for v in src.export_views(manifest, manifest.expected()))]
+        return [
+            (r.k, r.v, r.checksum) for r in (v.copy() for v in src.transfer.export_views(manifest, manifest.expected()))
+        ]
 
     want = read()
     src.cache._host = None  # what a CUDA cache has: no numpy views of the pages
@@ -143,36 +145,36 @@ def test_a_damaged_record_is_data_loss_and_leaves_nothing() -> None:
     src, dst, manifest, records = _ready()
     before = snapshot(src)
     bad = dataclasses.replace(records[3], k=bytes([records[3].k[0] ^ 1]) + records[3].k[1:])
-    session = dst.begin_import(manifest)
+    session = dst.transfer.begin_import(manifest)
     with pytest.raises(DataLoss, match="fails its checksum"):
-        dst.import_records(session, [*records[:3], bad])
-    dst.abort_import(session)
+        dst.transfer.import_records(session, [*records[:3], bad])
+    dst.transfer.abort_import(session)
     _unchanged(dst)
     assert snapshot(src) == before
 
 
 def test_a_truncated_stream_is_data_loss_and_leaves_nothing() -> None:
     _, dst, manifest, records = _ready()
-    session = dst.begin_import(manifest)
-    dst.import_records(session, records[:-1])
+    session = dst.transfer.begin_import(manifest)
+    dst.transfer.import_records(session, records[:-1])
     with pytest.raises(DataLoss, match=r"1 of \d+ records missing"):
-        dst.commit_import(session)
-    dst.abort_import(session)
+        dst.transfer.commit_import(session)
+    dst.transfer.abort_import(session)
     _unchanged(dst)
 
 
 @pytest.mark.parametrize("which", ["unexpected", "twice", "size"])
 def test_records_that_do_not_belong_are_refused(which: str) -> None:
     _, dst, manifest, records = _ready()
-    session = dst.begin_import(manifest)
+    session = dst.transfer.begin_import(manifest)
     bad = {
         "unexpected": [dataclasses.replace(records[0], logical=999)],
         "twice": [records[0], records[0]],
         "size": [dataclasses.replace(records[0], k=records[0].k[:-2], v=records[0].v[:-2])],
     }[which]
     with pytest.raises(IncompatibleKV):
-        dst.import_records(session, bad)
-    dst.abort_import(session)
+        dst.transfer.import_records(session, bad)
+    dst.transfer.abort_import(session)
     _unchanged(dst)
 
 
@@ -180,7 +182,7 @@ def test_another_model_shape_is_refused_by_name() -> None:
     _, _, manifest, _ = _ready()
     other = engine(dataclasses.replace(MODELS["gqa"], head_size=32))
     with pytest.raises(IncompatibleKV, match="head_size: 32 here, 16 in the stream"):
-        other.begin_import(manifest)
+        other.transfer.begin_import(manifest)
     _unchanged(other)
 
 
@@ -189,23 +191,23 @@ def test_an_existing_id_and_a_full_pool_are_refused_before_anything_is_reserved(
     Feed(MODELS["gqa"]).step([dst], ["s"], 0, 3)
     before = snapshot(dst)
     with pytest.raises(SequenceExists, match="'s'"):
-        dst.begin_import(manifest)
+        dst.transfer.begin_import(manifest)
     assert snapshot(dst) == before
     small = engine(MODELS["gqa"], num_blocks=4)
     with pytest.raises(OutOfBlocks, match="the import needs"):
-        small.begin_import(manifest)
+        small.transfer.begin_import(manifest)
     _unchanged(small)
 
 
 def test_an_id_taken_during_the_import_fails_the_commit_and_leaves_the_other_sequence() -> None:
     _, dst, manifest, records = _ready()
-    session = dst.begin_import(manifest)
-    dst.import_records(session, records)
+    session = dst.transfer.begin_import(manifest)
+    dst.transfer.import_records(session, records)
     Feed(MODELS["gqa"]).step([dst], ["s"], 0, 2)
     before = snapshot(dst)
     with pytest.raises(SequenceExists, match="meanwhile"):
-        dst.commit_import(session)
-    dst.abort_import(session)
+        dst.transfer.commit_import(session)
+    dst.transfer.abort_import(session)
     after = snapshot(dst)
     assert after[0] == before[0]  # the other "s" is intact
     assert after[1].used_blocks == before[1].used_blocks - sum(len(t) for t in session.manifest.blocks)
@@ -215,7 +217,7 @@ def test_a_sequence_that_changes_during_its_export_is_reported() -> None:
     src, _, manifest, _ = _ready()
     Feed(MODELS["gqa"]).step([src], ["s"], 21, 1)
     with pytest.raises(SequenceChanged, match="export it again"):
-        src.export_views(manifest, manifest.expected()[:1])
+        src.transfer.export_views(manifest, manifest.expected()[:1])
 
 
 # The gqa model's KV groups: layers 0, 1 (C = 8); 2, 5 (global); 3, 4 (C = 16). 21 tokens in blocks of 4.
@@ -245,7 +247,7 @@ def test_forged_manifests_are_refused_before_anything_is_reserved(case: str) -> 
         more = first[0] if change["blocks"] == "repeat" else max(first) + 1
         change = {"blocks": ((*first, more), *manifest.blocks[1:])}
     with pytest.raises((IncompatibleKV, InvalidBatch), match=message):
-        dst.begin_import(dataclasses.replace(manifest, **change))  # type: ignore[arg-type]
+        dst.transfer.begin_import(dataclasses.replace(manifest, **change))  # type: ignore[arg-type]
     _unchanged(dst)
 
 
@@ -253,7 +255,7 @@ def test_release_after_an_export_refuses_a_sequence_that_changed_since() -> None
     src, _, manifest, _ = _ready()
     Feed(MODELS["gqa"]).step([src], ["s"], 21, 1)
     with pytest.raises(SequenceChanged, match="not released"):
-        src.release_exported(manifest)
+        src.transfer.release_exported(manifest)
     assert "s" in src.sequence_ids()
-    src.release_exported(src.export_manifest("s"))
+    src.transfer.release_exported(src.transfer.export_manifest("s"))
     assert src.sequence_ids() == []

@@ -27,6 +27,7 @@ from chunkattn_client.client import MAX_KEEPALIVE_S, MIN_KEEPALIVE_S, check_keep
 from chunkattn_server import allocator
 from chunkattn_server.config import (
     DEFAULT_IMPORT_STALL_S,
+    DEFAULT_MAX_BATCH_TOKENS,
     DEFAULT_MAX_MESSAGE_MIB,
     DEFAULT_MAX_OPEN_CALLS,
     DEFAULT_STREAM_IDLE_S,
@@ -92,6 +93,27 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_STREAM_IDLE_S,
         help="close a stream whose client sends nothing (or reads nothing) this long, with DEADLINE_EXCEEDED"
         f" (default {DEFAULT_STREAM_IDLE_S:g}; 0: never)",
+    )
+    b = p.add_argument_group("batching (concurrent clients' Attend calls of one layer share an engine step)")
+    b.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=DEFAULT_MAX_BATCH_TOKENS,
+        help="tokens one engine step takes from queued Attend calls of one layer; a larger call runs alone"
+        f" (default {DEFAULT_MAX_BATCH_TOKENS})",
+    )
+    b.add_argument(
+        "--max-batch-delay-us",
+        type=int,
+        default=0,
+        help="wait up to this long for more calls to join a step that has room (default 0: batch what is"
+        " queued, never wait; as Triton's max_queue_delay_microseconds)",
+    )
+    b.add_argument(
+        "--no-batching",
+        dest="batching",
+        action="store_false",
+        help="run every call in a step of its own (for comparison)",
     )
     g.add_argument("--idle-timeout-s", type=float, default=600.0, help="release sequences idle this long (0: never)")
     g.add_argument("--grace-s", type=float, default=10.0, help="on SIGTERM, time for calls in flight (default 10)")
@@ -222,12 +244,13 @@ def cache_config(args: argparse.Namespace) -> CacheConfig:
 def check(args: argparse.Namespace) -> None:
     """Exit with a usage error (status 2) naming the first flag out of range."""
     for flag in ("idle_timeout_s", "grace_s", "max_concurrent_rpcs", "max_message_mib", "kv_import_stall_s",
-                 "stream_idle_s", "max_inflight_mib", "max_open_calls"):  # fmt: skip
+                 "stream_idle_s", "max_inflight_mib", "max_open_calls", "max_batch_delay_us"):  # fmt: skip
         value = getattr(args, flag)
         if value is not None and not value >= 0:  # NaN too
             build_parser().error(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
-    if args.max_message_mib < 1:
-        build_parser().error(f"--max-message-mib must be >= 1, got {args.max_message_mib}")
+    for flag in ("max_message_mib", "max_batch_tokens"):
+        if getattr(args, flag) < 1:
+            build_parser().error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     try:
         check_keepalive(args.transfer_keepalive_s)
     except ValueError as e:
@@ -253,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
             grace_s=args.grace_s,
             kv_import_stall_s=args.kv_import_stall_s,
             transfer_keepalive_s=args.transfer_keepalive_s,
+            batching=args.batching,
+            max_batch_tokens=args.max_batch_tokens,
+            max_batch_delay_us=args.max_batch_delay_us,
         )
         asyncio.run(serve(engine_config(args), server))
     except (ConfigError, OSError) as e:

@@ -12,7 +12,8 @@ import os
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from chunkattn_server.errors import ConfigError
+from chunkattn_client.limits import quote
+from chunkattn_server.errors import ConfigError, UnknownLayer
 
 DTYPES = ("float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -127,6 +128,12 @@ class ModelShape:
     def num_layers(self) -> int:
         return len(self.layers)
 
+    def spec(self, layer: object) -> LayerSpec:
+        """The spec of layer ``layer``; UnknownLayer (a client's error) when there is no such layer."""
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < len(self.layers):
+            raise UnknownLayer(f"layer {quote(layer)} does not exist; the model has layers 0..{len(self.layers) - 1}")
+        return self.layers[layer]
+
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -232,6 +239,7 @@ DEFAULT_MAX_OPEN_CALLS = 1024
 DEFAULT_IMPORT_STALL_S = 60.0  # an import that sends nothing this long is abandoned and its blocks returned
 DEFAULT_STREAM_IDLE_S = 300.0  # a stream that makes no progress this long is closed
 DEFAULT_TRANSFER_KEEPALIVE_S = 30.0  # TransferKV's channels ping their target after this long without news
+DEFAULT_MAX_BATCH_TOKENS = 8192  # tokens one engine step merges from queued Attend calls of one layer
 
 
 def default_inflight_bytes(max_message_bytes: int) -> int:
@@ -254,6 +262,8 @@ class ServerConfig:
     stream_idle_s and kv_import_stall_s 0 let streams wait for ever (the client's deadline still applies);
     transfer_keepalive_s 0 sends no keepalive pings to TransferKV's targets (else see
     chunkattn_client.client.check_keepalive); max_inflight_bytes None: ``default_inflight_bytes``.
+    batching: merge queued Attend calls of one layer into one engine step, up to max_batch_tokens tokens,
+    waiting up to max_batch_delay_us for more (0: batch what is queued, never wait).
     """
 
     host: str = "127.0.0.1"
@@ -268,8 +278,16 @@ class ServerConfig:
     stream_idle_s: float = DEFAULT_STREAM_IDLE_S
     kv_import_stall_s: float = DEFAULT_IMPORT_STALL_S
     transfer_keepalive_s: float = DEFAULT_TRANSFER_KEEPALIVE_S
+    batching: bool = True
+    max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
+    max_batch_delay_us: int = 0
 
     def __post_init__(self) -> None:
+        if self.max_batch_tokens < 1 or self.max_batch_delay_us < 0:
+            raise ConfigError(
+                f"max_batch_tokens must be >= 1 and max_batch_delay_us >= 0, got {self.max_batch_tokens} and"
+                f" {self.max_batch_delay_us}"
+            )
         if self.max_inflight_bytes is not None and self.max_inflight_bytes < self.max_message_bytes:
             raise ConfigError(
                 f"the bytes in flight ({self.max_inflight_bytes >> 20} MiB) must hold at least one largest message"

@@ -24,7 +24,7 @@ from chunkattn_client.limits import MAX_ID_BYTES, id_problem, target_problem
 from chunkattn_server import kvwire
 from chunkattn_server.channels import ChannelPool
 from chunkattn_server.config import ServerConfig
-from chunkattn_server.engine import Engine, EngineStats, ImportSession
+from chunkattn_server.engine import Engine, EngineStats
 from chunkattn_server.errors import (
     DataLoss,
     IncompatibleKV,
@@ -33,7 +33,7 @@ from chunkattn_server.errors import (
     TargetError,
     status_code,
 )
-from chunkattn_server.kv.transfer import KVManifest, batches, record_bytes
+from chunkattn_server.kv.transfer import ImportSession, KVManifest, batches, record_bytes
 from chunkattn_server.metrics import Metrics
 from chunkattn_server.rpc import SMALL_REQUEST_BYTES, Context, Rpcs, Stream, Ticket
 
@@ -134,7 +134,7 @@ class KVService:
     # -- the work --------------------------------------------------------------------------------------
 
     async def _manifest(self, seq_id: str, layers: list[int]) -> KVManifest:
-        result: KVManifest = await self._run("ExportKV", lambda e: e.export_manifest(seq_id, layers or None))
+        result: KVManifest = await self._run("ExportKV", lambda e: e.transfer.export_manifest(seq_id, layers or None))
         return result
 
     async def _chunks(
@@ -191,12 +191,12 @@ class KVService:
             part, manifest = kvwire.decode(first)
             if part != "header" or not isinstance(manifest, KVManifest):
                 raise IncompatibleKV("a KV stream must start with its header")
-            holder.append(e.begin_import(manifest))
+            holder.append(e.transfer.begin_import(manifest))
             return holder[0]
 
         def abort(e: Engine) -> None:
             if holder:
-                e.abort_import(holder[0])  # nothing to do after a commit
+                e.transfer.abort_import(holder[0])  # nothing to do after a commit
 
         records = nbytes = 0
         trailer = False
@@ -235,7 +235,7 @@ class KVService:
             await written()
             if not trailer:
                 raise DataLoss(f"the KV stream ended before its trailer, after {records} blocks: it was cut short")
-            blocks, stats = await self._run("ImportKV", lambda e: (e.commit_import(session), e.stats()))
+            blocks, stats = await self._run("ImportKV", lambda e: (e.transfer.commit_import(session), e.stats()))
             self._observe_pool(stats)
         finally:
             if writing is not None:  # the stream failed while a write was queued or running: drop it
@@ -259,7 +259,7 @@ class KVService:
                 return 0, 0, True
             if part != "blocks" or not isinstance(body, list):
                 raise IncompatibleKV(f"unexpected {part or 'empty'} message in the KV stream after its header")
-            e.import_records(session, body)
+            e.transfer.import_records(session, body)
             return len(body), len(body) * record_bytes(model), False
 
         return job
@@ -324,7 +324,7 @@ def _code(e: BaseException) -> grpc.StatusCode:
 
 def _releaser(manifest: KVManifest) -> Callable[[Engine], EngineStats]:
     def job(e: Engine) -> EngineStats:
-        e.release_exported(manifest)
+        e.transfer.release_exported(manifest)
         return e.stats()
 
     return job
@@ -342,7 +342,7 @@ def exporter(manifest: KVManifest, batch: Sequence[tuple[int, int]]) -> Callable
     into the message."""
 
     def job(e: Engine) -> tuple[bytes, int, int]:
-        views = e.export_views(manifest, batch)
+        views = e.transfer.export_views(manifest, batch)
         return kvwire.encode_blocks(views), len(views), len(views) * record_bytes(manifest.model)
 
     return job

@@ -2,15 +2,30 @@
 
 from __future__ import annotations
 
+import platform
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+)
+from prometheus_client.gc_collector import GCCollector
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
 
 if TYPE_CHECKING:
     from chunkattn_server.engine import EngineStats
 
 
-_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# Seconds: a decode call's queue wait and compute are tens of microseconds to a millisecond on a GPU.
+_LATENCY_BUCKETS = (
+    0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+    5.0, 10.0, 30.0,
+)  # fmt: skip
+_STEP_CALLS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+_STEP_TOKENS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 class Metrics:
@@ -19,27 +34,71 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        # The process's CPU, memory, file descriptors and start time (process_*), Python's (python_info,
+        # python_gc_*), as the default registry has them.
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        GCCollector(registry=r)
+        self.build_info = Gauge(
+            "chunkattn_build_info",
+            "Always 1; the labels say what serves: chunkattn's version, the attention backend, the device.",
+            ["version", "backend", "device", "python"],
+            registry=r,
+        )
         self.requests = Counter(
-            "chunkattn_requests_total", "Requests answered, by RPC and gRPC status code.", ["rpc", "code"], registry=r
+            "chunkattn_requests_total",
+            "Requests answered, by RPC and gRPC status code (each AttendStream message counts as one).",
+            ["rpc", "code"],
+            registry=r,
+        )
+        self.rpc_seconds = Histogram(
+            "chunkattn_rpc_duration_seconds",
+            "Time from a request's arrival (whole, parsed by gRPC) to its answer being handed to gRPC, by RPC;"
+            " for AttendStream, per message.",
+            ["rpc"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.queue_seconds = Histogram(
             "chunkattn_queue_seconds",
-            "Time a request waited for the engine.",
+            "Time a request waited for the engine, by the RPC the client called.",
             ["rpc"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.compute_seconds = Histogram(
             "chunkattn_compute_seconds",
-            "Time the engine spent on a request.",
+            "Time of the engine step that served a request, by the RPC the client called (calls merged into"
+            " one step each observe the step's time).",
             ["rpc"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.in_flight = Gauge("chunkattn_engine_jobs_in_flight", "Engine jobs queued or running now.", registry=r)
+        self.step_calls = Histogram(
+            "chunkattn_step_calls",
+            "Attend calls merged into one engine step (1: a call that ran alone).",
+            buckets=_STEP_CALLS_BUCKETS,
+            registry=r,
+        )
+        self.step_tokens = Histogram(
+            "chunkattn_step_tokens",
+            "Tokens of the Attend calls merged into one engine step.",
+            buckets=_STEP_TOKENS_BUCKETS,
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "chunkattn_engine_jobs_in_flight", "Engine jobs queued or running now (queued + running).", registry=r
+        )
+        self.jobs_queued = Gauge("chunkattn_engine_jobs_queued", "Engine jobs waiting for a step now.", registry=r)
+        self.jobs_running = Gauge(
+            "chunkattn_engine_jobs_running",
+            "Engine jobs in the step running now (merged calls each count).",
+            registry=r,
+        )
         self.tokens = Counter(
             "chunkattn_tokens_total",
-            "Tokens attended, by kind: decode (a single-token entry) or prefill (longer entries).",
+            "Tokens attended, counted once per Attend call, by kind: decode (a single-token entry) or prefill"
+            " (longer entries). A call serves one layer, so a model token sent to L layers counts L times.",
             ["kind"],
             registry=r,
         )
@@ -77,6 +136,12 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+
+    def describe(self, backend: str, device: str) -> None:
+        """Set chunkattn_build_info for the engine that serves."""
+        from chunkattn_server import __version__
+
+        self.build_info.labels(__version__, backend, device, platform.python_version()).set(1)
 
     def observe_pool(self, stats: EngineStats) -> None:
         """Set the KV-in-use and active-sequence gauges from the engine's stats."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
@@ -43,7 +44,9 @@ SMALL_REQUEST_BYTES = 64 << 10
 
 
 class Count(Protocol):
-    def __call__(self, rpc: str, code: grpc.StatusCode) -> None: ...
+    """Count a call's outcome; ``seconds``: how long the server took over it (None: a stream as a whole)."""
+
+    def __call__(self, rpc: str, code: grpc.StatusCode, seconds: float | None) -> None: ...
 
 
 class Ticket:
@@ -202,6 +205,7 @@ class Rpcs:
         """Count the call's outcome (an OK one unless ``count_ok`` is False: a stream whose handler counts its
         messages); turn any error into its status (the one place that aborts a call)."""
         code = grpc.StatusCode.OK
+        started = time.perf_counter()
         try:
             yield
         except asyncio.CancelledError:  # the client went away, or its deadline passed: nobody to answer
@@ -214,7 +218,7 @@ class Rpcs:
             await context.abort(code, bounded(str(e)))
         finally:
             if count_ok or code != grpc.StatusCode.OK:
-                self._count(rpc, code)
+                self._count(rpc, code, time.perf_counter() - started if count_ok else None)
 
     def unary(
         self,

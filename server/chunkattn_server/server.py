@@ -2,7 +2,7 @@
 
 Life cycle: allocate the KV pool (engine) first, then serve with health SERVING; on SIGTERM/SIGINT
 set NOT_SERVING, end open streams before their next request (UNAVAILABLE), refuse new calls
-(UNAVAILABLE), let calls in flight finish within the grace period, stop the engine worker and return
+(UNAVAILABLE), let calls in flight finish within the grace period, stop the scheduler and return
 (exit 0).
 """
 
@@ -23,8 +23,8 @@ from chunkattn_client.client import MIN_KEEPALIVE_S, channel_options
 from chunkattn_server.config import EngineConfig, ServerConfig
 from chunkattn_server.engine import Engine
 from chunkattn_server.metrics import Metrics
+from chunkattn_server.scheduler import Scheduler
 from chunkattn_server.service import ChunkAttnService
-from chunkattn_server.worker import EngineWorker
 
 log = logging.getLogger("chunkattn_server")
 
@@ -52,9 +52,16 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):  # first: a signal while the pool is allocated still drains
         loop.add_signal_handler(sig, stop.set)
-    worker = EngineWorker(lambda: Engine(engine_config))  # allocates the KV pool: SERVING only after this
-    engine = worker.engine
     metrics = Metrics()
+    worker = Scheduler(  # allocates the KV pool: SERVING only after this
+        lambda: Engine(engine_config),
+        metrics,
+        batching=config.batching,
+        max_batch_tokens=config.max_batch_tokens,
+        max_batch_delay_us=config.max_batch_delay_us,
+    )
+    engine = worker.engine
+    metrics.describe(engine.backend.name, str(engine.device))
     # The clients' message limits. The service admits the calls it works on (rpc.Admission: health checks
     # and idle streams never count); gRPC's own limit, far above, bounds the calls open at once, those still
     # being received included, which the service cannot see.
@@ -98,6 +105,13 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
         config.inflight_bytes >> 20,
         f"{config.stream_idle_s:g} s at most" if config.stream_idle_s else "for ever",
     )
+    log.info(
+        "batching: %s",
+        f"Attend calls of one layer merged up to {config.max_batch_tokens} tokens per step, waiting"
+        f" {config.max_batch_delay_us} us at most"
+        if config.batching
+        else "off (--no-batching): one call per step",
+    )
 
     evictor = (
         asyncio.create_task(_evict_idle(worker, metrics, config.idle_timeout_s)) if config.idle_timeout_s else None
@@ -120,13 +134,13 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
     log.info("stopped")
 
 
-async def _evict_idle(worker: EngineWorker, metrics: Metrics, idle_timeout_s: float) -> None:
+async def _evict_idle(worker: Scheduler, metrics: Metrics, idle_timeout_s: float) -> None:
     """Release sequences untouched for longer than idle_timeout_s, checking every quarter of it."""
     period = max(0.05, min(idle_timeout_s / 4, 30.0))
     while True:
         await asyncio.sleep(period)
         try:
-            evicted, stats = await worker.run(lambda e: (e.evict_idle(idle_timeout_s), e.stats()))
+            evicted, stats = await worker.run("evict", lambda e: (e.evict_idle(idle_timeout_s), e.stats()))
         except Exception:  # a failed sweep must not end eviction (or later the shutdown)
             log.exception("idle eviction failed; trying again in %.1f s", period)
             continue

@@ -8,6 +8,7 @@ through ``errors.status_code`` alone.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -17,16 +18,16 @@ from google.protobuf.message import DecodeError
 
 from chunkattn_client import codec, wire
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
-from chunkattn_client.batch import BatchEntry
 from chunkattn_client.limits import MAX_BATCH, MAX_ID_BYTES, bounded
 from chunkattn_server import __version__
+from chunkattn_server.checks import DTYPES
 from chunkattn_server.config import ServerConfig
-from chunkattn_server.engine import DTYPES, Engine, EngineStats
+from chunkattn_server.engine import Engine, EngineStats
 from chunkattn_server.errors import InvalidArgument, InvalidBatch, InvalidTensor, ShuttingDown, status_code
 from chunkattn_server.kv_service import KVService
 from chunkattn_server.metrics import Metrics
 from chunkattn_server.rpc import SMALL_REQUEST_BYTES, Admission, Context, Rpcs, Stream
-from chunkattn_server.worker import EngineWorker
+from chunkattn_server.scheduler import Scheduler
 
 T = TypeVar("T")
 
@@ -96,7 +97,7 @@ class ChunkAttnService:
     slow on MiBs of tensor bytes.
     """
 
-    def __init__(self, worker: EngineWorker, metrics: Metrics, config: ServerConfig) -> None:
+    def __init__(self, worker: Scheduler, metrics: Metrics, config: ServerConfig) -> None:
         self._worker = worker
         self._metrics = metrics
         self._config = config
@@ -142,7 +143,7 @@ class ChunkAttnService:
         return response
 
     async def Attend(self, raw: bytes, context: Context) -> bytes:  # noqa: N802
-        return await self._attend(*await self._parse(raw))
+        return await self._attend("Attend", *await self._parse(raw))
 
     async def AttendStream(self, stream: Stream, context: Context) -> None:  # noqa: N802
         """One answer per request, in order; a failed request is answered with its status and the stream
@@ -151,17 +152,18 @@ class ChunkAttnService:
             if self._draining:
                 raise ShuttingDown("the server is shutting down; reconnect elsewhere")
             request_id = 0  # stays 0 when the request cannot be read at all
+            started = time.perf_counter()
             try:
                 with self._rpcs.admission.admit(len(raw)):
                     request, tensors = await self._parse(raw)
                     request_id = request.request_id
-                    response = await self._attend(request, tensors)
+                    response = await self._attend("AttendStream", request, tensors)
             except Exception as e:
                 code = status_code(e)
                 response = wire.encode_attend_response(request_id, None, code.value[0], bounded(str(e)))
             else:
                 code = grpc.StatusCode.OK
-            self._count("AttendStream", code)
+            self._count("AttendStream", code, time.perf_counter() - started)
             await stream.write(response)
 
     async def Release(self, request: pb.ReleaseRequest, context: Context) -> pb.ReleaseResponse:  # noqa: N802
@@ -179,48 +181,27 @@ class ChunkAttnService:
             return parse_attend_request(raw)
         return await asyncio.get_running_loop().run_in_executor(self._rpcs.parser, parse_attend_request, raw)
 
-    async def _attend(self, request: pb.AttendRequest, tensors: dict[str, torch.Tensor]) -> bytes:
+    async def _attend(self, rpc: str, request: pb.AttendRequest, tensors: dict[str, torch.Tensor]) -> bytes:
         if "q" not in tensors:
             raise InvalidTensor("q is missing; send q [tokens, num_heads, head_size]")
         q, k, v = tensors["q"], tensors.get("k"), tensors.get("v")
         if (k is None) != (v is None):
             raise InvalidTensor("send both k and v, or (for a KV-sharing layer) neither")
-        layer, sent = request.layer, request.entries
-
-        def job(engine: Engine) -> tuple[wire.RawTensor, EngineStats, int, int, int]:
-            # The entries become domain objects here, on the worker: a batch of thousands costs milliseconds.
-            entries = [BatchEntry(e.seq_id, e.position, e.num_tokens) for e in sent]
-            out = engine.attend(layer, entries, q, k, v)
-            ending = [e.seq_id for e in sent if e.end_of_sequence]
-            if ending:
-                engine.release(ending)
-            decode = sum(1 for e in entries if e.num_tokens == 1)
-            prefill = sum(e.num_tokens for e in entries if e.num_tokens > 1)
-            return codec.to_raw(out), engine.stats(), decode, prefill, len(ending)  # to host memory, here
-
-        output, stats, decode, prefill, ended = await self._run("Attend", job)
-        m = self._metrics
-        m.bytes_received.inc(sum(t.numel() * t.element_size() for t in (q, k, v) if t is not None))
-        m.bytes_sent.inc(len(output.data))
-        m.tokens.labels("decode").inc(decode)
-        m.tokens.labels("prefill").inc(prefill)
-        m.released.inc(ended)
-        self._observe_pool(stats)
-        return wire.encode_attend_response(request.request_id, output)
+        with self._metrics.in_flight.track_inprogress():
+            result = await self._worker.attend(rpc, request.layer, request.entries, q, k, v)
+        return wire.encode_attend_response(request.request_id, result.output)
 
     async def _run(self, rpc: str, fn: Callable[[Engine], T]) -> T:
-        def observe(queue_s: float, compute_s: float) -> None:
-            self._metrics.queue_seconds.labels(rpc).observe(queue_s)
-            self._metrics.compute_seconds.labels(rpc).observe(compute_s)
-
         with self._metrics.in_flight.track_inprogress():
-            return await self._worker.run(fn, observe)
+            return await self._worker.run(rpc, fn)
 
     def _observe_pool(self, stats: EngineStats) -> None:
         self._metrics.observe_pool(stats)
 
-    def _count(self, rpc: str, code: grpc.StatusCode) -> None:
+    def _count(self, rpc: str, code: grpc.StatusCode, seconds: float | None) -> None:
         self._metrics.requests.labels(rpc, code.name).inc()
+        if seconds is not None:
+            self._metrics.rpc_seconds.labels(rpc).observe(seconds)
 
 
 def _static_info(engine: Engine, max_message_bytes: int) -> pb.InfoResponse:

@@ -8,18 +8,36 @@ receives them as ``BlockRecord``s (views of the received message). Only live blo
 chunked group holds its current chunk, a global group everything, so a 128K-token prompt with C = 8192
 sends at most 8K tokens' worth for each chunked layer.
 
-An import is a session: ``begin`` checks the manifest against this engine (model, free id, free
-blocks) and reserves every block; ``add`` checks each record (expected, not seen, checksum) and writes it;
-``commit`` checks that every expected record arrived and only then makes the sequence visible.
-``abort`` (or any failure) returns every reserved block: a broken stream leaves nothing behind.
+An import is a session (``KVTransfer``): ``begin_import`` checks the manifest against this engine (model, free id, free
+blocks) and reserves every block; ``import_records`` checks each record (expected, not seen, checksum) and writes it;
+``commit_import`` checks that every expected record arrived and only then makes the sequence visible.
+``abort_import`` (or any failure) returns every reserved block: a broken stream leaves nothing behind.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import xxhash
+
+from chunkattn_client.limits import MAX_TOKENS, QUOTE_IDS, id_problem, quote, some
+from chunkattn_server.errors import (
+    DataLoss,
+    IncompatibleKV,
+    InvalidBatch,
+    OutOfBlocks,
+    SequenceChanged,
+    SequenceExists,
+    UnknownSequence,
+)
+from chunkattn_server.kv.sequences import SequenceState
+
+if TYPE_CHECKING:
+    from chunkattn_server.kv.cache import KVCache
+    from chunkattn_server.kv.manager import KVManager
 
 Buffer = bytes | memoryview
 
@@ -146,3 +164,239 @@ def record_bytes(model: ModelFingerprint) -> int:
 def batches(items: Sequence[tuple[int, int]], per_batch: int) -> list[Sequence[tuple[int, int]]]:
     """``items`` cut into runs of at most ``per_batch``."""
     return [items[i : i + per_batch] for i in range(0, len(items), per_batch)]
+
+
+# -- the protocol on one engine: export and import sessions ---------------------------------------------
+
+
+@dataclass
+class ImportSession:
+    """An import in progress: its reserved blocks (per KV group), the records expected and received."""
+
+    manifest: KVManifest
+    tables: list[dict[int, int]]
+    expected: set[tuple[int, int]]
+    received: set[tuple[int, int]] = field(default_factory=set)
+    committed: bool = False
+
+
+class KVTransfer:
+    """Exports and imports of one engine's sequences: ``kv`` holds their state, ``cache`` their pages;
+    ``slot_of[layer]`` is the layer's storage slot in its KV group, ``fingerprint`` the engine's model.
+
+    Runs on the engine's thread, like everything that touches the KV."""
+
+    def __init__(self, kv: KVManager, cache: KVCache, slot_of: Sequence[int], fingerprint: ModelFingerprint) -> None:
+        self._kv = kv
+        self._cache = cache
+        self._slot_of = slot_of
+        self._model = kv.config.model
+        self.fingerprint = fingerprint
+
+    def export_manifest(self, seq_id: str, layers: Sequence[int] | None = None) -> KVManifest:
+        """What an export of ``seq_id`` (every layer, or ``layers``) sends. Raises UnknownSequence,
+        UnknownLayer, or InvalidBatch for a layer listed twice, or a KV-sharing layer listed without its
+        source or a source without its sharers (a source keeps older keys for its sharers: apart, either
+        side's state would be wrong).
+
+        Per KV group the manifest lists the blocks the exported layers need, nothing more."""
+        problem = id_problem(seq_id)
+        if problem:
+            raise InvalidBatch(problem)
+        model = self._model
+        if layers is not None and len(set(layers)) != len(layers):
+            raise InvalidBatch(f"{len(layers)} layers to export with repeats; list each layer once")
+        listed = sorted(range(model.num_layers) if layers is None else layers)
+        for layer in listed:
+            spec = self._model.spec(layer)
+            if spec.kv_source is not None and spec.kv_source not in listed:
+                raise InvalidBatch(
+                    f"layer {layer} reads layer {spec.kv_source}'s KV: export layer {spec.kv_source} too"
+                )
+            missing = [s for s in self._kv.retention.sharers_of(layer) if s not in listed]
+            if missing:
+                raise InvalidBatch(f"layer {layer}'s KV is read by layers {missing} (KV sharing): export them too")
+        state = self._kv.get(seq_id)
+        if state is None:
+            raise UnknownSequence(f"cannot export sequence {quote(seq_id)}: it does not exist")
+        lengths = tuple(state.lengths[x] if x in listed else 0 for x in range(model.num_layers))
+        blocks = []
+        for group, table in zip(self._kv.groups, state.tables, strict=True):
+            spans = self._kv.retention.needed_blocks(lengths, group)
+            blocks.append(tuple(b for b in sorted(table) if any(lo <= b < hi for lo, hi in spans)))
+        return KVManifest(
+            seq_id=seq_id,
+            model=self.fingerprint,
+            lengths=lengths,
+            layers=tuple(x for x in listed if model.layers[x].kv_source is None),
+            blocks=tuple(blocks),
+            group_of=tuple(g.index for g in self._kv.group_of),
+        )
+
+    def export_views(self, manifest: KVManifest, items: Sequence[tuple[int, int]]) -> list[BlockView]:
+        """The records (layer, logical block) of an export with their checksums. A record carries only the
+        positions its layer wrote and keeps ([Retention.held_from, length)); the rest of the block is zeros,
+        never what an earlier holder of the block left there. Full blocks are views of the pages on the CPU
+        (see BlockView: encode them before this engine runs anything else).
+
+        Raises SequenceChanged when the sequence is no longer what the manifest describes."""
+        state = self._kv.get(manifest.seq_id)
+        current = None if state is None else self.export_manifest(manifest.seq_id, self._listed(manifest))
+        if current != manifest or state is None:
+            raise SequenceChanged(f"sequence {quote(manifest.seq_id)} changed during its export; export it again")
+        bs, heads = self._kv.block_size, self._model.num_kv_heads
+        views: list[BlockView] = []
+        for layer in dict.fromkeys(x for x, _ in items):
+            logicals = [b for x, b in items if x == layer]
+            table = state.tables[self._kv.group_of[layer].index]
+            pieces = self._cache.block_views(self._slot_of[layer], [table[b] for b in logicals])
+            lo, hi = self._kv.retention.held_from(manifest.lengths, layer), manifest.lengths[layer]
+            for b, (k, v) in zip(logicals, pieces, strict=True):
+                first, end = min(max(lo - b * bs, 0), bs), min(max(hi - b * bs, 0), bs)
+                if (first, end) == (0, bs):  # the whole block is the layer's: views, no copy
+                    views.append(BlockView.of(layer, b, k, v))
+                else:  # an edge of what the layer holds: a copy with the rest zeroed
+                    views.append(
+                        BlockView.of(layer, b, [masked(k, heads, bs, first, end)], [masked(v, heads, bs, first, end)])
+                    )
+        return views
+
+    def begin_import(self, manifest: KVManifest) -> ImportSession:
+        """Check a manifest against this engine and reserve every block it needs (see kv/transfer.py).
+
+        The checks take time in proportion to the manifest's size, whatever it claims, and the blocks it
+        lists must be exactly those its lengths need: a block no exported layer writes would hand the new
+        sequence whatever an earlier holder left in it.
+
+        Raises IncompatibleKV, InvalidBatch (a bad id), SequenceExists or OutOfBlocks, having reserved nothing."""
+        self._check_manifest(manifest)
+        problem = id_problem(manifest.seq_id)
+        if problem:
+            raise InvalidBatch(f"the imported sequence's {problem}")
+        if self._kv.get(manifest.seq_id) is not None:
+            raise SequenceExists(f"cannot import into {quote(manifest.seq_id)}: a sequence with that id exists")
+        total = sum(len(b) for b in manifest.blocks)
+        if not self._kv.pool.can_allocate(total):
+            raise OutOfBlocks(
+                f"the import needs {total} KV blocks and the pool has {self._kv.pool.num_free} free of"
+                f" {self._kv.pool.num_blocks}; release sequences or start the server with a larger pool"
+            )
+        tables: list[dict[int, int]] = []
+        for logicals in manifest.blocks:
+            tables.append(dict(zip(logicals, self._kv.pool.allocate(len(logicals)), strict=True)))
+        return ImportSession(manifest, tables, set(manifest.expected()))
+
+    def _check_manifest(self, manifest: KVManifest) -> None:
+        """IncompatibleKV unless the manifest fits this model and describes a state this engine could hold."""
+        diffs = self.fingerprint.differences(manifest.model)
+        if diffs:
+            raise IncompatibleKV("the KV comes from another model shape: " + "; ".join(diffs))
+        model = self._model
+        if (
+            len(manifest.lengths) != model.num_layers
+            or len(manifest.blocks) != len(self._kv.groups)
+            or manifest.group_of != tuple(g.index for g in self._kv.group_of)
+        ):
+            raise IncompatibleKV(
+                f"the KV manifest has {len(manifest.lengths)} layers and {len(manifest.blocks)} KV groups; this"
+                f" model has {model.num_layers} layers in {len(self._kv.groups)} KV groups"
+            )
+        bad = [x for x in manifest.layers if not 0 <= x < model.num_layers or model.layers[x].kv_source is not None]
+        if bad or len(set(manifest.layers)) != len(manifest.layers):
+            raise IncompatibleKV(
+                f"the KV manifest's exported layers must be distinct layers with KV of their own, got {some(bad)}"
+                if bad
+                else "the KV manifest lists an exported layer twice"
+            )
+        for x, n in enumerate(manifest.lengths):
+            if not 0 <= n <= MAX_TOKENS:
+                raise IncompatibleKV(f"layer {x}'s length {n} in the KV manifest is outside 0..{MAX_TOKENS}")
+            source = model.layers[x].kv_source
+            if n and (x if source is None else source) not in manifest.layers:
+                raise IncompatibleKV(f"layer {x} has {n} tokens but its KV is not in the stream")
+        for group in self._kv.groups:
+            held = manifest.blocks[group.index]
+            if len(held) > self._kv.pool.num_blocks:
+                raise OutOfBlocks(
+                    f"the import needs {len(held)} KV blocks for KV group {group.index} alone, and this server's"
+                    f" pool has {self._kv.pool.num_blocks} in all"
+                )
+            needed = _merged(self._kv.retention.needed_blocks(manifest.lengths, group))
+            size = sum(hi - lo for lo, hi in needed)
+            if size != len(held) or len(set(held)) != len(held) or not all(_within(needed, b) for b in held):
+                raise IncompatibleKV(
+                    f"the KV manifest lists {len(held)} blocks for KV group {group.index}, but its lengths need"
+                    f" exactly the {size} blocks {_spans_text(needed)}"
+                )
+
+    def import_records(self, session: ImportSession, records: Sequence[BlockRecord]) -> None:
+        """Check and write records of an import. Raises IncompatibleKV (unexpected, repeated or misshapen
+        record) or DataLoss (checksum); the caller then aborts the session."""
+        for r in records:
+            key = (r.layer, r.logical)
+            if key not in session.expected or key in session.received:
+                raise IncompatibleKV(f"record (layer {r.layer}, block {r.logical}) is not expected or came twice")
+            if len(r.k) + len(r.v) != record_bytes(session.manifest.model) or len(r.k) != len(r.v):
+                raise IncompatibleKV(f"record (layer {r.layer}, block {r.logical}) has the wrong size")
+            if not r.intact():
+                raise DataLoss(f"record (layer {r.layer}, block {r.logical}) fails its checksum: the data is damaged")
+            block = session.tables[self._kv.group_of[r.layer].index][r.logical]
+            slot = self._slot_of[r.layer]
+            self._cache.write_block(slot, block, r.k, r.v)
+            session.received.add(key)
+
+    def commit_import(self, session: ImportSession) -> int:
+        """Make the imported sequence visible; returns its block count. Raises DataLoss when records are
+        missing or SequenceExists when the id was taken meanwhile; the caller then aborts the session."""
+        missing = len(session.expected) - len(session.received)
+        if missing:
+            raise DataLoss(
+                f"the KV stream ended with {missing} of {len(session.expected)} records missing: it was cut short"
+            )
+        seq_id = session.manifest.seq_id
+        self._kv.add(SequenceState(seq_id, list(session.manifest.lengths), session.tables))
+        session.committed = True
+        return sum(len(t) for t in session.tables)
+
+    def _listed(self, manifest: KVManifest) -> list[int]:
+        """The layers an export covered: its writing layers and their sharers."""
+        sharers = (s for x in manifest.layers for s in self._kv.retention.sharers_of(x))
+        return sorted({*manifest.layers, *sharers})
+
+    def release_exported(self, manifest: KVManifest) -> None:
+        """Release a sequence that was exported, unless it changed since (SequenceChanged: then a call
+        to it ran after the export, and releasing would lose what it wrote)."""
+        state = self._kv.get(manifest.seq_id)
+        if state is None or self.export_manifest(manifest.seq_id, self._listed(manifest)) != manifest:
+            raise SequenceChanged(
+                f"sequence {quote(manifest.seq_id)} changed after its export, so it was not released here"
+            )
+        self._kv.release([manifest.seq_id])
+
+    def abort_import(self, session: ImportSession) -> None:
+        """Return an unfinished import's blocks (idempotent; nothing to do after a commit)."""
+        if not session.committed:
+            self._kv.pool.free(b for t in session.tables for b in t.values())
+            session.tables = [{} for _ in session.tables]
+
+
+def _merged(spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Ranges [lo, hi) merged where they overlap or touch, sorted."""
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(spans):
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def _within(spans: Sequence[tuple[int, int]], b: int) -> bool:
+    """Whether ``b`` lies in one of the sorted, disjoint ``spans``."""
+    i = bisect.bisect_right(spans, (b, MAX_TOKENS + 1)) - 1
+    return i >= 0 and spans[i][0] <= b < spans[i][1]
+
+
+def _spans_text(spans: Sequence[tuple[int, int]]) -> str:
+    text = ", ".join(f"{lo}..{hi - 1}" for lo, hi in spans[:QUOTE_IDS]) or "(none)"
+    return text + (f" and {len(spans) - QUOTE_IDS} more ranges" if len(spans) > QUOTE_IDS else "")

@@ -1,0 +1,302 @@
+"""The KV manager: every sequence's state, the block pool, retention and copy-on-write. Plain Python, no torch.
+
+The engine asks it, per Attend call, for a *write plan* (which positions to store, which blocks are
+missing), then a *reservation* (the blocks allocated, new sequences created, shared blocks copied: all of
+the call's or none), and after the step's compute either ``commit`` (lengths grow, blocks out of every
+layer's chunk go back to the pool) or ``rollback`` (as if the call had never come). Several calls may hold
+reservations at once (one engine step); they touch disjoint sequences.
+
+The control plane lives here too: fork (copy-on-write sharing), release, idle eviction, and the read-only
+views the info RPC and the tests use.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from chunkattn_client.batch import BatchEntry
+from chunkattn_client.limits import MAX_BATCH, id_problem, quote, some
+from chunkattn_server.config import EngineConfig, KVGroup, LayerSpec
+from chunkattn_server.errors import InvalidBatch, OutOfBlocks, SequenceExists, UnknownSequence
+from chunkattn_server.kv.block_pool import BlockPool
+from chunkattn_server.kv.sequences import Retention, SequenceState, chunk_start
+
+
+@dataclass(frozen=True)
+class SequenceInfo:
+    """A copy of one sequence's state: tokens per layer and, per KV group, {logical block: physical block}."""
+
+    seq_id: str
+    lengths: tuple[int, ...]
+    tables: tuple[dict[int, int], ...]
+    last_used: float
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(len(t) for t in self.tables)
+
+
+@dataclass(frozen=True)
+class Write:
+    """One entry's write plan: store positions [start, end) (start == end: nothing), allocating the
+    logical blocks ``missing`` of its KV group's table."""
+
+    start: int
+    end: int
+    missing: list[int]
+
+
+@dataclass
+class Reservation:
+    """What one call took before its compute: undone by ``rollback``, made final by ``commit``."""
+
+    layer: int
+    entries: Sequence[BatchEntry]
+    writes: list[Write]
+    states: list[SequenceState] = field(default_factory=list)
+    created: list[str] = field(default_factory=list)
+    taken: list[tuple[dict[int, int], int]] = field(default_factory=list)
+    copied: list[tuple[dict[int, int], int, int]] = field(default_factory=list)  # (table, logical, old block)
+
+
+class KVManager:
+    """Sequences and blocks for one engine config. ``copy_block(src, dst)`` copies a block's pages in
+    every layer (the cache's job: copy-on-write after a fork)."""
+
+    def __init__(self, config: EngineConfig, num_blocks: int, copy_block: Callable[[int, int], None]) -> None:
+        self.config = config
+        self.block_size = config.cache.block_size
+        self.groups = config.kv_groups
+        self.pool = BlockPool(num_blocks)
+        self.retention = Retention(config)
+        self._copy_block = copy_block
+        self._seqs: dict[str, SequenceState] = {}
+        self.group_of: list[KVGroup] = []  # per layer; a KV-sharing layer's is its source's
+        for i, spec in enumerate(config.model.layers):
+            owner = i if spec.kv_source is None else spec.kv_source
+            self.group_of.append(next(g for g in self.groups if owner in g.layers))
+
+    # -- one Attend call: plan -> reserve -> commit or rollback ---------------------------------------
+
+    def get(self, seq_id: str) -> SequenceState | None:
+        return self._seqs.get(seq_id)
+
+    def plan_writes(
+        self, layer: int, spec: LayerSpec, entries: Sequence[BatchEntry], states: Sequence[SequenceState | None]
+    ) -> list[Write]:
+        """Per entry: what the call stores and the blocks it lacks (pure: nothing changes).
+
+        Only positions some layer will read again are stored: a 100,000-token prefill of a layer with
+        C = 8192 stores (and allocates) its last chunk, not the whole prompt. A KV-sharing layer stores
+        nothing.
+        """
+        group = self.group_of[layer]
+        bs = self.block_size
+        writes: list[Write] = []
+        fresh = [0] * self.config.model.num_layers  # a new sequence has no tokens anywhere
+        for e, state in zip(entries, states, strict=True):
+            end = e.position + e.num_tokens
+            if spec.kv_source is not None:
+                writes.append(Write(end, end, []))
+                continue
+            start = max(e.position, self.retention.keep_from(state.lengths if state else fresh, layer, end))
+            if e.num_tokens == 1:
+                start = e.position  # a decode reads its own key from the cache (see plan.split)
+            table = state.tables[group.index] if state else {}
+            writes.append(Write(start, end, [b for b in range(start // bs, -(-end // bs)) if b not in table]))
+        return writes
+
+    def reserve(
+        self,
+        layer: int,
+        entries: Sequence[BatchEntry],
+        states: Sequence[SequenceState | None],
+        writes: list[Write],
+        owners: dict[int, int],
+    ) -> Reservation:
+        """Take every block the call needs, or none (OutOfBlocks). ``owners`` carries, across the calls of
+        one step, how many owners each shared block still has once the earlier calls' copies are made, so
+        that the last writer of a shared block writes in place, as it would have alone."""
+        group = self.group_of[layer]
+        mine = dict(owners)
+        shared = self._shared_blocks_written(group, entries, writes, states, mine)
+        needed = sum(len(w.missing) for w in writes) + sum(len(s) for s in shared)
+        if not self.pool.can_allocate(needed):
+            raise OutOfBlocks(
+                f"layer {layer}: the batch needs {needed} new KV blocks of {self.block_size} tokens and the"
+                f" pool has {self.pool.num_free} free of {self.pool.num_blocks}. Release finished sequences,"
+                " retry later, send a smaller batch, or start the server with a larger pool"
+            )
+        r = Reservation(layer, entries, writes)
+        try:
+            for e, state in zip(entries, states, strict=True):
+                if state is None:
+                    state = SequenceState(e.seq_id, [0] * self.config.model.num_layers, [{} for _ in self.groups])
+                    self._seqs[e.seq_id] = state
+                    r.created.append(e.seq_id)
+                r.states.append(state)
+            for state, w in zip(r.states, writes, strict=True):
+                table = state.tables[group.index]
+                if w.missing:
+                    after = table.get(w.missing[0] - 1)
+                    for logical, physical in zip(w.missing, self.pool.allocate(len(w.missing), after), strict=True):
+                        table[logical] = physical
+                        r.taken.append((table, logical))
+            for state, logicals in zip(r.states, shared, strict=True):
+                table = state.tables[group.index]
+                for logical in logicals:  # copy-on-write: never write into a block another sequence reads
+                    old = table[logical]
+                    (new,) = self.pool.allocate(1, after=table.get(logical - 1))
+                    self._copy_block(old, new)
+                    table[logical] = new
+                    r.copied.append((table, logical, old))
+        except BaseException:
+            self.rollback(r)
+            raise
+        owners.update(mine)
+        return r
+
+    def rollback(self, r: Reservation) -> None:
+        """Undo a reservation: its blocks back to the pool, its new sequences gone, its copies dropped."""
+        for table, logical, old in reversed(r.copied):
+            self.pool.free([table[logical]])
+            table[logical] = old
+        self.pool.free(table.pop(logical) for table, logical in r.taken)
+        for seq_id in r.created:
+            del self._seqs[seq_id]
+        r.copied, r.taken, r.created = [], [], []
+
+    def commit(self, r: Reservation, now: float) -> None:
+        """The call's K/V is written: its sequences grow, and blocks no layer needs any more are freed."""
+        for _, _, shared_block in r.copied:  # the copies are in use: drop this call's owners of the originals
+            self.pool.free([shared_block])
+        chunk = self.config.model.layers[r.layer].chunk_size
+        group = self.group_of[r.layer]
+        for e, state in zip(r.entries, r.states, strict=True):
+            old = state.lengths[r.layer]
+            state.lengths[r.layer] = e.position + e.num_tokens
+            state.last_used = now
+            if chunk_start(old, chunk) != chunk_start(state.lengths[r.layer], chunk):
+                table = state.tables[group.index]
+                self.pool.free([table.pop(b) for b in self.retention.unneeded(state, group)])
+
+    def _shared_blocks_written(
+        self,
+        group: KVGroup,
+        entries: Sequence[BatchEntry],
+        writes: list[Write],
+        states: Sequence[SequenceState | None],
+        owners: dict[int, int],
+    ) -> list[list[int]]:
+        """Per entry: the logical blocks the call must copy before writing into them (after a fork).
+
+        A block with n owners is copied by the first n - 1 writers into it; the last writer (a parent and
+        its child decoding in one step) then owns it alone and writes in place.
+        """
+        bs = self.block_size
+        out: list[list[int]] = []
+        for w, state in zip(writes, states, strict=True):
+            copies: list[int] = []
+            if state is not None and w.start < w.end:
+                table = state.tables[group.index]
+                for b in range(w.start // bs, -(-w.end // bs)):
+                    block = table.get(b)
+                    if block is None:
+                        continue
+                    left = owners.setdefault(block, self.pool.owners(block))
+                    if left > 1:
+                        copies.append(b)
+                        owners[block] = left - 1
+            out.append(copies)
+        return out
+
+    # -- the control plane ---------------------------------------------------------------------------
+
+    def fork(self, parent: str, child: str) -> int:
+        """A new sequence ``child`` with ``parent``'s tokens in every layer, sharing its blocks copy-on-write
+        (parallel sampling, beam search): no copy now; whichever of the two first writes into a shared block
+        gets its own copy then. Returns the number of blocks shared.
+
+        Raises UnknownSequence (no parent), SequenceExists (child taken) or InvalidBatch (a bad id).
+        """
+        for what, seq_id in (("parent", parent), ("child", child)):
+            problem = id_problem(seq_id, what)
+            if problem:
+                raise InvalidBatch(problem)
+        state = self._seqs.get(parent)
+        if state is None:
+            raise UnknownSequence(f"cannot fork sequence {quote(parent)}: it does not exist")
+        if child in self._seqs:
+            raise SequenceExists(f"cannot fork into {quote(child)}: a sequence with that id exists; pick a new id")
+        blocks = state.blocks()
+        self.pool.share(blocks)
+        self._seqs[child] = SequenceState(child, list(state.lengths), [dict(t) for t in state.tables])
+        return len(blocks)
+
+    def add(self, state: SequenceState) -> None:
+        """Make a sequence whose blocks are already allocated visible (a committed import). SequenceExists
+        when its id is taken."""
+        if state.seq_id in self._seqs:
+            raise SequenceExists(
+                f"cannot import into {quote(state.seq_id)}: a sequence with that id was created meanwhile"
+            )
+        self._seqs[state.seq_id] = state
+
+    def release(self, seq_ids: Iterable[str], *, missing_ok: bool = False) -> int:
+        """Drop sequences and return their blocks; returns how many existed.
+
+        An unknown id raises UnknownSequence (and releases nothing) unless ``missing_ok``.
+        """
+        given = list(seq_ids)
+        if len(given) > MAX_BATCH:
+            raise InvalidBatch(f"{len(given)} sequences to release; at most {MAX_BATCH} per call")
+        for i, seq_id in enumerate(given):
+            problem = id_problem(seq_id)
+            if problem:
+                raise InvalidBatch(f"id {i}: {problem}; nothing was released")
+        ids = list(dict.fromkeys(given))
+        unknown = [s for s in ids if s not in self._seqs]
+        if unknown and not missing_ok:
+            raise UnknownSequence(
+                f"{len(unknown)} of the {len(ids)} sequences to release do not exist ({some(unknown)});"
+                " nothing was released (missing_ok ignores unknown ids)"
+            )
+        return self._drop(ids)
+
+    def _drop(self, ids: Iterable[str]) -> int:
+        """Drop the sequences of ``ids`` that exist and return their blocks; returns how many existed."""
+        released = 0
+        for seq_id in ids:
+            state = self._seqs.pop(seq_id, None)
+            if state is not None:
+                self.pool.free(state.blocks())
+                released += 1
+        return released
+
+    def evict_idle(self, max_idle_s: float, now: float | None = None) -> list[str]:
+        """Release every sequence untouched for more than ``max_idle_s`` seconds; returns their ids."""
+        now = time.monotonic() if now is None else now
+        idle = [s for s, state in self._seqs.items() if now - state.last_used > max_idle_s]
+        self._drop(idle)
+        return idle
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self._seqs)
+
+    def sequence_ids(self) -> list[str]:
+        return list(self._seqs)
+
+    def sequence(self, seq_id: str) -> SequenceInfo:
+        """A copy of a sequence's state. Raises UnknownSequence."""
+        state = self._seqs.get(seq_id)
+        if state is None:
+            raise UnknownSequence(f"sequence {quote(seq_id)} does not exist")
+        return SequenceInfo(
+            seq_id=seq_id,
+            lengths=tuple(state.lengths),
+            tables=tuple(dict(sorted(t.items())) for t in state.tables),
+            last_used=state.last_used,
+        )

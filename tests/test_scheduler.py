@@ -1,0 +1,284 @@
+"""The scheduler's rules, in-process: steps are made deterministic by holding the scheduler's thread in a
+control job while the calls under test queue behind it, so they all meet in the next step."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from chunkattn_client import BatchEntry
+from chunkattn_server import CacheConfig, Engine, EngineConfig
+from chunkattn_server.errors import InvalidTensor, OutOfBlocks, PositionMismatch, UnknownSequence
+from chunkattn_server.metrics import Metrics
+from chunkattn_server.scheduler import Scheduler
+from tests.harness import MODELS, Harness, snapshot
+
+MODEL = MODELS["gqa"]
+
+
+@dataclass
+class E:
+    """An entry as the service hands it over (chunkattn.v1.AttendEntry's fields)."""
+
+    seq_id: str
+    position: int
+    num_tokens: int
+    end_of_sequence: bool = False
+
+
+def make(num_blocks: int = 256, **kw: Any) -> tuple[Scheduler, Metrics]:
+    metrics = Metrics()
+    config = EngineConfig(MODEL, CacheConfig(block_size=4, num_blocks=num_blocks), device="cpu")
+    return Scheduler(lambda: Engine(config), metrics, **kw), metrics
+
+
+def tensors(seed: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    m = MODEL
+    return (
+        torch.randn(tokens, m.num_heads, m.head_size, generator=g),
+        torch.randn(tokens, m.num_kv_heads, m.head_size, generator=g),
+        torch.randn(tokens, m.num_kv_heads, m.head_size, generator=g),
+    )
+
+
+def steps(metrics: Metrics) -> list[tuple[float, float]]:
+    """(calls per step histogram sum, count)."""
+    samples = {
+        s.name: s.value for fam in metrics.registry.collect() if fam.name == "chunkattn_step_calls" for s in fam.samples
+    }
+    return [(samples["chunkattn_step_calls_sum"], samples["chunkattn_step_calls_count"])]
+
+
+async def held(s: Scheduler, work: Callable[[], list[Awaitable[Any]]]) -> list[Any]:
+    """Start ``work``'s calls while the scheduler's thread is held, so they queue; then let it go. Returns
+    each call's result or exception, in order."""
+    gate = threading.Event()
+    blocker = asyncio.ensure_future(s.run("hold", lambda e: gate.wait(10)))
+    await asyncio.sleep(0.05)  # the hold job is running
+    tasks = [asyncio.ensure_future(a) for a in work()]
+    await asyncio.sleep(0.05)  # every call is queued
+    gate.set()
+    await blocker
+    return list(await asyncio.gather(*tasks, return_exceptions=True))
+
+
+def attend(s: Scheduler, layer: int, entries: list[E], seed: int, **bad: Any) -> Coroutine[Any, Any, Any]:
+    q, k, v = tensors(seed, sum(e.num_tokens for e in entries))
+    return s.attend("Attend", layer, entries, bad.get("q", q), k, v)
+
+
+def test_queued_calls_of_one_layer_share_a_step_and_match_the_reference() -> None:
+    h = Harness.build(MODEL)
+    s, metrics = make()
+
+    async def main() -> list[Any]:
+        return await held(s, lambda: [attend(s, 0, [E(f"s{i}", 0, 3 + i)], seed=i) for i in range(6)])
+
+    try:
+        outs = asyncio.run(main())
+        assert steps(metrics) == [(6.0, 1.0)]  # one step of six calls
+        for i, out in enumerate(outs):
+            q, k, v = tensors(i, 3 + i)
+            expected = h.engine.attend(0, [BatchEntry(f"s{i}", 0, 3 + i)], q, k, v)
+            torch.testing.assert_close(torch.frombuffer(out.output.data, dtype=torch.float32).view(q.shape), expected)
+    finally:
+        s.stop()
+
+
+def test_no_batching_runs_one_call_per_step() -> None:
+    s, metrics = make(batching=False)
+    try:
+        asyncio.run(held(s, lambda: [attend(s, 0, [E(f"s{i}", 0, 2)], seed=i) for i in range(4)]))
+        assert steps(metrics) == [(4.0, 4.0)]
+    finally:
+        s.stop()
+
+
+def test_calls_of_one_sequence_keep_their_order_and_never_share_a_step() -> None:
+    s, metrics = make()
+    try:
+        # s0's second call (position 4) must run after its first (position 0), in a later step.
+        outs = asyncio.run(
+            held(
+                s,
+                lambda: [
+                    attend(s, 0, [E("s0", 0, 4)], seed=1),
+                    attend(s, 0, [E("s0", 4, 1)], seed=2),
+                    attend(s, 0, [E("s1", 0, 2)], seed=3),
+                ],
+            )
+        )
+        assert not any(isinstance(o, BaseException) for o in outs), outs
+        assert s.engine.sequence("s0").lengths[0] == 5
+        assert steps(metrics) == [(3.0, 2.0)]  # (s0@0, s1) then (s0@4)
+    finally:
+        s.stop()
+
+
+def test_another_layer_does_not_join_and_is_not_overtaken_by_its_sequence() -> None:
+    s, metrics = make()
+    try:
+        outs = asyncio.run(
+            held(
+                s,
+                lambda: [
+                    attend(s, 0, [E("a", 0, 2)], seed=1),
+                    attend(s, 1, [E("b", 0, 2)], seed=2),
+                    attend(s, 1, [E("a", 0, 2)], seed=3),  # layer 1 of a: after layer 0 of a
+                    attend(s, 0, [E("b", 0, 2)], seed=4),  # blocked by b's layer-1 call queued before it
+                ],
+            )
+        )
+        assert not any(isinstance(o, BaseException) for o in outs), outs
+        assert steps(metrics) == [(4.0, 3.0)]  # (a@0), (b@1, a@1), (b@0)
+    finally:
+        s.stop()
+
+
+def test_a_control_job_keeps_its_place() -> None:
+    s, _ = make()
+
+    async def main() -> list[Any]:
+        def work() -> list[Awaitable[Any]]:
+            return [
+                attend(s, 0, [E("a", 0, 2)], seed=1),
+                s.run("Release", lambda e: e.release(["a"])),
+                attend(s, 0, [E("a", 2, 1)], seed=2),  # a is gone by then
+            ]
+
+        return await held(s, work)
+
+    try:
+        first, released, third = asyncio.run(main())
+        assert not isinstance(first, BaseException)
+        assert released == 1
+        assert isinstance(third, UnknownSequence)
+    finally:
+        s.stop()
+
+
+def test_a_bad_call_fails_alone_and_changes_nothing() -> None:
+    """Each bad call merged with good ones gets the error it gets alone; the good ones' outputs, the state
+    after the step and later outputs are bit-identical to a run without the bad calls."""
+
+    def run(with_bad: bool) -> tuple[list[Any], Any, bytes]:
+        s, _metrics = make()
+
+        def work() -> list[Awaitable[Any]]:
+            calls: list[Awaitable[Any]] = [attend(s, 0, [E(f"g{i}", 0, 3)], seed=i) for i in range(3)]
+            if with_bad:
+                q, k, v = tensors(9, 2)
+                calls.insert(1, s.attend("Attend", 0, [E("bad", 0, 2)], q[:, :1], k, v))  # wrong q shape
+                calls.insert(3, attend(s, 0, [E("late", 5, 2)], seed=10))  # unknown sequence not at 0
+                calls.append(attend(s, 0, [E("g9", 0, 1), E("g9", 1, 1)], seed=11))  # repeated sequence
+            return calls
+
+        try:
+            outs = asyncio.run(held(s, work))
+            state = snapshot(s.engine)
+            later = asyncio.run(s_attend_after(s))
+            return outs, state, later
+        finally:
+            s.stop()
+
+    async def s_attend_after(s: Scheduler) -> bytes:
+        out = await attend(s, 0, [E("g0", 3, 1), E("g1", 3, 1)], seed=20)
+        return bytes(out.output.data)
+
+    clean, clean_state, clean_later = run(False)
+    mixed, mixed_state, mixed_later = run(True)
+    bad = [mixed.pop(1), mixed.pop(2), mixed.pop(-1)]
+    assert isinstance(bad[0], InvalidTensor)
+    assert "q has shape" in str(bad[0])
+    assert isinstance(bad[1], UnknownSequence)
+    assert "'late'" in str(bad[1])
+    assert "appears twice" in str(bad[2])
+    assert [bytes(o.output.data) for o in mixed] == [bytes(o.output.data) for o in clean]
+    assert mixed_state == clean_state
+    assert mixed_later == clean_later
+
+
+def test_a_call_short_of_blocks_runs_again_alone_and_gets_what_it_would_alone() -> None:
+    # A 4-token call of layer 0 takes one block: a pool of 3 holds three. The fourth, short of blocks while
+    # the others hold theirs, runs again in a step of its own and fails as it would have alone.
+    s, metrics = make(num_blocks=3)
+    try:
+        outs = asyncio.run(held(s, lambda: [attend(s, 0, [E(f"s{i}", 0, 4)], seed=i) for i in range(4)]))
+        assert [type(o).__name__ for o in outs[:3]] == ["AttendOutput"] * 3
+        assert isinstance(outs[3], OutOfBlocks)
+        assert "the pool has 0 free of 3" in str(outs[3])
+        assert s.engine.stats().free_blocks == 0
+        assert s.engine.sequence_ids() == ["s0", "s1", "s2"]
+        assert steps(metrics) == [(4.0, 2.0)]  # three served together, then the fourth alone
+    finally:
+        s.stop()
+
+
+def test_end_of_sequence_releases_after_its_call() -> None:
+    s, _metrics = make()
+    try:
+        outs = asyncio.run(
+            held(s, lambda: [attend(s, 0, [E("a", 0, 2, True)], seed=1), attend(s, 0, [E("b", 0, 2)], seed=2)])
+        )
+        assert not any(isinstance(o, BaseException) for o in outs)
+        assert s.engine.sequence_ids() == ["b"]
+    finally:
+        s.stop()
+
+
+def test_a_position_error_is_the_same_merged_or_alone() -> None:
+    s, _ = make()
+    try:
+        asyncio.run(attend(s, 0, [E("a", 0, 2)], seed=1))
+        outs = asyncio.run(
+            held(s, lambda: [attend(s, 0, [E("a", 3, 1)], seed=2), attend(s, 0, [E("b", 0, 1)], seed=3)])
+        )
+        alone = asyncio.run(_raises(attend(s, 0, [E("a", 3, 1)], seed=2)))
+        assert isinstance(outs[0], PositionMismatch)
+        assert str(outs[0]) == str(alone)
+    finally:
+        s.stop()
+
+
+async def _raises(call: Coroutine[Any, Any, Any]) -> BaseException:
+    with pytest.raises(PositionMismatch) as info:
+        await call
+    return info.value
+
+
+def test_max_batch_tokens_bounds_a_step() -> None:
+    s, metrics = make(max_batch_tokens=8)
+    try:
+        asyncio.run(held(s, lambda: [attend(s, 0, [E(f"s{i}", 0, 4)], seed=i) for i in range(5)]))
+        assert steps(metrics) == [(5.0, 3.0)]  # 4+4, 4+4, 4
+    finally:
+        s.stop()
+
+
+def test_a_cancelled_call_that_has_not_run_changes_nothing() -> None:
+    s, _ = make()
+
+    async def main() -> None:
+        gate = threading.Event()
+        blocker = asyncio.ensure_future(s.run("hold", lambda e: gate.wait(10)))
+        await asyncio.sleep(0.05)
+        call = asyncio.ensure_future(attend(s, 0, [E("gone", 0, 2)], seed=1))
+        await asyncio.sleep(0.05)
+        call.cancel()
+        await asyncio.sleep(0)
+        gate.set()
+        await blocker
+        await s.run("sync", lambda e: None)
+
+    try:
+        asyncio.run(main())
+        assert s.engine.sequence_ids() == []
+    finally:
+        s.stop()
