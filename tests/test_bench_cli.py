@@ -61,9 +61,12 @@ def test_counts_agree_with_the_servers_metrics(
     assert (s["sequences"], s["sequences_cut"], s["sequences_failed"], s["errors"]) == (6, 0, 0, {})
     for kind in ("prefill", "decode"):
         assert s["layer_tokens"][kind] == d("chunkattn_tokens_total", kind=kind) > 0
-        assert s["server"]["tokens"][kind] == d("chunkattn_tokens_total", kind=kind)
+        assert s["server"]["layer_tokens"][kind] == d("chunkattn_tokens_total", kind=kind)
+        # The server's count shown in model tokens: once per layer called, so divided by the layers.
+        assert s["server"]["tokens"][kind] == d("chunkattn_tokens_total", kind=kind) / LAYERS
     # Every model token went through every layer once.
     assert sum(s["layer_tokens"].values()) == LAYERS * sum(s["tokens"].values())
+    assert sum(s["server"]["tokens"].values()) == sum(s["tokens"].values())
     rpc = "Attend" if transport == "unary" else "AttendStream"
     assert s["calls"] == d("chunkattn_requests_total", rpc=rpc, code="OK")
     assert s["bytes"] == {
@@ -241,7 +244,8 @@ def test_warmup_is_not_measured(server: ServerProcess, tmp_path: Path, capsys: p
     assert rc == 0
     measured = sum(s["layer_tokens"].values())
     assert measured == LAYERS * 3 * (12 + 5)
-    assert sum(s["server"]["tokens"].values()) == measured  # the bench's before-scrape follows the warm-up
+    assert sum(s["server"]["layer_tokens"].values()) == measured  # the bench's before-scrape follows the warm-up
+    assert sum(s["server"]["tokens"].values()) == 3 * (12 + 5)  # in model tokens
     assert counter(after, "chunkattn_tokens_total") - counter(before, "chunkattn_tokens_total") > measured
 
 
@@ -416,7 +420,7 @@ def test_the_html_report_renders_with_its_plots_in_chromium(
         assert "<script" not in html
         assert "src=" not in html
         assert "<link" not in html
-    screenshot(page, tmp_path / "report.png", 2600)
+    screenshot(page, tmp_path / "report.png", 3000)  # the run page is ~2,620 px tall
     screenshot(sweep_page, tmp_path / "sweep.png", 2000)
     seen = colour_pixels(tmp_path / "report.png")
     # Every series of the run's three charts is drawn: a line of a few hundred pixels at least.

@@ -5,14 +5,17 @@ from __future__ import annotations
 import asyncio
 import io
 import random
+import re
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from chunkattn_client import BatchEntry, LayerInfo, ReferenceModel, ServerInfo
-from chunkattn_client.bench import promtext, report, svg
-from chunkattn_client.bench.runner import BenchConfig, Verifier
+from chunkattn_client.bench import html, promtext, report, svg
+from chunkattn_client.bench.runner import BenchConfig, Recorder, RunResult, Verifier
 from chunkattn_client.bench.stats import percentile, summarize
 from chunkattn_client.bench.workload import (
     Lengths,
@@ -281,3 +284,86 @@ def test_recent_p50_looks_at_the_last_seconds_only() -> None:
     assert rec.recent_p50_ms() == pytest.approx(3.0)
     rec.steps = [(now, "prefill", 8, 0.010)]
     assert rec.recent_p50_ms() == pytest.approx(10.0)
+
+
+# -- the HTML report: decode on its own scale, the server's tokens in model tokens -----------------------
+
+
+def _run(server: dict[str, Any] | None) -> tuple[RunResult, dict[str, Any]]:
+    """A 3 s run over the 3 layers of _info(): prefill ~10,000 tokens/s, decode 30-37 tokens/s."""
+    rec = Recorder()
+    rec.steps = [(0.5, "prefill", 10_000, 0.2), (1.5, "prefill", 8_000, 0.2)]
+    for second, n in enumerate((30, 37, 35)):
+        rec.steps += [(second + (i + 0.5) / n, "decode", 1, 0.01) for i in range(n)]
+    rec.tokens = Counter(prefill=18_000, decode=102)
+    rec.layer_tokens = Counter(prefill=3 * 18_000, decode=3 * 102)
+    rec.calls, rec.sequences, rec.end = 3 * len(rec.steps), 2, 3.0
+    result = RunResult(BenchConfig(target="x", sequences=2), _info(), (0, 1, 2), rec, None, server, [], None)
+    return result, report.summary(result)
+
+
+def _chart(page: str, chart_id: str) -> str:
+    start = page.index(f'id="{chart_id}"')
+    return page[start : page.index("</svg>", start)]
+
+
+def _y_ticks(chart: str) -> list[float]:
+    return [float(t.replace(",", "")) for t in re.findall(r'class="y-tick"[^>]*>([^<]+)</text>', chart)]
+
+
+def _server_stats(layer_tokens: dict[str, int]) -> dict[str, Any]:
+    return {
+        "requests": {"Attend": {"OK": 3 * 69}}, "layer_tokens": layer_tokens, "received_bytes": 1,
+        "sent_bytes": 1, "queue_ms_mean": 0.5, "compute_ms_mean": 2.0, "kv_blocks": 100,
+        "kv_blocks_used_peak": 9, "kv_blocks_used_after": 0, "failed_scrapes": 0,
+    }  # fmt: skip
+
+
+def test_decode_throughput_has_its_own_chart_on_decodes_scale() -> None:
+    result, s = _run(None)
+    page = html.render([("", result, s)])
+    assert "<script" not in page
+    prefill, decode = _chart(page, "throughput-prefill"), _chart(page, "throughput-decode")
+    assert "Decode throughput over time" in decode
+    assert 'stroke="{}"'.format(html.COLORS["tput_decode"]) in decode
+    assert 'stroke="{}"'.format(html.COLORS["tput_prefill"]) not in decode
+    assert "decode tokens/s" not in prefill
+    # Each chart's y axis is fitted to its own values: decode's tops out at 40 (37 tokens/s at most), not at
+    # prefill's 10,000, where decode would be a flat line along the bottom.
+    assert max(_y_ticks(prefill)) == 10_000
+    assert max(_y_ticks(decode)) == 40
+    points = re.search(r'points="([^"]+)"', decode)
+    assert points is not None
+    ys = [float(p.split(",")[1]) for p in points.group(1).split()]
+    top, bottom = 36, svg.HEIGHT - 52  # the plot's edges (svg._TOP, svg._BOTTOM)
+    assert min(ys) < top + 0.1 * (bottom - top)  # 37 of 40: near the top of the plot
+    assert max(ys) < top + 0.3 * (bottom - top)  # 30 of 40: well above the bottom
+
+
+def test_the_servers_tokens_are_shown_in_model_tokens() -> None:
+    # The server counted each model token once per layer called (3 here), as chunkattn_tokens_total does.
+    raw = {"prefill": 3 * 18_000, "decode": 3 * 102}
+    result, s = _run(_server_stats(raw))
+    srv = s["server"]
+    assert srv["tokens"] == s["tokens"] == {"prefill": 18_000, "decode": 102}
+    assert srv["layer_tokens"] == raw == s["layer_tokens"]  # the raw count is kept
+    page = html.render([("", result, s)])
+    label = "server: model tokens prefill / decode (chunkattn_tokens_total / 3 layers)"
+    assert f'<th class="k">{label}</th><td class="k">18000 / 102</td>' in page
+    assert '<th class="k">model tokens prefill / decode</th><td class="k">18000 / 102</td>' in page
+    assert "model tokens counted prefill 18000, decode 102 (chunkattn_tokens_total / 3 layers)" in report.table(s)
+
+
+def test_server_summary_divides_by_the_layers_called() -> None:
+    out = report.server_summary(_server_stats({"prefill": 10, "decode": 3}), 4)
+    assert out is not None
+    assert out["tokens"] == {"prefill": 2.5, "decode": 0.75}  # calls that were not whole steps: a fraction
+    assert out["layer_tokens"] == {"prefill": 10, "decode": 3}
+    assert list(out).index("tokens") < list(out).index("layer_tokens")
+    one = report.server_summary(_server_stats({"prefill": 8, "decode": 1}), 1)
+    assert one is not None
+    assert one["tokens"] == {"prefill": 8, "decode": 1}
+    assert report.server_summary(None, 4) is None
+    assert report.server_summary({"error": "unreachable"}, 4) == {"error": "unreachable"}
+    assert (report.fmt_tokens(2.5), report.fmt_tokens(0.75), report.fmt_tokens(18_000)) == ("2.50", "0.75", "18000")
+    assert report.server_tokens_unit(1) == "chunkattn_tokens_total / 1 layer"

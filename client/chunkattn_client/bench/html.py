@@ -1,8 +1,8 @@
 """The HTML report: one self-contained page (inline CSS and SVG; no script, no fetch).
 
-A single run shows its parameters, the summary, a latency CDF per kind, throughput over time and, with
---metrics-url, the server's KV blocks in use over time. A sweep adds throughput against p99 latency and
-one row per point.
+A single run shows its parameters, the summary, a latency CDF per kind, prefill and decode throughput over
+time (a chart each, each on its own scale) and, with --metrics-url, the server's KV blocks in use over time.
+A sweep adds throughput against p99 latency and one row per point.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from html import escape
 from typing import Any
 
-from chunkattn_client.bench.report import KINDS, LATENCY_KEYS, fmt_ms
+from chunkattn_client.bench.report import KINDS, LATENCY_KEYS, fmt_ms, fmt_tokens, server_tokens_unit
 from chunkattn_client.bench.runner import RunResult
 from chunkattn_client.bench.svg import Series, line_chart
 
@@ -58,7 +58,7 @@ def render(points: Sequence[tuple[str, RunResult, dict[str, Any]]], sweep_param:
         head = f"{sweep_param} = {label}" if sweep_param else "Results"
         body += [f"<h2>{escape(head)}</h2>", _summary_table(s)]
         if not sweep_param:
-            body += [_latency_cdf(result), _throughput_chart(s), _kv_chart(s)]
+            body += [_latency_cdf(result), _throughput_charts(s), _kv_chart(s)]
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         f"<title>{escape(title)}</title><style>{_CSS}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n"
@@ -98,6 +98,7 @@ def _summary_table(s: dict[str, Any]) -> str:
         "calls": s["calls"],
         "sequences in flight, at most": s["max_in_flight"],
         "sequences/s": f"{s['sequences_per_s']:.2f}",
+        "model tokens prefill / decode": f"{s['tokens']['prefill']} / {s['tokens']['decode']}",
         "tokens/s prefill / decode": f"{s['tokens_per_s']['prefill']:.0f} / {s['tokens_per_s']['decode']:.0f}",
         "payload MB/s sent / received": (
             f"{s['payload_mb_per_s']['sent']:.2f} / {s['payload_mb_per_s']['received']:.2f}"
@@ -120,7 +121,9 @@ def _summary_table(s: dict[str, Any]) -> str:
     srv = s["server"]
     if srv and "error" not in srv:
         facts["server queue / compute ms (mean)"] = f"{fmt_ms(srv['queue_ms_mean'])} / {fmt_ms(srv['compute_ms_mean'])}"
-        facts["server tokens prefill / decode"] = f"{srv['tokens']['prefill']} / {srv['tokens']['decode']}"
+        facts[f"server: model tokens prefill / decode ({server_tokens_unit(len(s['layers_called']))})"] = (
+            f"{fmt_tokens(srv['tokens']['prefill'])} / {fmt_tokens(srv['tokens']['decode'])}"
+        )
         facts["server KV blocks peak (1 s samples) / total"] = f"{srv['kv_blocks_used_peak']} / {srv['kv_blocks']}"
     head = "".join(f"<th>{k}</th>" for k in ("n", *LATENCY_KEYS))
     rows = "".join(
@@ -146,15 +149,23 @@ def _latency_cdf(result: RunResult) -> str:
     )  # fmt: skip
 
 
-def _throughput_chart(s: dict[str, Any]) -> str:
+def _throughput_charts(s: dict[str, Any]) -> str:
+    """Prefill and decode tokens/s over time, a chart each on its own y scale: decode's rate is often a
+    hundredth of prefill's, a flat line along the bottom of prefill's axis."""
     t = s["timeline"]
-    series = [
-        Series("prefill tokens/s", t["t"], t["prefill_tokens_per_s"], COLORS["tput_prefill"]),
-        Series("decode tokens/s", t["t"], t["decode_tokens_per_s"], COLORS["tput_decode"]),
-    ]
-    return line_chart(
-        series, title="Throughput over time", x_label="time (s)", y_label="tokens/s", chart_id="throughput"
-    )
+    charts = []
+    for kind in ("prefill", "decode"):
+        series = [Series(f"{kind} tokens/s", t["t"], t[f"{kind}_tokens_per_s"], COLORS[f"tput_{kind}"])]
+        charts.append(
+            line_chart(
+                series,
+                title=f"{kind.capitalize()} throughput over time",
+                x_label="time (s)",
+                y_label=f"{kind} tokens/s (model tokens)",
+                chart_id=f"throughput-{kind}",
+            )
+        )
+    return "\n".join(charts)
 
 
 def _kv_chart(s: dict[str, Any]) -> str:

@@ -66,9 +66,45 @@ def summary(result: RunResult) -> dict[str, Any]:
             "arrival_wait_ms": _ms_summary(rec.arrival_wait),
         },
         "verify": result.verify,
-        "server": result.server,
+        "server": server_summary(result.server, len(result.layers)),
         "timeline": timeline(result),
     }
+
+
+def server_summary(server: dict[str, Any] | None, layers: int) -> dict[str, Any] | None:
+    """The server's counts with its tokens in the client's unit.
+
+    The server's ``chunkattn_tokens_total`` counts an entry's tokens on every Attend call, so a model token
+    sent to ``layers`` layers counts ``layers`` times. ``tokens`` is that count divided by ``layers`` (model
+    tokens, as the client's ``tokens``; a fraction only when the server counted calls that were not whole
+    steps of this run), and ``layer_tokens`` the raw count (as the client's ``layer_tokens``). The server
+    files a single-token entry under decode, so a one-token prefill piece lands there.
+    """
+    if not server or "error" in server:
+        return server
+    raw = server["layer_tokens"]
+    out: dict[str, Any] = {}
+    for key, value in server.items():
+        if key == "layer_tokens":
+            out["tokens"] = {kind: _per_model_token(n, layers) for kind, n in raw.items()}
+        out[key] = value
+    return out
+
+
+def _per_model_token(n: int, layers: int) -> int | float:
+    if layers <= 0 or n % layers == 0:
+        return n // max(layers, 1)
+    return round(n / layers, 2)
+
+
+def server_tokens_unit(layers: int) -> str:
+    """How the server's model tokens were counted, for a label."""
+    return f"chunkattn_tokens_total / {layers} layer{'' if layers == 1 else 's'}"
+
+
+def fmt_tokens(n: float) -> str:
+    """A token count: whole, or with two decimals when the server's count did not divide by the layers."""
+    return f"{n:.2f}" if n != int(n) else str(int(n))
 
 
 def _ms_summary(seconds: list[float]) -> dict[str, float | int | None]:
@@ -201,7 +237,8 @@ def table(s: dict[str, Any]) -> str:
     elif srv:
         lines.append(
             f"server: queue {fmt_ms(srv['queue_ms_mean'])} ms, compute {fmt_ms(srv['compute_ms_mean'])} ms mean per"
-            f" call; tokens counted prefill {srv['tokens']['prefill']}, decode {srv['tokens']['decode']};"
+            f" call; model tokens counted prefill {fmt_tokens(srv['tokens']['prefill'])}, decode"
+            f" {fmt_tokens(srv['tokens']['decode'])} ({server_tokens_unit(len(s['layers_called']))});"
             f" KV blocks peak {srv['kv_blocks_used_peak']} of {srv['kv_blocks']} (sampled each second),"
             f" {srv['kv_blocks_used_after']} after"
         )

@@ -298,7 +298,8 @@ class MetricsWatch:
             requests[rpc] = {code: n for code, n in counts.items() if n}
         return {
             "requests": requests,
-            "tokens": {kind: int(d("chunkattn_tokens_total", kind=kind)) for kind in ("prefill", "decode")},
+            # Counted once per Attend call, so once per layer called; report.summary adds model tokens.
+            "layer_tokens": {kind: int(d("chunkattn_tokens_total", kind=kind)) for kind in ("prefill", "decode")},
             "received_bytes": int(d("chunkattn_received_bytes_total")),
             "sent_bytes": int(d("chunkattn_sent_bytes_total")),
             "queue_ms_mean": mean_ms("chunkattn_queue_seconds"),

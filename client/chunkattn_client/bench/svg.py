@@ -86,11 +86,16 @@ def line_chart(
     for t in xt:
         x = px(t)
         out.append(f'<line x1="{x:.1f}" y1="{_TOP}" x2="{x:.1f}" y2="{_TOP + ph}" stroke="#e6e6e6"/>')
-        out.append(f'<text x="{x:.1f}" y="{_TOP + ph + 18}" font-size="11" text-anchor="middle">{_num(t)}</text>')
+        out.append(
+            f'<text class="x-tick" x="{x:.1f}" y="{_TOP + ph + 18}" font-size="11"'
+            f' text-anchor="middle">{_num(t)}</text>'
+        )
     for t in yt:
         y = py(t)
         out.append(f'<line x1="{_LEFT}" y1="{y:.1f}" x2="{_LEFT + pw}" y2="{y:.1f}" stroke="#e6e6e6"/>')
-        out.append(f'<text x="{_LEFT - 6}" y="{y + 4:.1f}" font-size="11" text-anchor="end">{_num(t)}</text>')
+        out.append(
+            f'<text class="y-tick" x="{_LEFT - 6}" y="{y + 4:.1f}" font-size="11" text-anchor="end">{_num(t)}</text>'
+        )
     out.append(f'<rect x="{_LEFT}" y="{_TOP}" width="{pw}" height="{ph}" fill="none" stroke="#444"/>')
     out.append(
         f'<text x="{_LEFT + pw / 2}" y="{HEIGHT - 10}" font-size="12" text-anchor="middle">{escape(x_label)}</text>'
