@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install browser test test-fast lint format serve bench bench-gpu demo proto clean fuzz soak
+.PHONY: install browser test test-fast lint format serve bench bench-calls bench-gpu demo proto clean fuzz soak
 
 $(STAMP): requirements/dev.txt requirements/constraints.txt client/pyproject.toml server/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,9 @@ serve: install  ## run the server in the foreground (a CPU demo model unless tol
 
 bench: install  ## benchmarks/engine.py: ours against the SDPA baselines, on this machine
 	$(BIN)/python benchmarks/engine.py $(ARGS)
+
+bench-calls: install  ## benchmarks/calls.py: many clients' decode-sized calls against a plain gRPC echo
+	$(BIN)/python benchmarks/calls.py --json docs/bench-calls-$$(date +%F).json $(ARGS)
 
 bench-gpu: install  ## benchmarks/gpu.py on a CUDA machine: the triton backend checked, then timed
 	$(BIN)/python benchmarks/gpu.py --json docs/bench-gpu-$$(date +%F).json $(ARGS)

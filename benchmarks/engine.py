@@ -22,7 +22,6 @@ Timings are medians over rounds that run every contender in turn, so drift hits 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -39,7 +38,7 @@ from chunkattn_server import CacheConfig, Engine, EngineConfig, LayerSpec, Model
 from chunkattn_server.attention.backends import AttentionBatch, TorchBackend
 
 from baselines import copy_bandwidth, flex_chunked  # benchmarks/baselines.py
-from timing import cpu_name, rounds  # benchmarks/timing.py
+from timing import cpu_name, publish, rounds  # benchmarks/timing.py
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _cpu_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -317,11 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         "memory": bench_memory(shapes),
     }
     result["duration_s"] = time.perf_counter() - started
-    print(report(result))
-    print(f"\n({result['duration_s']:.0f} s)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    publish(result, report(result), args.json)
     return 0
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import platform
 import statistics
 import time
 from collections.abc import Callable, Mapping
+from typing import Any
 
 
 def rounds(
@@ -44,3 +46,12 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def publish(result: dict[str, Any], table: str, json_path: str | None) -> None:
+    """Print a run's table and its duration (``result["duration_s"]``); write ``result`` as JSON when asked."""
+    print(table)
+    print(f"\n({result['duration_s']:.0f} s)")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=2)

@@ -53,7 +53,6 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
-import json
 import os
 import platform
 import queue
@@ -82,7 +81,7 @@ from chunkattn_server import Engine, allocator, kvwire
 from chunkattn_server.__main__ import engine_config, parse
 from chunkattn_server.kv_service import DEFAULT_KV_MESSAGE_BYTES, exporter, message_batches
 
-from timing import cpu_name, rounds  # benchmarks/timing.py
+from timing import cpu_name, publish, rounds  # benchmarks/timing.py
 
 KIB = 1 << 10
 MIB = 1 << 20
@@ -514,9 +513,9 @@ class CpuTimes:
 
     def track(self, contender: str, fn: Callable[[], object]) -> Callable[[], None]:
         def tracked() -> None:
-            before = self._now()
+            before = self.now()
             fn()
-            after = self._now()
+            after = self.now()
             spent = self._spent.setdefault(contender, dict.fromkeys(self._pids, 0.0))
             for name in self._pids:
                 spent[name] += after.get(name, 0.0) - before.get(name, 0.0)
@@ -529,7 +528,7 @@ class CpuTimes:
             return {}
         return {n: 1e3 * self._spent[contender][n] / self._calls[contender] for n in names}
 
-    def _now(self) -> dict[str, float]:
+    def now(self) -> dict[str, float]:
         out: dict[str, float] = {}
         for name, pid in self._pids.items():
             try:
@@ -663,11 +662,7 @@ def main(argv: list[str] | None = None) -> int:
         plan = dataclasses.replace(plan, repeats=args.repeats)
 
     result = run(Model(), plan)
-    print(report(result))
-    print(f"\n({result['duration_s']:.0f} s)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    publish(result, report(result), args.json)
     return 0
 
 
