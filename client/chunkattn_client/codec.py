@@ -90,11 +90,14 @@ def to_raw(x: Any, dtype: str | None = None) -> RawTensor:
 def _torch_raw(t: Any) -> RawTensor:
     import torch  # only reached when the caller already has torch
 
-    names = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-    if t.dtype not in names:
+    name = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}.get(t.dtype)
+    if name is None:
         raise CodecError(f"cannot send a {t.dtype} tensor: use float32, float16 or bfloat16")
-    raw = t.detach().to("cpu").contiguous().view(torch.uint8).numpy()
-    return RawTensor(WIRE_DTYPES[names[t.dtype]], tuple(t.shape), raw.reshape(-1).data)
+    if t.is_cpu and not t.requires_grad and t.is_contiguous():  # the server's outputs: no torch op but a view
+        raw = (t.view(torch.int16) if name == "bfloat16" else t).numpy().reshape(-1).view(np.uint8)
+    else:
+        raw = t.detach().to("cpu").contiguous().view(torch.uint8).numpy().reshape(-1)
+    return RawTensor(WIRE_DTYPES[name], tuple(t.shape), raw.data)
 
 
 def encode(x: Any, dtype: str | None = None) -> pb.Tensor:

@@ -15,6 +15,7 @@ from chunkattn_server.errors import InvalidBatch, InvalidTensor, PositionMismatc
 from chunkattn_server.kv.sequences import SequenceState
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_DTYPE_SET = frozenset(DTYPES.values())
 
 
 def check_entries(entries: Sequence[BatchEntry]) -> int:
@@ -56,11 +57,11 @@ def check_entries(entries: Sequence[BatchEntry]) -> int:
 def check_tensor(name: str, t: object, shape: tuple[int, ...], meaning: str, dtype: torch.dtype | None) -> None:
     if not isinstance(t, torch.Tensor):
         raise InvalidTensor(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in DTYPES.values():
+    if t.dtype not in _DTYPE_SET:
         raise InvalidTensor(f"{name} has dtype {t.dtype}; expected float32, float16 or bfloat16")
     if dtype is not None and t.dtype != dtype:
         raise InvalidTensor(f"{name} has dtype {t.dtype}; expected q's dtype {dtype}")
-    if tuple(t.shape) != shape:
+    if t.shape != shape:
         raise InvalidTensor(f"{name} has shape {list(t.shape)}; expected {list(shape)} {meaning}")
 
 

@@ -44,6 +44,7 @@ from chunkattn_server.kv.transfer import KVTransfer, ModelFingerprint
 # Tensors made from received bytes (requests, imported KV) are read-only views; the engine never writes into
 # them, so torch.frombuffer's warning about it says nothing.
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,7 @@ class Engine:
             for i, spec in enumerate(model.layers)
         ]
         self.transfer = KVTransfer(self.kv, self.cache, self._slot_of, self.fingerprint())
+        self._on_cpu = self.device.type == "cpu"
         self.backend: Backend = backend if backend is not None else make_backend(config.backend, self.device)
         self._scales = [spec.scale or 1.0 / math.sqrt(model.head_size) for spec in model.layers]
         self._slopes = [
@@ -222,7 +224,8 @@ class Engine:
         for i, r in reserved:
             self.kv.commit(r, now)
             n = calls[i].q.shape[0]
-            results[i] = out[row : row + n].to(calls[i].q.dtype)
+            part = out if len(reserved) == 1 else out[row : row + n]
+            results[i] = part if part.dtype == calls[i].q.dtype else part.to(calls[i].q.dtype)
             row += n
         return results
 
@@ -238,23 +241,29 @@ class Engine:
         self, layer: int, spec: LayerSpec, calls: Sequence[AttendCall], reserved: Sequence[Reservation]
     ) -> torch.Tensor:
         """One compute over the reserved calls' tokens, in their order: [sum T_i, H, D] in the cache dtype."""
+        if len(calls) == 1:
+            c, r = calls[0], reserved[0]
+            return self._compute(layer, spec, r.entries, r.states, r.writes, c.q, c.k, c.v)
         entries = [e for r in reserved for e in r.entries]
         states = [s for r in reserved for s in r.states]
         writes = [w for r in reserved for w in r.writes]
-        if len(calls) == 1:
-            c = calls[0]
-            return self._compute(layer, spec, entries, states, writes, c.q, c.k, c.v)
 
         def cat(ts: list[torch.Tensor | None]) -> torch.Tensor | None:
             if ts[0] is None:
                 return None
-            return torch.cat([t.to(device=self.device, dtype=self.dtype) for t in ts if t is not None])
+            return torch.cat([self._here(t) for t in ts if t is not None])
 
         q = cat([c.q for c in calls])
         assert q is not None
         return self._compute(
             layer, spec, entries, states, writes, q, cat([c.k for c in calls]), cat([c.v for c in calls])
         )
+
+    def _here(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` on the engine's device in the cache dtype (itself when it is already: ``to`` is not free)."""
+        if self._on_cpu and t.dtype == self.dtype and t.is_cpu:
+            return t
+        return t.to(device=self.device, dtype=self.dtype)
 
     def _compute(
         self,
@@ -272,35 +281,36 @@ class Engine:
         tables = [s.tables[group.index] for s in states]
         if k is None or v is None:
             # KV sharing: the new tokens' K/V come back from the source's cache.
-            slots = np.concatenate(
+            slots = _concat(
                 [_slots(t, e.position, e.position + e.num_tokens, bs) for t, e in zip(tables, entries, strict=True)]
             )
-            kc, vc = self.cache.read(slot, torch.from_numpy(slots).to(self.device))
+            kc, vc = self.cache.read(slot, self._index(slots))
         else:
-            kc = k.to(device=self.device, dtype=self.dtype)
-            vc = v.to(device=self.device, dtype=self.dtype)
-            rows, slots_list, row = [], [], 0
+            kc, vc = self._here(k), self._here(v)
+            # The rows of k/v to store and their cache slots; usually every row (a decode, a short prefill).
+            rows: list[tuple[int, int]] = []
+            slot_parts: list[np.ndarray] = []
+            full, row = True, 0
             for table, e, w in zip(tables, entries, writes, strict=True):
                 if w.start < w.end:
-                    rows.append(np.arange(row + w.start - e.position, row + e.num_tokens))
-                    slots_list.append(_slots(table, w.start, w.end, bs))
+                    rows.append((row + w.start - e.position, row + e.num_tokens))
+                    slot_parts.append(_slots(table, w.start, w.end, bs))
+                full = full and w.start == e.position
                 row += e.num_tokens
-            if rows:
-                index = torch.from_numpy(np.concatenate(rows)).to(self.device)
-                full = index.numel() == kc.shape[0]
-                self.backend.write(
-                    self.cache.k[slot],
-                    self.cache.v[slot],
-                    torch.from_numpy(np.concatenate(slots_list)).to(self.device),
-                    kc if full else kc.index_select(0, index),
-                    vc if full else vc.index_select(0, index),
-                )
+            if slot_parts:
+                slots_t = self._index(_concat(slot_parts))
+                if full:
+                    k_rows, v_rows = kc, vc
+                else:
+                    index = self._index(_concat([np.arange(a, b) for a, b in rows]))
+                    k_rows, v_rows = kc.index_select(0, index), vc.index_select(0, index)
+                self.backend.write(self.cache.k[slot], self.cache.v[slot], slots_t, k_rows, v_rows)
         spans, row = [], 0
         for e in entries:
             spans.append((row, e.position, e.num_tokens))
             row += e.num_tokens
         batch = AttentionBatch(
-            q=q.to(device=self.device, dtype=self.dtype),
+            q=self._here(q),
             k=kc,
             v=vc,
             k_pages=self.cache.k[slot],
@@ -315,6 +325,11 @@ class Engine:
         out = torch.empty(q.shape, dtype=self.dtype, device=self.device)
         self.backend.attend(batch, out)
         return out
+
+    def _index(self, values: np.ndarray) -> torch.Tensor:
+        """An int64 index tensor on the engine's device."""
+        t = torch.from_numpy(values)
+        return t if self._on_cpu else t.to(self.device)
 
     # -- the control plane (see kv/manager.py; KV transfer: self.transfer, kv/transfer.py) -------------
 
@@ -366,7 +381,13 @@ class Engine:
 
 def _slots(table: dict[int, int], start: int, end: int, block_size: int) -> np.ndarray:
     """Cache slots (physical block * block_size + offset) [end - start] int64 of positions start..end-1."""
+    if end - start <= 2 * block_size:  # a decode or a few tokens: plain Python beats numpy's call overhead
+        return np.array([table[p // block_size] * block_size + p % block_size for p in range(start, end)], np.int64)
     first, last = start // block_size, (end - 1) // block_size
     physical = np.fromiter((table[b] for b in range(first, last + 1)), dtype=np.int64, count=last - first + 1)
     positions = np.arange(start, end, dtype=np.int64)
     return physical[positions // block_size - first] * block_size + positions % block_size
+
+
+def _concat(parts: list[np.ndarray]) -> np.ndarray:
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)

@@ -101,9 +101,10 @@ class KVManager:
             if spec.kv_source is not None:
                 writes.append(Write(end, end, []))
                 continue
-            start = max(e.position, self.retention.keep_from(state.lengths if state else fresh, layer, end))
             if e.num_tokens == 1:
                 start = e.position  # a decode reads its own key from the cache (see plan.split)
+            else:
+                start = max(e.position, self.retention.keep_from(state.lengths if state else fresh, layer, end))
             table = state.tables[group.index] if state else {}
             writes.append(Write(start, end, [b for b in range(start // bs, -(-end // bs)) if b not in table]))
         return writes

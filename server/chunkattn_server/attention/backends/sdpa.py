@@ -16,7 +16,7 @@ precision in bf16), they run on a float32 reference-style path that bounds memor
 from __future__ import annotations
 
 import itertools
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -25,6 +25,17 @@ from chunkattn_server.attention.backends.base import AttentionBatch
 from chunkattn_server.attention.plan import Piece
 
 Part = tuple[torch.Tensor, torch.Tensor]  # (output [nq, H, D], log-sum-exp [nq, H] float32)
+
+
+class _Views(NamedTuple):
+    """Views of one page tensor [Hkv, num_blocks, block_size, D]: ``flat`` [Hkv, num_blocks * block_size, D]
+    (a run of blocks is one slice), ``flat4`` the same with a batch dimension in front (as SDPA takes it),
+    ``tokens`` [num_blocks * block_size, Hkv, D] (a cache slot per row, for writes)."""
+
+    flat: torch.Tensor
+    flat4: torch.Tensor
+    tokens: torch.Tensor
+
 
 _cpu_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
@@ -55,18 +66,23 @@ class TorchBackend:
         # Reused gather buffers (flat); a fresh allocation costs more than the copy on the CPU.
         self._buf_k = torch.empty(0, device=device)
         self._buf_v = torch.empty(0, device=device)
+        self._known: list[tuple[torch.Tensor, _Views]] = []  # (pages, their views), see _views
 
     def write(
         self, k_pages: torch.Tensor, v_pages: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
-        heads, blocks, bs, dim = k_pages.shape
-        k_pages.view(heads, blocks * bs, dim).index_copy_(1, slots, k.transpose(0, 1))
-        v_pages.view(heads, blocks * bs, dim).index_copy_(1, slots, v.transpose(0, 1))
+        self._views(k_pages).tokens.index_copy_(0, slots, k)
+        self._views(v_pages).tokens.index_copy_(0, slots, v)
 
     def attend(self, batch: AttentionBatch, out: torch.Tensor) -> None:
-        # [Hkv, num_blocks * block_size, D] views: a run of blocks is then one slice.
-        pages = batch.k_pages.flatten(1, 2), batch.v_pages.flatten(1, 2)
+        k_views, v_views = self._views(batch.k_pages), self._views(batch.v_pages)
+        pages = k_views.flat, v_views.flat
+        decodes = self._decodes(batch, k_views, v_views, out)
+        if len(decodes) == len(batch.spans):
+            return
         for piece in batch.pieces:
+            if piece.entry in decodes:
+                continue
             parts = self._cache_parts(batch, pages, piece)
             first_new = piece.row + piece.cache_end - piece.position
             last = piece.row + piece.num_queries
@@ -77,6 +93,51 @@ class TorchBackend:
                 keys = [(piece.cache_end, last - first_new)]
                 parts.append(self._part(batch, q, k, v, piece.position, keys, causal=True))
             out[piece.row : last] = _merge(parts)
+
+    def _views(self, pages: torch.Tensor) -> _Views:
+        """The views of a page tensor the hot paths use, made once per page tensor (the engine passes the same
+        ones every call, and each view costs microseconds)."""
+        for known, views in self._known:
+            if known is pages:
+                return views
+        flat = pages.flatten(1, 2)
+        views = _Views(flat, flat.unsqueeze(0), flat.transpose(0, 1))
+        self._known = [*self._known[-15:], (pages, views)]
+        return views
+
+    def _decodes(self, batch: AttentionBatch, k_views: _Views, v_views: _Views, out: torch.Tensor) -> set[int]:
+        """The hot path: every decode (one query, its own key already in the cache) whose chunk lies in one run
+        of consecutive blocks, one kernel each over a view of the pages and nothing else. Returns the entries
+        done; the rest go piece by piece."""
+        if not self.flash or batch.alibi_slopes is not None:
+            return set()
+        bs, c = batch.block_size, batch.chunk_size
+        total, heads, dim = batch.q.shape
+        kv_heads = k_views.flat.shape[0]
+        # [T, Hkv, G, D]: per token, the query heads of one KV head as rows of one problem (K/V read once).
+        q = batch.q.view(total, kv_heads, heads // kv_heads, dim)
+        done: dict[int, tuple[int, torch.Tensor]] = {}
+        for entry, (row, position, n) in enumerate(batch.spans):
+            if n != 1:
+                continue
+            table = batch.tables[entry]
+            key_start = position - position % c if c else 0
+            lo = key_start // bs
+            first = table[lo]
+            if any(table[b] != first + b - lo for b in range(lo + 1, position // bs + 1)):
+                continue  # scattered blocks: piece by piece
+            keys = position + 1 - key_start
+            k = k_views.flat4.narrow(2, first * bs, keys)
+            v = v_views.flat4.narrow(2, first * bs, keys)
+            done[entry] = row, _cpu_flash(q if total == 1 else q.narrow(0, row, 1), k, v, scale=batch.scale)[0]
+        if total == 1 and done:
+            out.view(q.shape).copy_(done[0][1])
+        elif len(done) == total:  # only decodes (then rows are entries): one copy out
+            torch.cat([o for _, o in done.values()], out=out.view(q.shape))
+        else:
+            for row, o in done.values():
+                out[row] = o.view(heads, dim)
+        return set(done)
 
     # -- the cache part ------------------------------------------------------------------------------
 
