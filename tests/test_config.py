@@ -99,3 +99,21 @@ def test_a_keepalive_servers_would_refuse_or_grpc_cannot_take_is_refused_up_fron
 def test_keepalives_servers_accept_are_taken(value: float) -> None:
     check(parse(["--transfer-keepalive-s", str(value)]))
     ChunkAttnClient("127.0.0.1:1", keepalive_s=value).close()
+
+
+@pytest.mark.parametrize(("value", "expected"), [("false", False), ("0", False), ("Off", False), ("yes", True)])
+def test_an_on_off_flag_from_the_environment_is_read_as_a_boolean(
+    value: str, expected: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # --no-batching sets batching: CHUNKATTN_BATCHING=false is the same (a plain string "false" was true).
+    monkeypatch.setenv("CHUNKATTN_BATCHING", value)
+    assert parse([]).batching is expected
+
+
+def test_an_on_off_flag_from_the_environment_that_is_not_a_boolean_is_refused(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("CHUNKATTN_BATCHING", "maybe")
+    with pytest.raises(SystemExit):
+        parse([])
+    assert "CHUNKATTN_BATCHING='maybe': expected one of 1, true, yes, on, 0, false, no, off" in capsys.readouterr().err

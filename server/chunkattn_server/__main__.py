@@ -157,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+_BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     """Flags over environment over config file over defaults."""
     parser = build_parser()
@@ -169,7 +172,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     for action in parser._actions:
         env = os.environ.get("CHUNKATTN_" + action.dest.upper())
         if env is not None and action.dest != "help":
-            defaults[action.dest] = action.type(env) if callable(action.type) else env
+            if isinstance(action.const, bool):  # an on/off flag: CHUNKATTN_BATCHING=false, =0, =no, =off
+                if env.strip().lower() not in _BOOLS:
+                    parser.error(f"CHUNKATTN_{action.dest.upper()}={env!r}: expected one of {', '.join(_BOOLS)}")
+                defaults[action.dest] = _BOOLS[env.strip().lower()]
+            else:
+                defaults[action.dest] = action.type(env) if callable(action.type) else env
     known = {a.dest for a in parser._actions}
     unknown = sorted(set(defaults) - known - {"layers"})
     if unknown:
