@@ -282,3 +282,77 @@ def test_a_cancelled_call_that_has_not_run_changes_nothing() -> None:
         assert s.engine.sequence_ids() == []
     finally:
         s.stop()
+
+
+def runners(metrics: Metrics) -> dict[str, float]:
+    """Steps run so far, by where (chunkattn_engine_steps_total)."""
+    return {
+        s.labels["runner"]: s.value
+        for fam in metrics.registry.collect()
+        if fam.name == "chunkattn_engine_steps"
+        for s in fam.samples
+        if s.name.endswith("_total")
+    }
+
+
+def test_small_steps_run_on_the_event_loop_and_large_ones_on_the_engine_thread() -> None:
+    s, metrics = make()
+    try:
+        asyncio.run(attend(s, 2, [E("small", 0, 3)], seed=1))
+        assert runners(metrics) == {"event_loop": 1.0}
+        asyncio.run(attend(s, 2, [E("large", 0, 300)], seed=2))  # more tokens than a step on the loop takes
+        asyncio.run(s.run("Release", lambda e: e.release(["small"])))  # control jobs: always the engine thread
+        assert runners(metrics) == {"event_loop": 1.0, "engine_thread": 2.0}
+    finally:
+        s.stop()
+    s, metrics = make(inline=False)
+    try:
+        asyncio.run(attend(s, 2, [E("small", 0, 3)], seed=1))
+        assert runners(metrics) == {"engine_thread": 1.0}
+    finally:
+        s.stop()
+
+
+def test_the_event_loop_merges_the_calls_it_holds() -> None:
+    """Calls queued in one turn of the loop, with the engine thread idle, share one step on the loop."""
+    h = Harness.build(MODEL)
+    s, metrics = make()
+
+    async def main() -> list[Any]:
+        return list(await asyncio.gather(*(attend(s, 0, [E(f"s{i}", 0, 1 + i)], seed=i) for i in range(5))))
+
+    try:
+        outs = asyncio.run(main())
+        assert steps(metrics) == [(5.0, 1.0)]
+        assert runners(metrics) == {"event_loop": 1.0}
+        for i, out in enumerate(outs):
+            q, k, v = tensors(i, 1 + i)
+            expected = h.engine.attend(0, [BatchEntry(f"s{i}", 0, 1 + i)], q, k, v)
+            torch.testing.assert_close(torch.frombuffer(out.output.data, dtype=torch.float32).view(q.shape), expected)
+    finally:
+        s.stop()
+
+
+def test_calls_behind_a_step_on_the_engine_thread_wait_for_it_and_keep_their_order() -> None:
+    """A large call takes its step (and the small one merged with it) to the engine thread; the same
+    sequence's next call, queued behind, runs after it on the loop, and every output matches a run of the
+    same calls one by one."""
+    h = Harness.build(MODEL)
+    s, metrics = make()
+    calls = [("a", 0, 2), ("big", 0, 300), ("a", 2, 1), ("b", 0, 1)]  # (sequence, position, tokens), layer 2
+
+    async def main() -> list[Any]:
+        return list(
+            await asyncio.gather(*(attend(s, 2, [E(seq, pos, n)], seed=i) for i, (seq, pos, n) in enumerate(calls)))
+        )
+
+    try:
+        outs = asyncio.run(main())
+        assert steps(metrics) == [(4.0, 2.0)]  # (a@0, big) on the engine thread, then (a@2, b) on the loop
+        assert runners(metrics) == {"engine_thread": 1.0, "event_loop": 1.0}
+        for i, ((seq, pos, n), out) in enumerate(zip(calls, outs, strict=True)):
+            q, k, v = tensors(i, n)
+            expected = h.engine.attend(2, [BatchEntry(seq, pos, n)], q, k, v)
+            torch.testing.assert_close(torch.frombuffer(out.output.data, dtype=torch.float32).view(q.shape), expected)
+    finally:
+        s.stop()

@@ -263,7 +263,9 @@ class ServerConfig:
     transfer_keepalive_s 0 sends no keepalive pings to TransferKV's targets (else see
     chunkattn_client.client.check_keepalive); max_inflight_bytes None: ``default_inflight_bytes``.
     batching: merge queued Attend calls of one layer into one engine step, up to max_batch_tokens tokens,
-    waiting up to max_batch_delay_us for more (0: batch what is queued, never wait).
+    waiting up to max_batch_delay_us for more (0: batch what is queued, never wait). inline_steps: on the
+    CPU, let the event loop's thread run small steps itself while the engine thread is idle (see
+    scheduler.Scheduler).
     """
 
     host: str = "127.0.0.1"
@@ -281,6 +283,7 @@ class ServerConfig:
     batching: bool = True
     max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
     max_batch_delay_us: int = 0
+    inline_steps: bool = True
 
     def __post_init__(self) -> None:
         if self.max_batch_tokens < 1 or self.max_batch_delay_us < 0:

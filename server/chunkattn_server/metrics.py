@@ -93,6 +93,13 @@ class Metrics:
             buckets=_STEP_TOKENS_BUCKETS,
             registry=r,
         )
+        self.steps = Counter(
+            "chunkattn_engine_steps_total",
+            "Engine steps run, by where: event_loop (a small step on the CPU, run by the event loop's thread"
+            " while the engine thread was idle) or engine_thread.",
+            ["runner"],
+            registry=r,
+        )
         self.in_flight = Gauge(
             "chunkattn_engine_jobs_in_flight", "Engine jobs queued or running now (queued + running).", registry=r
         )

@@ -1,11 +1,10 @@
-"""The scheduler: the one thread that owns the engine and its device, and the queue of jobs it serves.
+"""The scheduler: the queue of engine jobs, which of them make the next step, and who runs it.
 
-The asyncio event loop never runs tensor math: it queues typed jobs here and awaits their futures. Each
-*step* the thread takes
+Each *step* is
 
 - a control job (release, fork, export, import, info ...) alone, in its place in the queue; or
 - the queued Attend calls of the first queued call's layer, up to ``max_batch_tokens`` tokens, merged into
-  one ``Engine.attend_step``: one compute, the output split back to each call.
+  one ``Engine.attend_step``: one compute, the output split back to each call (jobs.py serves a step).
 
 Rules that keep every call's result what it would be alone:
 - calls that touch the same sequence keep their arrival order and never share a step; a control job keeps
@@ -16,8 +15,9 @@ Rules that keep every call's result what it would be alone:
   step, first in line, where it sees the pool as it would have alone;
 - ``end_of_sequence`` releases after its call.
 
-The first queued job always runs next (no job overtakes the oldest one), so nothing starves. Results go
-back to the event loop in one hand-off per step.
+The first queued job always runs next (no job overtakes the oldest one), so nothing starves. One step runs
+at a time, on the engine thread (which owns the device) or, for a small step on the CPU, on the event
+loop's thread itself (see Scheduler). Results go back to the event loop once per step.
 """
 
 from __future__ import annotations
@@ -26,20 +26,21 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
-from chunkattn_client import codec, wire
-from chunkattn_client.batch import BatchEntry
-from chunkattn_server.engine import AttendCall, Engine, EngineStats, Retry
+from chunkattn_server import jobs
+from chunkattn_server.engine import Engine, EngineStats
+from chunkattn_server.jobs import Attend, AttendOutput, Control, Entry, Job, Result
 from chunkattn_server.metrics import Metrics
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 SCAN_LIMIT = 1024  # queued jobs one step looks through for calls to merge
 
@@ -52,68 +53,35 @@ SCAN_LIMIT = 1024  # queued jobs one step looks through for calls to merge
 # 64-token prefill (~1M) or one decode over 1,000 keys (0.5M) is a tie.
 SERIAL_WORK = 1 << 20
 
-
-class Entry(Protocol):
-    """One sequence of an Attend call (chunkattn.v1.AttendEntry fits)."""
-
-    @property
-    def seq_id(self) -> str: ...
-    @property
-    def position(self) -> int: ...
-    @property
-    def num_tokens(self) -> int: ...
-    @property
-    def end_of_sequence(self) -> bool: ...
-
-
-@dataclass(frozen=True)
-class AttendOutput:
-    """What an Attend call gets back: its output in host memory."""
-
-    output: wire.RawTensor
-
-
-@dataclass(eq=False)
-class _Job:
-    rpc: str  # the RPC the client called, for the metrics
-    future: asyncio.Future[Any]
-    submitted: float = field(default_factory=time.perf_counter)
-
-    def touches(self) -> frozenset[str] | None:
-        """The sequences the job reads or changes; None: possibly any (a barrier)."""
-        return None
-
-
-@dataclass(eq=False)
-class _Control(_Job):
-    fn: Callable[[Engine], Any] = field(default=lambda e: None)
-
-
-@dataclass(eq=False)
-class _Attend(_Job):
-    layer: int = 0
-    entries: Sequence[Entry] = ()
-    q: torch.Tensor | None = None
-    k: torch.Tensor | None = None
-    v: torch.Tensor | None = None
-    tokens: int = 0
-    _ids: frozenset[str] | None = None
-
-    def touches(self) -> frozenset[str]:
-        if self._ids is None:  # on the scheduler's thread, once: a batch of thousands costs milliseconds
-            self._ids = frozenset(e.seq_id for e in self.entries)
-        return self._ids
+# A step at most this large (attention work as above, and tokens) may run on the event loop's thread (see
+# Scheduler): a few milliseconds of work at most, as long as a large request's parse, so the loop stays
+# responsive; larger steps, prefills mostly, go to the engine thread.
+INLINE_WORK = 1 << 23
+INLINE_TOKENS = 256
+# How many turns of the event loop a step on it may wait behind other ready callbacks (see _drain).
+MAX_DEFERRALS = 32
 
 
 class Scheduler:
-    """Runs jobs on one thread, merging queued Attend calls of one layer into one engine step.
+    """Runs jobs one step at a time, merging queued Attend calls of one layer into one engine step.
 
-    The engine is built on that thread too, so exactly one thread ever runs torch's parallel CPU kernels:
-    when the main thread had built it (and so started an OpenMP team of its own), each call on the
-    worker thread ran about 2x slower on the 2-core dev machines.
+    Two places run steps, never two steps at once (``_busy``, under ``_cond``):
+
+    - the engine thread, which owns the device: it builds the engine, runs every control job and every
+      step too large for the event loop, and on CUDA every step;
+    - on the CPU, the event loop's own thread runs a *small* step (attention work under INLINE_WORK, as a
+      batch of decodes) when the engine thread is idle. Handing such a step to another thread and back
+      cost more than the step: two wake-ups, and the two threads taking the GIL from each other around
+      every torch op (each releases it), which on the 2-core dev VM doubled the server's CPU per decode
+      call. Small steps run on one torch thread there (no OpenMP team on the loop's thread).
+
+    The engine is built on the engine thread, so exactly one thread ever runs torch's parallel CPU
+    kernels: when the main thread had built it (and so started an OpenMP team of its own), each call on
+    the worker thread ran about 2x slower on the 2-core dev machines.
 
     ``batching`` False runs every job in a step of its own; ``max_batch_delay_us`` > 0 lets a step whose
-    first job is an Attend call wait that long after that call arrived for more calls to join it.
+    first job is an Attend call wait that long after that call arrived for more calls to join it (every
+    step then runs on the engine thread); ``inline`` False keeps every step off the event loop.
     ``stop()`` lets queued jobs finish first.
     """
 
@@ -125,21 +93,29 @@ class Scheduler:
         batching: bool = True,
         max_batch_tokens: int = 8192,
         max_batch_delay_us: int = 0,
+        inline: bool = True,
     ) -> None:
         self._metrics = metrics
         self._batching = batching
         self._max_tokens = max_batch_tokens
         self._delay_s = max_batch_delay_us / 1e6
         self._threads = 1  # torch's CPU threads for the current step (set on the scheduler's thread)
-        self._queue: collections.deque[_Job] = collections.deque()
+        self._queue: collections.deque[Job] = collections.deque()
         self._cond = threading.Condition()
         self._stopping = False
+        self._busy = False  # a step is running, or handed to the engine thread
+        self._handoff: list[Job] | None = None  # a step the event loop gave the engine thread
+        self._drain_loop: asyncio.AbstractEventLoop | None = None  # where a _drain is pending, if any
+        self._deferred = 0  # turns the pending _drain went behind other callbacks
+        self._inline = False  # set once the engine is built (it depends on its device)
         built: concurrent.futures.Future[Engine] = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._main, args=(build, built), name="chunkattn-engine", daemon=True)
         self._thread.start()
         self.engine = built.result()
+        with self._cond:
+            self._inline = inline and not self._delay_s and self.engine.device.type == "cpu"
         # The pool and sequences after the last step, for readers that must not queue behind the jobs (Info):
-        # replaced whole by the scheduler's thread, so a reader sees one step's state or the next one's.
+        # replaced whole after each step, so a reader sees one step's state or the next one's.
         self.stats: EngineStats = self.engine.stats()
 
     # -- the event loop's side ------------------------------------------------------------------------
@@ -147,7 +123,7 @@ class Scheduler:
     async def run(self, rpc: str, fn: Callable[[Engine], T]) -> T:
         """Run fn(engine) on the scheduler's thread, in a step of its own, and return (or raise) what it
         does. A barrier: it runs after every job queued before it and before every one queued after."""
-        result: T = await self._submit(_Control(rpc, asyncio.get_running_loop().create_future(), fn=fn))
+        result: T = await self._submit(Control(rpc, asyncio.get_running_loop().create_future(), fn=fn))
         return result
 
     async def attend(
@@ -163,21 +139,94 @@ class Scheduler:
         rules allow; its sequences with ``end_of_sequence`` are released after it. Raises the EngineError
         it would raise alone."""
         tokens = int(q.shape[0]) if q.dim() else 0  # the call's tokens, when it is well formed (else it fails alone)
-        job = _Attend(
+        job = Attend(
             rpc, asyncio.get_running_loop().create_future(), layer=layer, entries=entries, q=q, k=k, v=v, tokens=tokens
         )
         result: AttendOutput = await self._submit(job)
         return result
 
-    async def _submit(self, job: _Job) -> Any:
+    async def _submit(self, job: Job) -> Any:
+        loop = job.future.get_loop()
         with self._cond:
             if self._stopping:
                 raise RuntimeError("the scheduler has stopped")
             self._queue.append(job)
-            self._cond.notify()
             if self._metrics is not None:
                 self._metrics.jobs_queued.set(len(self._queue))
+            if not self._inline:
+                self._cond.notify()  # the engine thread takes every step
+            elif not self._busy:
+                self._schedule_drain(loop)
         return await job.future
+
+    def _schedule_drain(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Have ``loop`` look at the queue soon, once (under _cond). Soon, not now: the calls that arrive in
+        this turn of the loop join the step."""
+        if self._drain_loop is loop:
+            return
+        self._drain_loop = loop
+        try:
+            if asyncio.get_running_loop() is loop:
+                loop.call_soon(self._drain)
+                return
+        except RuntimeError:  # no loop runs on this thread (the engine thread's case)
+            pass
+        with contextlib.suppress(RuntimeError):  # a closed loop: whoever queues next schedules on theirs
+            loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        """On an event loop: the next step, run here when it is small, else handed to the engine thread."""
+        loop = asyncio.get_running_loop()
+        with self._cond:
+            if not self._runnable(loop):
+                return
+        # Batch what the loop already holds: while other callbacks are ready (other calls' handlers among
+        # them, on their way to queue their calls), go behind them, a bounded number of times. Without
+        # this a step on the loop would hold one call, since each call reaches the queue in a turn of its
+        # own. asyncio has no public "when idle"; its default loop keeps the ready callbacks in _ready
+        # (other loops: no deferral).
+        ready = getattr(loop, "_ready", None)
+        if ready and self._deferred < MAX_DEFERRALS:
+            self._deferred += 1
+            loop.call_soon(self._drain)
+            return
+        with self._cond:
+            if not self._runnable(loop):
+                return
+            if self._drain_loop is loop:
+                self._drain_loop = None
+            self._deferred = 0
+            step = self._take()
+            self._busy = True
+            if not self._small(step):
+                self._handoff = step
+                self._cond.notify()
+                return
+        threads = torch.get_num_threads()
+        if threads != 1:  # this thread's setting only: no OpenMP team on the loop's thread
+            torch.set_num_threads(1)
+        try:
+            results = self._step(self.engine, step, "event_loop")
+        finally:
+            if threads != 1:
+                torch.set_num_threads(threads)
+            with self._cond:
+                self._busy = False
+                if self._stopping:
+                    self._cond.notify()  # stop() from another thread: the engine thread takes the rest
+                elif self._pending():
+                    self._schedule_drain(loop)
+        jobs.deliver(results)
+
+    def _runnable(self, loop: asyncio.AbstractEventLoop) -> bool:
+        """(Under _cond.) Whether ``loop``'s pending drain may take a step now; if not, the drain is over (the
+        engine thread gives the turn back when it is done, and stop() leaves the rest to it)."""
+        if not (self._busy or self._stopping) and self._pending():
+            return True
+        if self._drain_loop is loop:
+            self._drain_loop = None
+        self._deferred = 0
+        return False
 
     def stop(self) -> None:
         """Finish the queued jobs, then end the thread."""
@@ -198,66 +247,82 @@ class Scheduler:
         pool = self._threads = torch.get_num_threads()
         while (step := self._next_step()) is not None:
             if engine.device.type == "cpu" and pool > 1:
-                self._use_threads(1 if self._work(engine, step) < SERIAL_WORK else pool)
-            self._serve(engine, step)
+                self._use_threads(1 if jobs.work(engine.config.model, step) < SERIAL_WORK else pool)
+            results = self._step(engine, step, "engine_thread")
+            with self._cond:
+                self._busy = False
+                # Go on with a large next step; a small one is the event loop's, which gets the turn with
+                # these results (the same loop's callbacks run in order).
+                if self._inline and not self._stopping and self._pending():
+                    if self._small(self._peek()):
+                        self._schedule_drain_after(results)
+                        continue
+                    self._handoff = self._take()
+                    self._busy = True
+            if results:
+                with contextlib.suppress(RuntimeError):  # a closed event loop: nobody waits for these any more
+                    results[0][0].future.get_loop().call_soon_threadsafe(jobs.deliver, results)
+
+    def _schedule_drain_after(self, results: list[Result]) -> None:
+        """(Engine thread, under _cond.) Hand these results back, then the turn to the next job's loop."""
+        if results:
+            with contextlib.suppress(RuntimeError):
+                results[0][0].future.get_loop().call_soon_threadsafe(jobs.deliver, results)
+        self._schedule_drain(self._queue[0].future.get_loop())
 
     def _use_threads(self, n: int) -> None:
         if n != self._threads:
             torch.set_num_threads(n)
             self._threads = n
 
-    @staticmethod
-    def _work(engine: Engine, step: list[_Job]) -> float:
-        """The step's attention work: query-key pairs (at most, per entry) x heads x head size; a control job
-        counts as large (exports and imports copy whole blocks)."""
-        if not isinstance(step[0], _Attend):
-            return float("inf")
-        model = engine.config.model
-        if not 0 <= step[0].layer < model.num_layers:
-            return 0.0  # every call fails its checks
-        c = model.layers[step[0].layer].chunk_size
-        pairs = 0
-        for job in step:
-            for e in job.entries:  # type: ignore[attr-defined]
-                n, end = e.num_tokens, e.position + e.num_tokens
-                pairs += n * (end - (e.position - e.position % c if c else 0))
-        return float(pairs * model.num_heads * model.head_size)
+    def _small(self, step: list[Job]) -> bool:
+        """Whether the event loop may run the step itself (see the class docstring)."""
+        return sum(j.tokens for j in step if isinstance(j, Attend)) <= INLINE_TOKENS and (
+            jobs.work(self.engine.config.model, step) < INLINE_WORK
+        )
 
-    def _next_step(self) -> list[_Job] | None:
-        """The jobs of the next step, taken from the queue (None: stopped and nothing left)."""
+    def _next_step(self) -> list[Job] | None:
+        """The engine thread's next step (None: stopped and nothing left): one the event loop handed over,
+        or, when the engine thread takes every step (no inline steps, or stopping), the next in the queue."""
         with self._cond:
             while True:
-                while self._queue and self._queue[0].future.cancelled():
-                    self._queue.popleft()  # its caller is gone before it ran: as if it had never come
-                if self._queue:
-                    break
-                if self._stopping:
-                    return None
+                if self._handoff is not None:
+                    step, self._handoff = self._handoff, None
+                    return step
+                if (not self._inline or self._stopping) and not self._busy:
+                    if self._pending():
+                        break
+                    if self._stopping:
+                        return None
                 self._cond.wait()
             first = self._queue[0]
-            if self._delay_s and self._batching and isinstance(first, _Attend):
+            if self._delay_s and self._batching and isinstance(first, Attend):
                 deadline = first.submitted + self._delay_s
                 while (left := deadline - time.perf_counter()) > 0 and self._queued_tokens(
                     first.layer
                 ) < self._max_tokens:
                     self._cond.wait(left)
-            step = self._take()
-            if self._metrics is not None:
-                self._metrics.jobs_queued.set(len(self._queue))
-                self._metrics.jobs_running.set(len(step))
-            return step
+            self._busy = True
+            return self._take()
+
+    def _pending(self) -> bool:
+        """Whether a job waits (under _cond); drops those whose caller went away before they ran."""
+        while self._queue and self._queue[0].future.cancelled():
+            self._queue.popleft()  # as if it had never come
+        return bool(self._queue)
 
     def _queued_tokens(self, layer: int) -> int:
-        return sum(j.tokens for j in self._queue if isinstance(j, _Attend) and j.layer == layer)
+        return sum(j.tokens for j in self._queue if isinstance(j, Attend) and j.layer == layer)
 
-    def _take(self) -> list[_Job]:
-        """The first queued job, and (when it is an Attend call and batching is on) every later call of its
-        layer that may join it: within the token budget, touching no sequence that a job it would
-        overtake touches, and none that an earlier call of the step touches."""
+    def _peek(self) -> list[Job]:
+        """The next step (under _cond, with a job pending): the first queued job, and (when it is an Attend
+        call and batching is on) every later call of its layer that may join it: within the token budget,
+        touching no sequence that a job it would overtake touches, and none that an earlier call of the
+        step touches."""
         first = self._queue[0]
-        if not (self._batching and isinstance(first, _Attend)):
-            return [self._queue.popleft()]
-        step: list[_Job] = [first]
+        if not (self._batching and isinstance(first, Attend)):
+            return [first]
+        step: list[Job] = [first]
         tokens = first.tokens
         blocked = set(first.touches())
         for i, job in enumerate(self._queue):
@@ -269,7 +334,7 @@ class Scheduler:
             if touched is None:
                 break  # a barrier: nothing behind it may overtake it
             if (
-                isinstance(job, _Attend)
+                isinstance(job, Attend)
                 and job.layer == first.layer
                 and tokens + job.tokens <= self._max_tokens
                 and blocked.isdisjoint(touched)
@@ -278,112 +343,31 @@ class Scheduler:
                 step.append(job)
                 tokens += job.tokens
             blocked |= touched
+        return step
+
+    def _take(self) -> list[Job]:
+        """The next step (see _peek), taken out of the queue (under _cond, with a job pending)."""
+        step = self._peek()
         if len(step) == 1:
             self._queue.popleft()
         else:
             taken = set(map(id, step))
             self._queue = collections.deque(j for j in self._queue if id(j) not in taken)
+        if self._metrics is not None:
+            self._metrics.jobs_queued.set(len(self._queue))
+            self._metrics.jobs_running.set(len(step))
         return step
 
-    def _serve(self, engine: Engine, step: list[_Job]) -> None:
-        started = time.perf_counter()
-        results: list[tuple[_Job, bool, Any]] = []  # (job, ok, result or exception)
-        retry: list[_Job] = []
-        if isinstance(step[0], _Control):
-            try:
-                results.append((step[0], True, step[0].fn(engine)))
-            except Exception as e:
-                results.append((step[0], False, e))
-        else:
-            self._serve_attend(engine, step, results, retry)  # type: ignore[arg-type]
+    def _step(self, engine: Engine, step: list[Job], runner: str) -> list[Result]:
+        """Serve one step (jobs.serve); a call to run again goes first in the queue. An error outside any
+        call's own (a bug) fails every job of the step rather than leaving them unanswered."""
+        try:
+            results, retry = jobs.serve(engine, step, self._metrics, runner)
+        except Exception as e:
+            log.exception("an engine step failed")
+            results, retry = [(job, False, e) for job in step], []
         self.stats = engine.stats()
         if retry:
             with self._cond:
                 self._queue.extendleft(reversed(retry))
-        # Observed before the answers go: a client that reads the metrics after its call sees it counted.
-        self._observe(step, results, retry, started, time.perf_counter())
-        if results:
-            with contextlib.suppress(RuntimeError):  # a closed event loop: nobody waits for these any more
-                results[0][0].future.get_loop().call_soon_threadsafe(_resolve, results)
-
-    def _serve_attend(
-        self, engine: Engine, step: list[_Attend], results: list[tuple[_Job, bool, Any]], retry: list[_Job]
-    ) -> None:
-        calls = [
-            AttendCall([BatchEntry(e.seq_id, e.position, e.num_tokens) for e in job.entries], job.q, job.k, job.v)  # type: ignore[arg-type]
-            for job in step
-        ]
-        try:
-            outs = engine.attend_step(step[0].layer, calls)
-        except Exception as e:  # not one call's own error: every call of the step fails with it
-            results.extend((job, False, e) for job in step)
-            return
-        released = 0
-        for job, out in zip(step, outs, strict=True):
-            if isinstance(out, Retry):
-                retry.append(job)
-                continue
-            if isinstance(out, BaseException):
-                results.append((job, False, out))
-                continue
-            try:
-                ending = [e.seq_id for e in job.entries if e.end_of_sequence]
-                if ending:
-                    released += engine.release(ending)
-                results.append((job, True, AttendOutput(codec.to_raw(out))))  # to host memory, here
-            except Exception as e:
-                results.append((job, False, e))
-        if released and self._metrics is not None:
-            self._metrics.released.inc(released)
-
-    def _observe(
-        self,
-        step: list[_Job],
-        results: list[tuple[_Job, bool, Any]],
-        retry: list[_Job],
-        started: float,
-        finished: float,
-    ) -> None:
-        """Metrics, once per step where they can be: per call only what is labelled by its RPC."""
-        m = self._metrics
-        if m is None:
-            return
-        m.jobs_running.set(0)
-        m.observe_pool(self.stats)
-        compute_s = finished - started
-        for job, _, _ in results:
-            m.queue_seconds.labels(job.rpc).observe(started - job.submitted)
-            m.compute_seconds.labels(job.rpc).observe(compute_s)
-        if not isinstance(step[0], _Attend):
-            return
-        served = [job for job, ok, _ in results if ok]
-        m.step_calls.observe(len(step) - len(retry))
-        m.step_tokens.observe(sum(job.tokens for job in step if job not in retry))  # type: ignore[attr-defined]
-        decode = prefill = received = sent = 0
-        for job, ok, value in results:
-            if not ok:
-                continue
-            assert isinstance(job, _Attend)
-            for e in job.entries:
-                if e.num_tokens == 1:
-                    decode += 1
-                else:
-                    prefill += e.num_tokens
-            received += sum(t.numel() * t.element_size() for t in (job.q, job.k, job.v) if t is not None)
-            sent += len(value.output.data)
-        if served:
-            m.tokens.labels("decode").inc(decode)
-            m.tokens.labels("prefill").inc(prefill)
-            m.bytes_received.inc(received)
-            m.bytes_sent.inc(sent)
-
-
-def _resolve(done: list[tuple[_Job, bool, Any]]) -> None:
-    """On the event loop: hand each job of a step its result (unless its caller has gone)."""
-    for job, ok, value in done:
-        if job.future.done():
-            continue
-        if ok:
-            job.future.set_result(value)
-        else:
-            job.future.set_exception(value)
+        return results

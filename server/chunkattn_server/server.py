@@ -59,6 +59,7 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
         batching=config.batching,
         max_batch_tokens=config.max_batch_tokens,
         max_batch_delay_us=config.max_batch_delay_us,
+        inline=config.inline_steps,
     )
     engine = worker.engine
     metrics.describe(engine.backend.name, str(engine.device))

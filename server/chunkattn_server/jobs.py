@@ -1,0 +1,208 @@
+"""What one engine step is and does: the jobs the scheduler queues, a step served on the engine (a control
+job alone, or Attend calls of one layer merged into one ``Engine.attend_step``), its metrics, and the
+hand-over of its results to the callers' event loops. Where and when a step runs is the scheduler's."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from chunkattn_client import codec, wire
+from chunkattn_client.batch import BatchEntry
+from chunkattn_server.config import ModelShape
+from chunkattn_server.engine import AttendCall, Engine, EngineStats, Retry
+from chunkattn_server.metrics import Metrics
+
+
+class Entry(Protocol):
+    """One sequence of an Attend call (chunkattn.v1.AttendEntry fits)."""
+
+    @property
+    def seq_id(self) -> str: ...
+    @property
+    def position(self) -> int: ...
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def end_of_sequence(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class AttendOutput:
+    """What an Attend call gets back: its output in host memory."""
+
+    output: wire.RawTensor
+
+
+@dataclass(eq=False)
+class Job:
+    """A queued piece of engine work and the future its caller awaits."""
+
+    rpc: str  # the RPC the client called, for the metrics
+    future: asyncio.Future[Any]
+    submitted: float = field(default_factory=time.perf_counter)
+
+    def touches(self) -> frozenset[str] | None:
+        """The sequences the job reads or changes; None: possibly any (a barrier)."""
+        return None
+
+
+@dataclass(eq=False)
+class Control(Job):
+    """fn(engine), in a step of its own (a barrier: see Job.touches)."""
+
+    fn: Callable[[Engine], Any] = field(default=lambda e: None)
+
+
+@dataclass(eq=False)
+class Attend(Job):
+    """One Attend call: its layer, entries and tensors (see Engine.attend); tokens: q's rows."""
+
+    layer: int = 0
+    entries: Sequence[Entry] = ()
+    q: torch.Tensor | None = None
+    k: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+    tokens: int = 0
+    _ids: frozenset[str] | None = None
+
+    def touches(self) -> frozenset[str]:
+        if self._ids is None:  # once, when a step is chosen: a batch of thousands costs milliseconds
+            self._ids = frozenset(e.seq_id for e in self.entries)
+        return self._ids
+
+
+Result = tuple[Job, bool, Any]  # a job, whether it succeeded, and its result or exception
+
+
+def work(model: ModelShape, step: Sequence[Job]) -> float:
+    """The step's attention work: query-key pairs (at most, per entry) x heads x head size; a control job
+    counts as large (exports and imports copy whole blocks)."""
+    first = step[0]
+    if not isinstance(first, Attend):
+        return float("inf")
+    if not 0 <= first.layer < model.num_layers:
+        return 0.0  # every call fails its checks
+    c = model.layers[first.layer].chunk_size
+    pairs = 0
+    for job in step:
+        for e in job.entries:  # type: ignore[attr-defined]
+            n, end = e.num_tokens, e.position + e.num_tokens
+            pairs += n * (end - (e.position - e.position % c if c else 0))
+    return float(pairs * model.num_heads * model.head_size)
+
+
+def serve(engine: Engine, step: list[Job], metrics: Metrics | None, runner: str) -> tuple[list[Result], list[Job]]:
+    """Run one step on the engine (on the thread that may: see the scheduler). Returns the answers, (job, ok,
+    result or exception), and the calls to run again, first, in a step of their own (engine.Retry). The
+    metrics are observed before the answers go: a client that reads them after its call sees it counted."""
+    started = time.perf_counter()
+    results: list[Result] = []
+    retry: list[Job] = []
+    first = step[0]
+    if isinstance(first, Control):
+        try:
+            results.append((first, True, first.fn(engine)))
+        except Exception as e:
+            results.append((first, False, e))
+    else:
+        _serve_attend(engine, step, results, retry, metrics)  # type: ignore[arg-type]
+    if metrics is not None:
+        _observe(metrics, engine.stats(), step, results, retry, started, time.perf_counter(), runner)
+    return results, retry
+
+
+def _serve_attend(
+    engine: Engine, step: list[Attend], results: list[Result], retry: list[Job], metrics: Metrics | None
+) -> None:
+    calls = [
+        AttendCall([BatchEntry(e.seq_id, e.position, e.num_tokens) for e in job.entries], job.q, job.k, job.v)  # type: ignore[arg-type]
+        for job in step
+    ]
+    try:
+        outs = engine.attend_step(step[0].layer, calls)
+    except Exception as e:  # not one call's own error: every call of the step fails with it
+        results.extend((job, False, e) for job in step)
+        return
+    released = 0
+    for job, out in zip(step, outs, strict=True):
+        if isinstance(out, Retry):
+            retry.append(job)
+            continue
+        if isinstance(out, BaseException):
+            results.append((job, False, out))
+            continue
+        try:
+            ending = [e.seq_id for e in job.entries if e.end_of_sequence]
+            if ending:
+                released += engine.release(ending)
+            results.append((job, True, AttendOutput(codec.to_raw(out))))  # to host memory, here
+        except Exception as e:
+            results.append((job, False, e))
+    if released and metrics is not None:
+        metrics.released.inc(released)
+
+
+def _observe(
+    m: Metrics,
+    stats: EngineStats,
+    step: list[Job],
+    results: list[Result],
+    retry: list[Job],
+    started: float,
+    finished: float,
+    runner: str,
+) -> None:
+    """Metrics, once per step where they can be: per call only what is labelled by its RPC."""
+    m.jobs_running.set(0)
+    m.of(m.steps, runner).inc()
+    m.observe_pool(stats)
+    compute_s = finished - started
+    for job, _, _ in results:
+        m.of(m.queue_seconds, job.rpc).observe(started - job.submitted)
+        m.of(m.compute_seconds, job.rpc).observe(compute_s)
+    if not isinstance(step[0], Attend):
+        return
+    served = [job for job, ok, _ in results if ok]
+    m.step_calls.observe(len(step) - len(retry))
+    m.step_tokens.observe(sum(job.tokens for job in step if job not in retry))  # type: ignore[attr-defined]
+    decode = prefill = received = sent = 0
+    for job, ok, value in results:
+        if not ok:
+            continue
+        assert isinstance(job, Attend)
+        for e in job.entries:
+            if e.num_tokens == 1:
+                decode += 1
+            else:
+                prefill += e.num_tokens
+        received += sum(t.numel() * t.element_size() for t in (job.q, job.k, job.v) if t is not None)
+        sent += len(value.output.data)
+    if served:
+        m.of(m.tokens, "decode").inc(decode)
+        m.of(m.tokens, "prefill").inc(prefill)
+        m.bytes_received.inc(received)
+        m.bytes_sent.inc(sent)
+
+
+def deliver(done: list[Result]) -> None:
+    """On an event loop: hand each job of a step its result (unless its caller has gone); a job of another
+    loop gets it through that loop."""
+    loop = asyncio.get_running_loop()
+    for job, ok, value in done:
+        if job.future.get_loop() is not loop:
+            with contextlib.suppress(RuntimeError):  # that loop is closed: nobody waits for it
+                job.future.get_loop().call_soon_threadsafe(deliver, [(job, ok, value)])
+            continue
+        if job.future.done():
+            continue
+        if ok:
+            job.future.set_result(value)
+        else:
+            job.future.set_exception(value)
