@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import grpc
 import numpy as np
 import pytest
 import torch
 
 from chunkattn_client import codec, wire
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
+from chunkattn_client.client import ChunkAttnError, decode_attend_response
 
 
 def _raw(shape: tuple[int, ...], n: int) -> wire.RawTensor:
@@ -100,3 +102,42 @@ def test_kv_blocks_of_the_older_crc32_format_are_refused_by_name() -> None:
     blocks = b"\x0a" + bytes([len(block)]) + block
     with pytest.raises(wire.WireError, match="older format"):
         wire.decode_kv_chunk(b"\x12" + bytes([len(blocks)]) + blocks)
+
+
+# 2 and 40,000 rows of 4 floats: a small response (parsed by protobuf) and one past 64 KiB (taken apart)
+@pytest.mark.parametrize("rows", [2, 40_000])
+def test_the_client_reads_an_output_or_a_status_whatever_the_response_size(rows: int) -> None:
+    out = np.arange(rows * 4, dtype=np.float32).reshape(rows, 4)
+    np.testing.assert_array_equal(decode_attend_response(wire.encode_attend_response(5, codec.to_raw(out))), out)
+    np.testing.assert_array_equal(decode_attend_response(wire.encode_attend_response(5, codec.to_raw(out)), 5), out)
+    bf16 = torch.arange(rows * 4, dtype=torch.bfloat16).reshape(rows, 4)
+    words = decode_attend_response(wire.encode_attend_response(0, codec.to_raw(bf16)))
+    assert words.dtype == np.uint16
+    np.testing.assert_array_equal(codec.bf16_to_float32(words), bf16.float().numpy())
+    with pytest.raises(ChunkAttnError) as e:
+        decode_attend_response(wire.encode_attend_response(5, codec.to_raw(out)), 6)
+    assert (e.value.code, e.value.message) == (grpc.StatusCode.INTERNAL, "response 5 answers request 6")
+    with pytest.raises(ChunkAttnError) as e:
+        decode_attend_response(wire.encode_attend_response(5, None, grpc.StatusCode.NOT_FOUND.value[0], "gone"), 5)
+    assert (e.value.code, e.value.message) == (grpc.StatusCode.NOT_FOUND, "gone")
+
+
+def _response_of_bytes(n: int) -> bytes:
+    return pb.AttendResponse(output=pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[3], data=b"\x00" * n)).SerializeToString()
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (b"\xff\xff\xff", "the server's response does not parse"),
+        (b"\x0a\x05" + b"\x00" * 70_000, "the server's response does not parse"),
+        (wire.encode_attend_response(1, None), "the server's response has no output"),
+        (_response_of_bytes(8), "the server's output does not decode"),  # 3 floats are 12 bytes
+        (_response_of_bytes(70_000), "the server's output does not decode"),
+    ],
+)  # fmt: skip
+def test_a_response_the_client_cannot_read_is_internal_and_says_why(raw: bytes, message: str) -> None:
+    with pytest.raises(ChunkAttnError) as e:
+        decode_attend_response(raw)
+    assert e.value.code == grpc.StatusCode.INTERNAL
+    assert e.value.message.startswith(message)

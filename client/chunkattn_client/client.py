@@ -479,9 +479,13 @@ def decode_attend_response(raw: bytes, request_id: int | None = None) -> npt.NDA
 
     With ``request_id`` (streams), a response to another request is an error in itself, checked first.
     """
+    small = len(raw) <= _SMALL_RESPONSE_BYTES  # protobuf's C parser: its copy of the output costs nothing
     try:
-        parts = wire.split(raw, _RESPONSE_TENSORS)
-        response = pb.AttendResponse.FromString(parts.rest)
+        if small:
+            response = pb.AttendResponse.FromString(raw)
+        else:  # the output stays a view of the received bytes
+            parts = wire.split(raw, _RESPONSE_TENSORS)
+            response = pb.AttendResponse.FromString(parts.rest)
     except (wire.WireError, DecodeError) as e:
         raise ChunkAttnError(grpc.StatusCode.INTERNAL, f"the server's response does not parse: {e}") from None
     unparsed_request = response.status.code and response.request_id == 0  # the server could not read its id
@@ -490,15 +494,16 @@ def decode_attend_response(raw: bytes, request_id: int | None = None) -> npt.NDA
     if response.status.code:
         code = _STATUS_BY_VALUE.get(response.status.code, grpc.StatusCode.UNKNOWN)
         raise ChunkAttnError(code, response.status.message)
-    if 1 not in parts.tensors:
+    if not (response.HasField("output") if small else 1 in parts.tensors):
         raise ChunkAttnError(grpc.StatusCode.INTERNAL, "the server's response has no output")
     try:
-        return codec.from_parts(*parts.tensors[1])
+        return codec.decode(response.output) if small else codec.from_parts(*parts.tensors[1])
     except (codec.CodecError, DecodeError) as e:
         raise ChunkAttnError(grpc.StatusCode.INTERNAL, f"the server's output does not decode: {e}") from None
 
 
 _RESPONSE_TENSORS = frozenset({1})
+_SMALL_RESPONSE_BYTES = 64 << 10
 
 
 def _dtype_name(dtype: int) -> str:
