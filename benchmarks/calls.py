@@ -48,6 +48,7 @@ import itertools
 import os
 import platform
 import re
+import shlex
 import socket
 import statistics
 import sys
@@ -84,6 +85,7 @@ class Plan:
     seconds: float  # per contender per round
     verify_sessions: int  # concurrent sessions checked against the reference
     verify_tokens: int  # tokens each of them decodes (every layer)
+    server_args: tuple[str, ...] = ()  # more flags for both of our servers (e.g. --no-inline-steps)
 
 
 FULL = Plan(clients=(1, 8, 32), repeats=3, seconds=2.0, verify_sessions=8, verify_tokens=12)
@@ -289,7 +291,8 @@ def _ms(xs: list[float], q: float) -> float:
 
 def run(plan: Plan) -> dict[str, Any]:
     started = time.perf_counter()
-    ours, nobatch = Ours("chunkattn server"), Ours("chunkattn server --no-batching", "--no-batching")
+    extra = plan.server_args
+    ours, nobatch = Ours("chunkattn server", *extra), Ours("chunkattn server --no-batching", "--no-batching", *extra)
     echo_child = start_echo()
     children = [ours.child, nobatch.child, echo_child]
     try:
@@ -377,6 +380,7 @@ def run(plan: Plan) -> dict[str, Any]:
         "response_bytes": reply_bytes,
         "repeats": plan.repeats,
         "seconds": plan.seconds,
+        "server_args": list(plan.server_args),
         "verify_max_abs_err": err,
         **results,
         "duration_s": time.perf_counter() - started,
@@ -409,7 +413,8 @@ def report(result: dict[str, Any]) -> str:
         f"chunkattn calls benchmark, {result['date']}, {result['machine']}",
         "",
         f"decode-sized Attend calls ({result['model']}; 1 token per call: {result['request_bytes']} B up,"
-        f" {result['response_bytes']} B down) from N client threads against a plain grpc.aio echo of the same bytes",
+        f" {result['response_bytes']} B down) from N client threads against a plain grpc.aio echo of the same bytes"
+        + (f"; our servers with {' '.join(result['server_args'])}" if result.get("server_args") else ""),
         f"{'mode':<7} {'clients':>7} {'ours c/s':>9} {'no-batch':>9} {'echo c/s':>9} {'ours/echo':>10}"
         f" {'on/off':>7} {'p50 ms':>7} {'p99 ms':>7} {'calls/step':>10} {'CPU ms/call srv/cli':>20}"
         f" {'echo srv/cli':>12}",
@@ -442,6 +447,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, help=f"timed rounds (default {FULL.repeats})")
     parser.add_argument("--seconds", type=float, help=f"seconds per contender per round (default {FULL.seconds:g})")
     parser.add_argument("--smoke", action="store_true", help="1 and 4 clients, short rounds: checks the code paths")
+    parser.add_argument(
+        "--server-args",
+        default="",
+        help="more flags for both of our servers, as one string (e.g. --server-args=--no-inline-steps)",
+    )
     args = parser.parse_args(argv)
     plan = SMOKE if args.smoke else FULL
     if args.repeats is not None:
@@ -452,6 +462,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.seconds > 0:
             parser.error("--seconds must be positive")
         plan = dataclasses.replace(plan, seconds=args.seconds)
+    if args.server_args:
+        plan = dataclasses.replace(plan, server_args=tuple(shlex.split(args.server_args)))
     result = run(plan)
     publish(result, report(result), args.json)
     return 0

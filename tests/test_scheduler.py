@@ -74,8 +74,17 @@ def attend(s: Scheduler, layer: int, entries: list[E], seed: int, **bad: Any) ->
     return s.attend("Attend", layer, entries, bad.get("q", q), k, v)
 
 
-def test_queued_calls_of_one_layer_share_a_step_and_match_the_reference() -> None:
+def assert_as_alone(layer: int, calls: list[tuple[str, int, int]], outs: list[Any]) -> None:
+    """Each output equals that of the same call, (sequence, position, tokens) with tensors(i, tokens), run
+    alone on an engine of its own in the same order."""
     h = Harness.build(MODEL)
+    for i, ((seq, pos, n), out) in enumerate(zip(calls, outs, strict=True)):
+        q, k, v = tensors(i, n)
+        expected = h.engine.attend(layer, [BatchEntry(seq, pos, n)], q, k, v)
+        torch.testing.assert_close(torch.frombuffer(out.output.data, dtype=torch.float32).view(q.shape), expected)
+
+
+def test_queued_calls_of_one_layer_share_a_step_and_match_the_reference() -> None:
     s, metrics = make()
 
     async def main() -> list[Any]:
@@ -84,10 +93,7 @@ def test_queued_calls_of_one_layer_share_a_step_and_match_the_reference() -> Non
     try:
         outs = asyncio.run(main())
         assert steps(metrics) == [(6.0, 1.0)]  # one step of six calls
-        for i, out in enumerate(outs):
-            q, k, v = tensors(i, 3 + i)
-            expected = h.engine.attend(0, [BatchEntry(f"s{i}", 0, 3 + i)], q, k, v)
-            torch.testing.assert_close(torch.frombuffer(out.output.data, dtype=torch.float32).view(q.shape), expected)
+        assert_as_alone(0, [(f"s{i}", 0, 3 + i) for i in range(6)], outs)
     finally:
         s.stop()
 
@@ -315,20 +321,17 @@ def test_small_steps_run_on_the_event_loop_and_large_ones_on_the_engine_thread()
 
 def test_the_event_loop_merges_the_calls_it_holds() -> None:
     """Calls queued in one turn of the loop, with the engine thread idle, share one step on the loop."""
-    h = Harness.build(MODEL)
     s, metrics = make()
+    calls = [(f"s{i}", 0, 1 + i) for i in range(5)]
 
     async def main() -> list[Any]:
-        return list(await asyncio.gather(*(attend(s, 0, [E(f"s{i}", 0, 1 + i)], seed=i) for i in range(5))))
+        return list(await asyncio.gather(*(attend(s, 0, [E(*c)], seed=i) for i, c in enumerate(calls))))
 
     try:
         outs = asyncio.run(main())
         assert steps(metrics) == [(5.0, 1.0)]
         assert runners(metrics) == {"event_loop": 1.0}
-        for i, out in enumerate(outs):
-            q, k, v = tensors(i, 1 + i)
-            expected = h.engine.attend(0, [BatchEntry(f"s{i}", 0, 1 + i)], q, k, v)
-            torch.testing.assert_close(torch.frombuffer(out.output.data, dtype=torch.float32).view(q.shape), expected)
+        assert_as_alone(0, calls, outs)
     finally:
         s.stop()
 
@@ -337,22 +340,16 @@ def test_calls_behind_a_step_on_the_engine_thread_wait_for_it_and_keep_their_ord
     """A large call takes its step (and the small one merged with it) to the engine thread; the same
     sequence's next call, queued behind, runs after it on the loop, and every output matches a run of the
     same calls one by one."""
-    h = Harness.build(MODEL)
     s, metrics = make()
     calls = [("a", 0, 2), ("big", 0, 300), ("a", 2, 1), ("b", 0, 1)]  # (sequence, position, tokens), layer 2
 
     async def main() -> list[Any]:
-        return list(
-            await asyncio.gather(*(attend(s, 2, [E(seq, pos, n)], seed=i) for i, (seq, pos, n) in enumerate(calls)))
-        )
+        return list(await asyncio.gather(*(attend(s, 2, [E(*c)], seed=i) for i, c in enumerate(calls))))
 
     try:
         outs = asyncio.run(main())
         assert steps(metrics) == [(4.0, 2.0)]  # (a@0, big) on the engine thread, then (a@2, b) on the loop
         assert runners(metrics) == {"engine_thread": 1.0, "event_loop": 1.0}
-        for i, ((seq, pos, n), out) in enumerate(zip(calls, outs, strict=True)):
-            q, k, v = tensors(i, n)
-            expected = h.engine.attend(2, [BatchEntry(seq, pos, n)], q, k, v)
-            torch.testing.assert_close(torch.frombuffer(out.output.data, dtype=torch.float32).view(q.shape), expected)
+        assert_as_alone(2, calls, outs)
     finally:
         s.stop()

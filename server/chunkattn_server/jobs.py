@@ -182,7 +182,7 @@ def _observe(
                 decode += 1
             else:
                 prefill += e.num_tokens
-        received += sum(t.numel() * t.element_size() for t in (job.q, job.k, job.v) if t is not None)
+        received += sum(t.nbytes for t in (job.q, job.k, job.v) if t is not None)
         sent += len(value.output.data)
     if served:
         m.of(m.tokens, "decode").inc(decode)

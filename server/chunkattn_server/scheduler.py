@@ -202,14 +202,19 @@ class Scheduler:
                 self._handoff = step
                 self._cond.notify()
                 return
-        threads = torch.get_num_threads()
-        if threads != 1:  # this thread's setting only: no OpenMP team on the loop's thread
+        # This thread's settings only, put back after: no OpenMP team on the loop's thread, no autograd.
+        threads, grad = torch.get_num_threads(), torch.is_grad_enabled()
+        if threads != 1:
             torch.set_num_threads(1)
+        if grad:
+            torch.set_grad_enabled(False)
         try:
             results = self._step(self.engine, step, "event_loop")
         finally:
             if threads != 1:
                 torch.set_num_threads(threads)
+            if grad:
+                torch.set_grad_enabled(True)
             with self._cond:
                 self._busy = False
                 if self._stopping:
@@ -244,6 +249,7 @@ class Scheduler:
             built.set_exception(e)
             return
         built.set_result(engine)
+        torch.set_grad_enabled(False)  # this thread's mode: the engine never takes part in autograd
         pool = self._threads = torch.get_num_threads()
         while (step := self._next_step()) is not None:
             if engine.device.type == "cpu" and pool > 1:
