@@ -14,7 +14,7 @@ import torch
 
 from chunkattn_client import BatchEntry
 from chunkattn_server import CacheConfig, Engine, EngineConfig
-from chunkattn_server.errors import InvalidTensor, OutOfBlocks, PositionMismatch, UnknownSequence
+from chunkattn_server.errors import InvalidBatch, InvalidTensor, OutOfBlocks, PositionMismatch, UnknownSequence
 from chunkattn_server.metrics import Metrics
 from chunkattn_server.scheduler import Scheduler
 from tests.harness import MODELS, Harness, snapshot
@@ -337,7 +337,7 @@ def test_the_event_loop_merges_the_calls_it_holds() -> None:
 
 
 def test_calls_behind_a_step_on_the_engine_thread_wait_for_it_and_keep_their_order() -> None:
-    """A large call takes its step (and the small one merged with it) to the engine thread; the same
+    """A large call takes its step (and the small ones merged with it) to the engine thread; the same
     sequence's next call, queued behind, runs after it on the loop, and every output matches a run of the
     same calls one by one."""
     s, metrics = make()
@@ -348,8 +348,58 @@ def test_calls_behind_a_step_on_the_engine_thread_wait_for_it_and_keep_their_ord
 
     try:
         outs = asyncio.run(main())
-        assert steps(metrics) == [(4.0, 2.0)]  # (a@0, big) on the engine thread, then (a@2, b) on the loop
+        assert steps(metrics) == [(4.0, 2.0)]  # (a@0, big, b) on the engine thread, then (a@2) on the loop
         assert runners(metrics) == {"engine_thread": 1.0, "event_loop": 1.0}
         assert_as_alone(2, calls, outs)
     finally:
         s.stop()
+
+
+def test_a_call_whose_event_loop_closed_holds_up_no_other_loop() -> None:
+    """A call queued from a loop that then closed (its task left pending) is dropped unrun, and a call from
+    another loop queued behind it is served."""
+    s, _ = make()
+    gate = threading.Event()
+    loop_b = asyncio.new_event_loop()
+    loop_a = asyncio.new_event_loop()
+    try:
+        blocker = loop_b.create_task(s.run("hold", lambda e: gate.wait(10)))
+        loop_b.run_until_complete(asyncio.sleep(0.05))  # the hold job runs on the engine thread
+        left = loop_a.create_task(attend(s, 0, [E("a", 0, 1)], seed=1))  # never awaited: its loop closes
+        loop_a.run_until_complete(asyncio.sleep(0.01))  # a's call is queued behind it
+        loop_a.close()
+
+        async def b_side() -> Any:
+            call = asyncio.ensure_future(attend(s, 0, [E("b", 0, 1)], seed=2))
+            await asyncio.sleep(0.05)
+            gate.set()
+            await blocker
+            return await asyncio.wait_for(call, 10)
+
+        assert loop_b.run_until_complete(b_side()).output
+        assert s.engine.sequence_ids() == ["b"]
+        assert not left.done()
+    finally:
+        gate.set()
+        loop_b.close()
+        s.stop()
+
+
+def test_a_malformed_entry_fails_its_call_alone_and_the_scheduler_goes_on() -> None:
+    s, _ = make()
+    try:
+        bad = asyncio.run(_raising(attend(s, 0, [E("x", None, 1)], seed=1)))  # type: ignore[arg-type]
+        assert isinstance(bad, InvalidBatch)
+        assert "position must be an integer >= 0, got None" in str(bad)
+        asyncio.run(attend(s, 0, [E("y", 0, 1)], seed=2))
+        assert s.engine.sequence_ids() == ["y"]
+    finally:
+        s.stop()
+
+
+async def _raising(call: Coroutine[Any, Any, Any]) -> BaseException:
+    try:
+        await call
+    except Exception as e:
+        return e
+    raise AssertionError("the call succeeded")

@@ -87,14 +87,17 @@ def work(model: ModelShape, step: Sequence[Job]) -> float:
     first = step[0]
     if not isinstance(first, Attend):
         return float("inf")
-    if not 0 <= first.layer < model.num_layers:
+    if not (isinstance(first.layer, int) and 0 <= first.layer < model.num_layers):
         return 0.0  # every call fails its checks
     c = model.layers[first.layer].chunk_size
     pairs = 0
     for job in step:
         for e in job.entries:  # type: ignore[attr-defined]
-            n, end = e.num_tokens, e.position + e.num_tokens
-            pairs += n * (end - (e.position - e.position % c if c else 0))
+            try:
+                n, end = int(e.num_tokens), int(e.position) + int(e.num_tokens)
+                pairs += n * (end - (int(e.position) - int(e.position) % c if c else 0))
+            except (TypeError, ValueError, AttributeError):
+                continue  # a malformed entry: its call fails its checks (the engine says why)
     return float(pairs * model.num_heads * model.head_size)
 
 
@@ -189,6 +192,16 @@ def _observe(
         m.of(m.tokens, "prefill").inc(prefill)
         m.bytes_received.inc(received)
         m.bytes_sent.inc(sent)
+
+
+def hand_back(done: list[Result]) -> None:
+    """From any thread: have each job's event loop deliver its result (a closed loop: nobody waits)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[Result]] = {}
+    for result in done:
+        by_loop.setdefault(result[0].future.get_loop(), []).append(result)
+    for loop, results in by_loop.items():
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(deliver, results)
 
 
 def deliver(done: list[Result]) -> None:

@@ -26,6 +26,7 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import itertools
 import logging
 import threading
 import time
@@ -105,8 +106,7 @@ class Scheduler:
         self._stopping = False
         self._busy = False  # a step is running, or handed to the engine thread
         self._handoff: list[Job] | None = None  # a step the event loop gave the engine thread
-        self._drain_loop: asyncio.AbstractEventLoop | None = None  # where a _drain is pending, if any
-        self._deferred = 0  # turns the pending _drain went behind other callbacks
+        self._drain_loops: set[asyncio.AbstractEventLoop] = set()  # where a _drain is pending
         self._inline = False  # set once the engine is built (it depends on its device)
         built: concurrent.futures.Future[Engine] = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._main, args=(build, built), name="chunkattn-engine", daemon=True)
@@ -161,20 +161,22 @@ class Scheduler:
 
     def _schedule_drain(self, loop: asyncio.AbstractEventLoop) -> None:
         """Have ``loop`` look at the queue soon, once (under _cond). Soon, not now: the calls that arrive in
-        this turn of the loop join the step."""
-        if self._drain_loop is loop:
+        this turn of the loop join the step. Each loop gets its own drain, so that a loop that is not running
+        holds up nobody else's calls."""
+        if loop in self._drain_loops:
             return
-        self._drain_loop = loop
         try:
             if asyncio.get_running_loop() is loop:
                 loop.call_soon(self._drain)
+                self._drain_loops.add(loop)
                 return
         except RuntimeError:  # no loop runs on this thread (the engine thread's case)
             pass
-        with contextlib.suppress(RuntimeError):  # a closed loop: whoever queues next schedules on theirs
+        with contextlib.suppress(RuntimeError):  # a closed loop: its jobs count as cancelled (_pending)
             loop.call_soon_threadsafe(self._drain)
+            self._drain_loops.add(loop)
 
-    def _drain(self) -> None:
+    def _drain(self, deferred: int = 0) -> None:
         """On an event loop: the next step, run here when it is small, else handed to the engine thread."""
         loop = asyncio.get_running_loop()
         with self._cond:
@@ -185,23 +187,20 @@ class Scheduler:
         # this a step on the loop would hold one call, since each call reaches the queue in a turn of its
         # own. asyncio has no public "when idle"; its default loop keeps the ready callbacks in _ready
         # (other loops: no deferral).
-        ready = getattr(loop, "_ready", None)
-        if ready and self._deferred < MAX_DEFERRALS:
-            self._deferred += 1
-            loop.call_soon(self._drain)
+        if getattr(loop, "_ready", None) and deferred < MAX_DEFERRALS:
+            loop.call_soon(self._drain, deferred + 1)
             return
         with self._cond:
             if not self._runnable(loop):
                 return
-            if self._drain_loop is loop:
-                self._drain_loop = None
-            self._deferred = 0
+            self._drain_loops.discard(loop)
             step = self._take()
-            self._busy = True
             if not self._small(step):
                 self._handoff = step
+                self._busy = True
                 self._cond.notify()
                 return
+            self._busy = True
         # This thread's settings only, put back after: no OpenMP team on the loop's thread, no autograd.
         threads, grad = torch.get_num_threads(), torch.is_grad_enabled()
         if threads != 1:
@@ -228,9 +227,7 @@ class Scheduler:
         engine thread gives the turn back when it is done, and stop() leaves the rest to it)."""
         if not (self._busy or self._stopping) and self._pending():
             return True
-        if self._drain_loop is loop:
-            self._drain_loop = None
-        self._deferred = 0
+        self._drain_loops.discard(loop)
         return False
 
     def stop(self) -> None:
@@ -265,16 +262,13 @@ class Scheduler:
                         continue
                     self._handoff = self._take()
                     self._busy = True
-            if results:
-                with contextlib.suppress(RuntimeError):  # a closed event loop: nobody waits for these any more
-                    results[0][0].future.get_loop().call_soon_threadsafe(jobs.deliver, results)
+            jobs.hand_back(results)
 
     def _schedule_drain_after(self, results: list[Result]) -> None:
-        """(Engine thread, under _cond.) Hand these results back, then the turn to the next job's loop."""
-        if results:
-            with contextlib.suppress(RuntimeError):
-                results[0][0].future.get_loop().call_soon_threadsafe(jobs.deliver, results)
-        self._schedule_drain(self._queue[0].future.get_loop())
+        """(Engine thread, under _cond.) Hand these results back, then the turn to the queued jobs' loops."""
+        jobs.hand_back(results)
+        for loop in {job.future.get_loop() for job in itertools.islice(self._queue, SCAN_LIMIT)}:
+            self._schedule_drain(loop)
 
     def _use_threads(self, n: int) -> None:
         if n != self._threads:
@@ -312,8 +306,9 @@ class Scheduler:
             return self._take()
 
     def _pending(self) -> bool:
-        """Whether a job waits (under _cond); drops those whose caller went away before they ran."""
-        while self._queue and self._queue[0].future.cancelled():
+        """Whether a job waits (under _cond); drops those whose caller went away before they ran (cancelled,
+        or its event loop closed)."""
+        while self._queue and _gone(self._queue[0]):
             self._queue.popleft()  # as if it had never come
         return bool(self._queue)
 
@@ -344,7 +339,7 @@ class Scheduler:
                 and job.layer == first.layer
                 and tokens + job.tokens <= self._max_tokens
                 and blocked.isdisjoint(touched)
-                and not job.future.cancelled()
+                and not _gone(job)
             ):
                 step.append(job)
                 tokens += job.tokens
@@ -369,11 +364,16 @@ class Scheduler:
         call's own (a bug) fails every job of the step rather than leaving them unanswered."""
         try:
             results, retry = jobs.serve(engine, step, self._metrics, runner)
+            self.stats = engine.stats()
         except Exception as e:
             log.exception("an engine step failed")
             results, retry = [(job, False, e) for job in step], []
-        self.stats = engine.stats()
         if retry:
             with self._cond:
                 self._queue.extendleft(reversed(retry))
         return results
+
+
+def _gone(job: Job) -> bool:
+    """Whether nobody waits for the job any more: its caller was cancelled, or its event loop is closed."""
+    return job.future.cancelled() or job.future.get_loop().is_closed()

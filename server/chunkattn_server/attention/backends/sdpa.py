@@ -27,6 +27,9 @@ from chunkattn_server.attention.plan import Piece
 Part = tuple[torch.Tensor, torch.Tensor]  # (output [nq, H, D], log-sum-exp [nq, H] float32)
 
 
+_MAX_KNOWN = 256  # page tensors whose views are kept (an engine has two per storage slot)
+
+
 class _Views(NamedTuple):
     """Views of one page tensor [Hkv, num_blocks, block_size, D]: ``flat`` [Hkv, num_blocks * block_size, D]
     (a run of blocks is one slice), ``flat4`` the same with a batch dimension in front (as SDPA takes it),
@@ -66,7 +69,7 @@ class TorchBackend:
         # Reused gather buffers (flat); a fresh allocation costs more than the copy on the CPU.
         self._buf_k = torch.empty(0, device=device)
         self._buf_v = torch.empty(0, device=device)
-        self._known: list[tuple[torch.Tensor, _Views]] = []  # (pages, their views), see _views
+        self._known: dict[int, tuple[torch.Tensor, _Views]] = {}  # id(pages): (pages, their views), see _views
 
     def write(
         self, k_pages: torch.Tensor, v_pages: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -97,12 +100,14 @@ class TorchBackend:
     def _views(self, pages: torch.Tensor) -> _Views:
         """The views of a page tensor the hot paths use, made once per page tensor (the engine passes the same
         ones every call, and each view costs microseconds)."""
-        for known, views in self._known:
-            if known is pages:
-                return views
+        known = self._known.get(id(pages))
+        if known is not None and known[0] is pages:  # (the entry holds the tensor, so its id is not reused)
+            return known[1]
         flat = pages.flatten(1, 2)
         views = _Views(flat, flat.unsqueeze(0), flat.transpose(0, 1))
-        self._known = [*self._known[-15:], (pages, views)]
+        if len(self._known) >= _MAX_KNOWN:
+            self._known.clear()
+        self._known[id(pages)] = (pages, views)
         return views
 
     def _decodes(self, batch: AttentionBatch, k_views: _Views, v_views: _Views, out: torch.Tensor) -> set[int]:
@@ -136,7 +141,7 @@ class TorchBackend:
             torch.cat([o for _, o in done.values()], out=out.view(q.shape))
         else:
             for row, o in done.values():
-                out[row] = o.view(heads, dim)
+                out[row] = o.reshape(heads, dim)
         return set(done)
 
     # -- the cache part ------------------------------------------------------------------------------
