@@ -20,8 +20,8 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -57,16 +57,19 @@ class EngineStats:
     block_size: int
     bytes_per_block: int
     num_sequences: int
+    sequences_by_tenant: Mapping[str, int] = field(default_factory=dict)  # tenants holding none left out
+    blocks_by_tenant: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class AttendCall:
-    """One Attend call of a step: its entries and tensors, as ``Engine.attend`` takes them."""
+    """One Attend call of a step: its entries and tensors, as ``Engine.attend`` takes them, and its tenant."""
 
     entries: Sequence[BatchEntry]
     q: torch.Tensor
     k: torch.Tensor | None = None
     v: torch.Tensor | None = None
+    tenant: str = ""
 
 
 class Retry(Exception):
@@ -160,6 +163,8 @@ class Engine:
         q: torch.Tensor,
         k: torch.Tensor | None = None,
         v: torch.Tensor | None = None,
+        *,
+        tenant: str = "",
     ) -> torch.Tensor:
         """Append the batch's K/V to the layer's cache and return chunked-local attention of q over it.
 
@@ -169,15 +174,16 @@ class Engine:
                 engine is created when its entry starts at position 0.
             q: [T, num_heads, head_size] float32 / float16 / bfloat16, T = sum of num_tokens.
             k, v: [T, num_kv_heads, head_size], q's dtype; None for a KV-sharing layer.
+            tenant: whose sequences the ids name (see kv/manager.py).
 
         Returns:
             [T, num_heads, head_size] in q's dtype, on the engine's device.
 
         Raises:
             InvalidArgument (UnknownLayer, InvalidBatch, InvalidTensor), UnknownSequence,
-            PositionMismatch, OutOfBlocks. Nothing has changed when one is raised.
+            PositionMismatch, OutOfBlocks (QuotaExceeded). Nothing has changed when one is raised.
         """
-        (result,) = self.attend_step(layer, [AttendCall(tuple(entries), q, k, v)])
+        (result,) = self.attend_step(layer, [AttendCall(tuple(entries), q, k, v, tenant)])
         if isinstance(result, BaseException):
             raise result
         return result
@@ -204,16 +210,16 @@ class Engine:
                 results[i] = e
             else:
                 planned.append((i, states, writes))
-        seen: set[str] = set()
+        seen: set[tuple[str, str]] = set()
         for i, _, _ in planned:
-            ids = {e.seq_id for e in calls[i].entries}
+            ids = {(calls[i].tenant, e.seq_id) for e in calls[i].entries}
             assert seen.isdisjoint(ids), "calls of one step must not share a sequence"
             seen |= ids
         owners: dict[int, int] = {}
         reserved: list[tuple[int, Reservation]] = []
         for i, states, writes in planned:
             try:
-                reserved.append((i, self.kv.reserve(layer, calls[i].entries, states, writes, owners)))
+                reserved.append((i, self.kv.reserve(layer, calls[i].entries, states, writes, owners, calls[i].tenant)))
             except OutOfBlocks as e:
                 results[i] = Retry() if reserved else e
         if not reserved:
@@ -238,7 +244,7 @@ class Engine:
         """A call's checks (everything is checked before anything changes) and its write plan."""
         total = checks.check_entries(call.entries)
         checks.check_tensors(self.config.model, layer, spec, total, call.q, call.k, call.v)
-        states = [self.kv.get(e.seq_id) for e in call.entries]
+        states = [self.kv.get(e.seq_id, call.tenant) for e in call.entries]
         checks.check_positions(layer, spec, call.entries, states)
         return states, self.kv.plan_writes(layer, spec, call.entries, states)
 
@@ -338,24 +344,26 @@ class Engine:
 
     # -- the control plane (see kv/manager.py; KV transfer: self.transfer, kv/transfer.py) -------------
 
-    def fork(self, parent: str, child: str) -> int:
+    def fork(self, parent: str, child: str, *, tenant: str = "") -> int:
         """KVManager.fork: ``child`` shares ``parent``'s blocks copy-on-write; returns how many."""
-        return self.kv.fork(parent, child)
+        return self.kv.fork(parent, child, tenant)
 
-    def release(self, seq_ids: Sequence[str], *, missing_ok: bool = False) -> int:
+    def release(self, seq_ids: Sequence[str], *, missing_ok: bool = False, tenant: str = "") -> int:
         """KVManager.release: drop sequences and return their blocks; returns how many existed."""
-        return self.kv.release(seq_ids, missing_ok=missing_ok)
+        return self.kv.release(seq_ids, missing_ok=missing_ok, tenant=tenant)
 
-    def evict_idle(self, max_idle_s: float, now: float | None = None) -> list[str]:
-        """KVManager.evict_idle: release sequences untouched for more than ``max_idle_s`` seconds."""
+    def evict_idle(self, max_idle_s: float, now: float | None = None) -> list[tuple[str, str]]:
+        """KVManager.evict_idle: release sequences untouched for more than ``max_idle_s`` seconds; returns
+        their (tenant, seq_id)."""
         return self.kv.evict_idle(max_idle_s, now)
 
-    def sequence(self, seq_id: str) -> SequenceInfo:
+    def sequence(self, seq_id: str, *, tenant: str = "") -> SequenceInfo:
         """A copy of a sequence's state. Raises UnknownSequence."""
-        return self.kv.sequence(seq_id)
+        return self.kv.sequence(seq_id, tenant)
 
-    def sequence_ids(self) -> list[str]:
-        return self.kv.sequence_ids()
+    def sequence_ids(self, *, tenant: str = "") -> list[str]:
+        """The ids of ``tenant``'s sequences."""
+        return self.kv.sequence_ids(tenant)
 
     def fingerprint(self) -> ModelFingerprint:
         model = self.config.model
@@ -377,6 +385,8 @@ class Engine:
             block_size=self.block_size,
             bytes_per_block=self.bytes_per_block,
             num_sequences=self.kv.num_sequences,
+            sequences_by_tenant=self.kv.sequences_by_tenant(),
+            blocks_by_tenant=self.pool.usage(),
         )
 
     def scale(self, layer: int) -> float:

@@ -75,6 +75,18 @@ class OutOfBlocks(EngineError):
     """The KV pool has too few free blocks for the call. A normal condition: retry later or release."""
 
 
+class QuotaExceeded(OutOfBlocks):
+    """The call would take its tenant past a quota (KV blocks or sequences held): release, or ask the operator."""
+
+
+class Unauthenticated(EngineError):
+    """The call carries no valid credentials (a token, or a client certificate that names a tenant)."""
+
+
+class TooManyCalls(Overloaded):
+    """The caller's tenant is working on as many calls as its quota allows: retry later."""
+
+
 class TargetError(Exception):
     """Another server (TransferKV's target) refused or failed a call; carries that server's status code."""
 
@@ -104,6 +116,7 @@ _STATUS: dict[type[BaseException], grpc.StatusCode] = {
     StreamStalled: grpc.StatusCode.DEADLINE_EXCEEDED,
     Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     ShuttingDown: grpc.StatusCode.UNAVAILABLE,
+    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
 }
 
 

@@ -48,8 +48,8 @@ class Job:
     future: asyncio.Future[Any]
     submitted: float = field(default_factory=time.perf_counter)
 
-    def touches(self) -> frozenset[str] | None:
-        """The sequences the job reads or changes; None: possibly any (a barrier)."""
+    def touches(self) -> frozenset[tuple[str, str]] | None:
+        """The sequences (tenant, seq_id) the job reads or changes; None: possibly any (a barrier)."""
         return None
 
 
@@ -70,11 +70,12 @@ class Attend(Job):
     k: torch.Tensor | None = None
     v: torch.Tensor | None = None
     tokens: int = 0
-    _ids: frozenset[str] | None = None
+    tenant: str = ""
+    _ids: frozenset[tuple[str, str]] | None = None
 
-    def touches(self) -> frozenset[str]:
+    def touches(self) -> frozenset[tuple[str, str]]:
         if self._ids is None:  # once, when a step is chosen: a batch of thousands costs milliseconds
-            self._ids = frozenset(e.seq_id for e in self.entries)
+            self._ids = frozenset((self.tenant, e.seq_id) for e in self.entries)
         return self._ids
 
 
@@ -125,7 +126,13 @@ def _serve_attend(
     engine: Engine, step: list[Attend], results: list[Result], retry: list[Job], metrics: Metrics | None
 ) -> None:
     calls = [
-        AttendCall([BatchEntry(e.seq_id, e.position, e.num_tokens) for e in job.entries], job.q, job.k, job.v)  # type: ignore[arg-type]
+        AttendCall(
+            [BatchEntry(e.seq_id, e.position, e.num_tokens) for e in job.entries],
+            job.q,  # type: ignore[arg-type]
+            job.k,
+            job.v,
+            job.tenant,
+        )
         for job in step
     ]
     try:
@@ -144,7 +151,7 @@ def _serve_attend(
         try:
             ending = [e.seq_id for e in job.entries if e.end_of_sequence]
             if ending:
-                released += engine.release(ending)
+                released += engine.release(ending, tenant=job.tenant)
             results.append((job, True, AttendOutput(codec.to_raw(out))))  # to host memory, here
         except Exception as e:
             results.append((job, False, e))

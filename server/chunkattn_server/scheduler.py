@@ -134,14 +134,14 @@ class Scheduler:
         q: torch.Tensor,
         k: torch.Tensor | None,
         v: torch.Tensor | None,
+        tenant: str = "",
     ) -> AttendOutput:
-        """One Attend call (see Engine.attend), merged with other queued calls of its layer where the
-        rules allow; its sequences with ``end_of_sequence`` are released after it. Raises the EngineError
-        it would raise alone."""
+        """One Attend call of ``tenant`` (see Engine.attend), merged with other queued calls of its layer
+        where the rules allow; its sequences with ``end_of_sequence`` are released after it. Raises the
+        EngineError it would raise alone."""
         tokens = int(q.shape[0]) if q.dim() else 0  # the call's tokens, when it is well formed (else it fails alone)
-        job = Attend(
-            rpc, asyncio.get_running_loop().create_future(), layer=layer, entries=entries, q=q, k=k, v=v, tokens=tokens
-        )
+        future = asyncio.get_running_loop().create_future()
+        job = Attend(rpc, future, layer=layer, entries=entries, q=q, k=k, v=v, tokens=tokens, tenant=tenant)
         result: AttendOutput = await self._submit(job)
         return result
 

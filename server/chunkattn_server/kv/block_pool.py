@@ -5,7 +5,8 @@ refused before anything changes.
 
 A used block may have several owners (forked sequences share blocks copy-on-write): ``share`` adds an
 owner, ``free`` drops one, and the block returns to the pool with its last owner. A shared block counts
-once in ``num_used``.
+once in ``num_used``. Each used block is charged to the *account* that allocated it (a tenant: forks
+never cross tenants, so a block's owners all share its account); ``used_by`` says how many each holds.
 
 Placement keeps each sequence's blocks contiguous where it can, because attention reads a run of
 consecutive blocks as one strided view and must gather scattered ones (a copy):
@@ -35,6 +36,8 @@ class BlockPool:
         self._extent: dict[int, int] = {0: num_blocks}
         self._extent_at_end: dict[int, int] = {num_blocks: 0}
         self._extra_owners: dict[int, int] = {}  # used blocks with more than one owner: owners - 1
+        self._account: dict[int, str] = {}  # used block -> the account it is charged to
+        self._used_by: dict[str, int] = {}  # account -> blocks charged to it
 
     @property
     def num_free(self) -> int:
@@ -46,6 +49,14 @@ class BlockPool:
 
     def is_free(self, block: int) -> bool:
         return block in self._free
+
+    def used_by(self, account: str) -> int:
+        """Used blocks charged to ``account``."""
+        return self._used_by.get(account, 0)
+
+    def usage(self) -> dict[str, int]:
+        """Used blocks per account (accounts holding none left out)."""
+        return {a: n for a, n in self._used_by.items() if n}
 
     def owners(self, block: int) -> int:
         """How many owners a block has (0: free)."""
@@ -63,8 +74,9 @@ class BlockPool:
     def can_allocate(self, n: int) -> bool:
         return 0 <= n <= len(self._free)
 
-    def allocate(self, n: int, after: int | None = None) -> list[int]:
-        """Take n free ids: after+1, after+2, ... while those are free, then new runs (see the module doc).
+    def allocate(self, n: int, after: int | None = None, account: str = "") -> list[int]:
+        """Take n free ids, charged to ``account``: after+1, after+2, ... while those are free, then new runs
+        (see the module doc).
 
         Raises OutOfBlocks (and takes nothing) when fewer than n are free.
         """
@@ -82,6 +94,9 @@ class BlockPool:
             start, length = max(self._extent.items(), key=lambda e: (e[1], -e[0]))
             want = min(n - len(taken), length)
             taken += self._take(start, start + (length - want) // 2, want)
+        for b in taken:
+            self._account[b] = account
+        self._used_by[account] = self._used_by.get(account, 0) + len(taken)
         return taken
 
     def free(self, blocks: Iterable[int]) -> None:
@@ -98,6 +113,8 @@ class BlockPool:
                     self._extra_owners[b] = extra - 1
                 continue
             self._free.add(b)
+            account = self._account.pop(b)
+            self._used_by[account] -= 1
             start, end = b, b + 1
             if b in self._extent_at_end:  # merge with the extent that ends at b
                 start = self._extent_at_end.pop(b)

@@ -8,6 +8,11 @@ reservations at once (one engine step); they touch disjoint sequences.
 
 The control plane lives here too: fork (copy-on-write sharing), release, idle eviction, and the read-only
 views the info RPC and the tests use.
+
+Every sequence belongs to a *tenant* (a string; "" when the server has no authentication) and is named by
+(tenant, seq_id): two tenants' "s1" are two sequences, and nothing here lets one tenant's call name
+another's. A tenant may have a ``Quota`` (KV blocks and sequences held); a call that would pass it is
+refused (QuotaExceeded, a kind of OutOfBlocks) and changes nothing.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from dataclasses import dataclass, field
 from chunkattn_client.batch import BatchEntry
 from chunkattn_client.limits import MAX_BATCH, id_problem, quote, some
 from chunkattn_server.config import EngineConfig, KVGroup, LayerSpec
-from chunkattn_server.errors import InvalidBatch, OutOfBlocks, SequenceExists, UnknownSequence
+from chunkattn_server.errors import InvalidBatch, OutOfBlocks, QuotaExceeded, SequenceExists, UnknownSequence
 from chunkattn_server.kv.block_pool import BlockPool
 from chunkattn_server.kv.sequences import Retention, SequenceState, chunk_start
 
@@ -39,6 +44,14 @@ class SequenceInfo:
 
 
 @dataclass(frozen=True)
+class Quota:
+    """What one tenant may hold at once; None: no limit of that kind."""
+
+    max_blocks: int | None = None
+    max_sequences: int | None = None
+
+
+@dataclass(frozen=True)
 class Write:
     """One entry's write plan: store positions [start, end) (start == end: nothing), allocating the
     logical blocks ``missing`` of its KV group's table."""
@@ -55,6 +68,7 @@ class Reservation:
     layer: int
     entries: Sequence[BatchEntry]
     writes: list[Write]
+    tenant: str = ""
     states: list[SequenceState] = field(default_factory=list)
     created: list[str] = field(default_factory=list)
     taken: list[tuple[dict[int, int], int]] = field(default_factory=list)
@@ -72,7 +86,10 @@ class KVManager:
         self.pool = BlockPool(num_blocks)
         self.retention = Retention(config)
         self._copy_block = copy_block
-        self._seqs: dict[str, SequenceState] = {}
+        self._seqs: dict[tuple[str, str], SequenceState] = {}  # (tenant, seq_id) -> state
+        self._count: dict[str, int] = {}  # tenant -> sequences held
+        self._incoming: dict[str, int] = {}  # tenant -> imports begun and not yet ended (sequences to come)
+        self.quotas: dict[str, Quota] = {}  # tenant -> its quota (none: no limit)
         self.group_of: list[KVGroup] = []  # per layer; a KV-sharing layer's is its source's
         for i, spec in enumerate(config.model.layers):
             owner = i if spec.kv_source is None else spec.kv_source
@@ -80,8 +97,8 @@ class KVManager:
 
     # -- one Attend call: plan -> reserve -> commit or rollback ---------------------------------------
 
-    def get(self, seq_id: str) -> SequenceState | None:
-        return self._seqs.get(seq_id)
+    def get(self, seq_id: str, tenant: str = "") -> SequenceState | None:
+        return self._seqs.get((tenant, seq_id))
 
     def plan_writes(
         self, layer: int, spec: LayerSpec, entries: Sequence[BatchEntry], states: Sequence[SequenceState | None]
@@ -116,40 +133,45 @@ class KVManager:
         states: Sequence[SequenceState | None],
         writes: list[Write],
         owners: dict[int, int],
+        tenant: str = "",
     ) -> Reservation:
-        """Take every block the call needs, or none (OutOfBlocks). ``owners`` carries, across the calls of
-        one step, how many owners each shared block still has once the earlier calls' copies are made, so
-        that the last writer of a shared block writes in place, as it would have alone."""
+        """Take every block the call needs, or none (OutOfBlocks, QuotaExceeded). ``owners`` carries, across
+        the calls of one step, how many owners each shared block still has once the earlier calls' copies are
+        made, so that the last writer of a shared block writes in place, as it would have alone."""
         group = self.group_of[layer]
         mine = dict(owners)
         shared = self._shared_blocks_written(group, entries, writes, states, mine)
         needed = sum(len(w.missing) for w in writes) + sum(len(s) for s in shared)
+        self.check_quota(tenant, needed, sum(s is None for s in states))
         if not self.pool.can_allocate(needed):
             raise OutOfBlocks(
                 f"layer {layer}: the batch needs {needed} new KV blocks of {self.block_size} tokens and the"
                 f" pool has {self.pool.num_free} free of {self.pool.num_blocks}. Release finished sequences,"
                 " retry later, send a smaller batch, or start the server with a larger pool"
             )
-        r = Reservation(layer, entries, writes)
+        r = Reservation(layer, entries, writes, tenant)
         try:
             for e, state in zip(entries, states, strict=True):
                 if state is None:
-                    state = SequenceState(e.seq_id, [0] * self.config.model.num_layers, [{} for _ in self.groups])
-                    self._seqs[e.seq_id] = state
+                    state = SequenceState(
+                        e.seq_id, [0] * self.config.model.num_layers, [{} for _ in self.groups], tenant=tenant
+                    )
+                    self._insert(state)
                     r.created.append(e.seq_id)
                 r.states.append(state)
             for state, w in zip(r.states, writes, strict=True):
                 table = state.tables[group.index]
                 if w.missing:
                     after = table.get(w.missing[0] - 1)
-                    for logical, physical in zip(w.missing, self.pool.allocate(len(w.missing), after), strict=True):
+                    taken = self.pool.allocate(len(w.missing), after, tenant)
+                    for logical, physical in zip(w.missing, taken, strict=True):
                         table[logical] = physical
                         r.taken.append((table, logical))
             for state, logicals in zip(r.states, shared, strict=True):
                 table = state.tables[group.index]
                 for logical in logicals:  # copy-on-write: never write into a block another sequence reads
                     old = table[logical]
-                    (new,) = self.pool.allocate(1, after=table.get(logical - 1))
+                    (new,) = self.pool.allocate(1, table.get(logical - 1), tenant)
                     self._copy_block(old, new)
                     table[logical] = new
                     r.copied.append((table, logical, old))
@@ -166,7 +188,7 @@ class KVManager:
             table[logical] = old
         self.pool.free(table.pop(logical) for table, logical in r.taken)
         for seq_id in r.created:
-            del self._seqs[seq_id]
+            self._remove(r.tenant, seq_id)
         r.copied, r.taken, r.created = [], [], []
 
     def commit(self, r: Reservation, now: float) -> None:
@@ -215,37 +237,67 @@ class KVManager:
 
     # -- the control plane ---------------------------------------------------------------------------
 
-    def fork(self, parent: str, child: str) -> int:
+    def check_quota(self, tenant: str, blocks: int, sequences: int) -> None:
+        """QuotaExceeded when ``tenant`` holding ``blocks`` more KV blocks and ``sequences`` more sequences
+        would pass its quota."""
+        quota = self.quotas.get(tenant)
+        if quota is None:
+            return
+        held = self.pool.used_by(tenant)
+        if quota.max_blocks is not None and blocks and held + blocks > quota.max_blocks:
+            raise QuotaExceeded(
+                f"the call needs {blocks} more KV blocks and your tenant holds {held} of its quota of"
+                f" {quota.max_blocks} (max_kv_blocks); release finished sequences, or ask the operator for more"
+            )
+        count = self._count.get(tenant, 0) + self._incoming.get(tenant, 0)
+        if quota.max_sequences is not None and sequences and count + sequences > quota.max_sequences:
+            raise QuotaExceeded(
+                f"the call starts {sequences} new sequences and your tenant holds {count} of its quota of"
+                f" {quota.max_sequences} (max_sequences); release finished sequences, or ask the operator for more"
+            )
+
+    def expect(self, tenant: str, n: int) -> None:
+        """Count ``n`` (or, negative, no longer) sequences to come for ``tenant``'s quota: an import between
+        its header, which reserves its blocks, and its commit."""
+        left = self._incoming.get(tenant, 0) + n
+        if left:
+            self._incoming[tenant] = left
+        else:
+            self._incoming.pop(tenant, None)
+
+    def fork(self, parent: str, child: str, tenant: str = "") -> int:
         """A new sequence ``child`` with ``parent``'s tokens in every layer, sharing its blocks copy-on-write
         (parallel sampling, beam search): no copy now; whichever of the two first writes into a shared block
         gets its own copy then. Returns the number of blocks shared.
 
-        Raises UnknownSequence (no parent), SequenceExists (child taken) or InvalidBatch (a bad id).
+        Raises UnknownSequence (no parent), SequenceExists (child taken), InvalidBatch (a bad id) or
+        QuotaExceeded (the tenant holds as many sequences as it may).
         """
         for what, seq_id in (("parent", parent), ("child", child)):
             problem = id_problem(seq_id, what)
             if problem:
                 raise InvalidBatch(problem)
-        state = self._seqs.get(parent)
+        state = self._seqs.get((tenant, parent))
         if state is None:
             raise UnknownSequence(f"cannot fork sequence {quote(parent)}: it does not exist")
-        if child in self._seqs:
+        if (tenant, child) in self._seqs:
             raise SequenceExists(f"cannot fork into {quote(child)}: a sequence with that id exists; pick a new id")
+        self.check_quota(tenant, 0, 1)
         blocks = state.blocks()
         self.pool.share(blocks)
-        self._seqs[child] = SequenceState(child, list(state.lengths), [dict(t) for t in state.tables])
+        self._insert(SequenceState(child, list(state.lengths), [dict(t) for t in state.tables], tenant=tenant))
         return len(blocks)
 
     def add(self, state: SequenceState) -> None:
         """Make a sequence whose blocks are already allocated visible (a committed import). SequenceExists
         when its id is taken."""
-        if state.seq_id in self._seqs:
+        if (state.tenant, state.seq_id) in self._seqs:
             raise SequenceExists(
                 f"cannot import into {quote(state.seq_id)}: a sequence with that id was created meanwhile"
             )
-        self._seqs[state.seq_id] = state
+        self._insert(state)
 
-    def release(self, seq_ids: Iterable[str], *, missing_ok: bool = False) -> int:
+    def release(self, seq_ids: Iterable[str], *, missing_ok: bool = False, tenant: str = "") -> int:
         """Drop sequences and return their blocks; returns how many existed.
 
         An unknown id raises UnknownSequence (and releases nothing) unless ``missing_ok``.
@@ -258,28 +310,38 @@ class KVManager:
             if problem:
                 raise InvalidBatch(f"id {i}: {problem}; nothing was released")
         ids = list(dict.fromkeys(given))
-        unknown = [s for s in ids if s not in self._seqs]
+        unknown = [s for s in ids if (tenant, s) not in self._seqs]
         if unknown and not missing_ok:
             raise UnknownSequence(
                 f"{len(unknown)} of the {len(ids)} sequences to release do not exist ({some(unknown)});"
                 " nothing was released (missing_ok ignores unknown ids)"
             )
-        return self._drop(ids)
+        return self._drop((tenant, s) for s in ids)
 
-    def _drop(self, ids: Iterable[str]) -> int:
-        """Drop the sequences of ``ids`` that exist and return their blocks; returns how many existed."""
+    def _insert(self, state: SequenceState) -> None:
+        self._seqs[state.tenant, state.seq_id] = state
+        self._count[state.tenant] = self._count.get(state.tenant, 0) + 1
+
+    def _remove(self, tenant: str, seq_id: str) -> SequenceState | None:
+        state = self._seqs.pop((tenant, seq_id), None)
+        if state is not None:
+            self._count[tenant] -= 1
+        return state
+
+    def _drop(self, keys: Iterable[tuple[str, str]]) -> int:
+        """Drop the sequences of ``keys`` that exist and return their blocks; returns how many existed."""
         released = 0
-        for seq_id in ids:
-            state = self._seqs.pop(seq_id, None)
+        for tenant, seq_id in keys:
+            state = self._remove(tenant, seq_id)
             if state is not None:
                 self.pool.free(state.blocks())
                 released += 1
         return released
 
-    def evict_idle(self, max_idle_s: float, now: float | None = None) -> list[str]:
-        """Release every sequence untouched for more than ``max_idle_s`` seconds; returns their ids."""
+    def evict_idle(self, max_idle_s: float, now: float | None = None) -> list[tuple[str, str]]:
+        """Release every sequence untouched for more than ``max_idle_s`` seconds; returns their (tenant, id)."""
         now = time.monotonic() if now is None else now
-        idle = [s for s, state in self._seqs.items() if now - state.last_used > max_idle_s]
+        idle = [key for key, state in self._seqs.items() if now - state.last_used > max_idle_s]
         self._drop(idle)
         return idle
 
@@ -287,12 +349,17 @@ class KVManager:
     def num_sequences(self) -> int:
         return len(self._seqs)
 
-    def sequence_ids(self) -> list[str]:
-        return list(self._seqs)
+    def sequences_by_tenant(self) -> dict[str, int]:
+        """Sequences held per tenant (tenants holding none left out)."""
+        return {t: n for t, n in self._count.items() if n}
 
-    def sequence(self, seq_id: str) -> SequenceInfo:
+    def sequence_ids(self, tenant: str = "") -> list[str]:
+        """The ids of ``tenant``'s sequences, oldest first."""
+        return [seq_id for t, seq_id in self._seqs if t == tenant]
+
+    def sequence(self, seq_id: str, tenant: str = "") -> SequenceInfo:
         """A copy of a sequence's state. Raises UnknownSequence."""
-        state = self._seqs.get(seq_id)
+        state = self._seqs.get((tenant, seq_id))
         if state is None:
             raise UnknownSequence(f"sequence {quote(seq_id)} does not exist")
         return SequenceInfo(

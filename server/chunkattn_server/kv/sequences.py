@@ -35,6 +35,7 @@ class SequenceState:
     lengths: list[int]
     tables: list[dict[int, int]]
     last_used: float = field(default_factory=time.monotonic)
+    tenant: str = ""  # who it belongs to (see kv/manager.py)
 
     def blocks(self) -> list[int]:
         """Every physical block the sequence holds."""

@@ -78,6 +78,7 @@ class KVManifest:
     layers: tuple[int, ...]
     blocks: tuple[tuple[int, ...], ...]
     group_of: tuple[int, ...]  # per layer: its KV group
+    tenant: str = ""  # whose sequence was exported (this server's business: not on the wire)
 
     def num_records(self) -> int:
         """len(expected()), without listing them."""
@@ -178,6 +179,8 @@ class ImportSession:
     expected: set[tuple[int, int]]
     received: set[tuple[int, int]] = field(default_factory=set)
     committed: bool = False
+    aborted: bool = False
+    tenant: str = ""  # whose sequence it becomes
 
 
 class KVTransfer:
@@ -193,8 +196,8 @@ class KVTransfer:
         self._model = kv.config.model
         self.fingerprint = fingerprint
 
-    def export_manifest(self, seq_id: str, layers: Sequence[int] | None = None) -> KVManifest:
-        """What an export of ``seq_id`` (every layer, or ``layers``) sends. Raises UnknownSequence,
+    def export_manifest(self, seq_id: str, layers: Sequence[int] | None = None, tenant: str = "") -> KVManifest:
+        """What an export of ``tenant``'s ``seq_id`` (every layer, or ``layers``) sends. Raises UnknownSequence,
         UnknownLayer, or InvalidBatch for a layer listed twice, or a KV-sharing layer listed without its
         source or a source without its sharers (a source keeps older keys for its sharers: apart, either
         side's state would be wrong).
@@ -216,7 +219,7 @@ class KVTransfer:
             missing = [s for s in self._kv.retention.sharers_of(layer) if s not in listed]
             if missing:
                 raise InvalidBatch(f"layer {layer}'s KV is read by layers {missing} (KV sharing): export them too")
-        state = self._kv.get(seq_id)
+        state = self._kv.get(seq_id, tenant)
         if state is None:
             raise UnknownSequence(f"cannot export sequence {quote(seq_id)}: it does not exist")
         lengths = tuple(state.lengths[x] if x in listed else 0 for x in range(model.num_layers))
@@ -231,6 +234,7 @@ class KVTransfer:
             layers=tuple(x for x in listed if model.layers[x].kv_source is None),
             blocks=tuple(blocks),
             group_of=tuple(g.index for g in self._kv.group_of),
+            tenant=tenant,
         )
 
     def export_views(self, manifest: KVManifest, items: Sequence[tuple[int, int]]) -> list[BlockView]:
@@ -240,8 +244,10 @@ class KVTransfer:
         (see BlockView: encode them before this engine runs anything else).
 
         Raises SequenceChanged when the sequence is no longer what the manifest describes."""
-        state = self._kv.get(manifest.seq_id)
-        current = None if state is None else self.export_manifest(manifest.seq_id, self._listed(manifest))
+        state = self._kv.get(manifest.seq_id, manifest.tenant)
+        current = (
+            None if state is None else self.export_manifest(manifest.seq_id, self._listed(manifest), manifest.tenant)
+        )
         if current != manifest or state is None:
             raise SequenceChanged(f"sequence {quote(manifest.seq_id)} changed during its export; export it again")
         bs, heads = self._kv.block_size, self._model.num_kv_heads
@@ -261,21 +267,23 @@ class KVTransfer:
                     )
         return views
 
-    def begin_import(self, manifest: KVManifest) -> ImportSession:
-        """Check a manifest against this engine and reserve every block it needs (see kv/transfer.py).
+    def begin_import(self, manifest: KVManifest, tenant: str = "") -> ImportSession:
+        """Check a manifest against this engine and reserve every block it needs, as a sequence of ``tenant``.
 
         The checks take time in proportion to the manifest's size, whatever it claims, and the blocks it
         lists must be exactly those its lengths need: a block no exported layer writes would hand the new
         sequence whatever an earlier holder left in it.
 
-        Raises IncompatibleKV, InvalidBatch (a bad id), SequenceExists or OutOfBlocks, having reserved nothing."""
+        Raises IncompatibleKV, InvalidBatch (a bad id), SequenceExists or OutOfBlocks (QuotaExceeded), having
+        reserved nothing."""
         self._check_manifest(manifest)
         problem = id_problem(manifest.seq_id)
         if problem:
             raise InvalidBatch(f"the imported sequence's {problem}")
-        if self._kv.get(manifest.seq_id) is not None:
+        if self._kv.get(manifest.seq_id, tenant) is not None:
             raise SequenceExists(f"cannot import into {quote(manifest.seq_id)}: a sequence with that id exists")
         total = sum(len(b) for b in manifest.blocks)
+        self._kv.check_quota(tenant, total, 1)
         if not self._kv.pool.can_allocate(total):
             raise OutOfBlocks(
                 f"the import needs {total} KV blocks and the pool has {self._kv.pool.num_free} free of"
@@ -283,8 +291,9 @@ class KVTransfer:
             )
         tables: list[dict[int, int]] = []
         for logicals in manifest.blocks:
-            tables.append(dict(zip(logicals, self._kv.pool.allocate(len(logicals)), strict=True)))
-        return ImportSession(manifest, tables, set(manifest.expected()))
+            tables.append(dict(zip(logicals, self._kv.pool.allocate(len(logicals), account=tenant), strict=True)))
+        self._kv.expect(tenant, 1)  # its sequence counts against the quota from now on
+        return ImportSession(manifest, tables, set(manifest.expected()), tenant=tenant)
 
     def _check_manifest(self, manifest: KVManifest) -> None:
         """IncompatibleKV unless the manifest fits this model and describes a state this engine could hold."""
@@ -354,8 +363,9 @@ class KVTransfer:
                 f"the KV stream ended with {missing} of {len(session.expected)} records missing: it was cut short"
             )
         seq_id = session.manifest.seq_id
-        self._kv.add(SequenceState(seq_id, list(session.manifest.lengths), session.tables))
+        self._kv.add(SequenceState(seq_id, list(session.manifest.lengths), session.tables, tenant=session.tenant))
         session.committed = True
+        self._kv.expect(session.tenant, -1)  # it is held now, no longer to come
         return sum(len(t) for t in session.tables)
 
     def _listed(self, manifest: KVManifest) -> list[int]:
@@ -366,18 +376,20 @@ class KVTransfer:
     def release_exported(self, manifest: KVManifest) -> None:
         """Release a sequence that was exported, unless it changed since (SequenceChanged: then a call
         to it ran after the export, and releasing would lose what it wrote)."""
-        state = self._kv.get(manifest.seq_id)
-        if state is None or self.export_manifest(manifest.seq_id, self._listed(manifest)) != manifest:
+        state = self._kv.get(manifest.seq_id, manifest.tenant)
+        if state is None or self.export_manifest(manifest.seq_id, self._listed(manifest), manifest.tenant) != manifest:
             raise SequenceChanged(
                 f"sequence {quote(manifest.seq_id)} changed after its export, so it was not released here"
             )
-        self._kv.release([manifest.seq_id])
+        self._kv.release([manifest.seq_id], tenant=manifest.tenant)
 
     def abort_import(self, session: ImportSession) -> None:
         """Return an unfinished import's blocks (idempotent; nothing to do after a commit)."""
-        if not session.committed:
+        if not session.committed and not session.aborted:
             self._kv.pool.free(b for t in session.tables for b in t.values())
             session.tables = [{} for _ in session.tables]
+            session.aborted = True
+            self._kv.expect(session.tenant, -1)
 
 
 def _merged(spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
