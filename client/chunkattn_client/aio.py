@@ -24,6 +24,7 @@ from chunkattn_client.client import (
     ATTEND_STREAM,
     DEFAULT_MAX_MESSAGE_BYTES,
     ChunkAttnError,
+    Credentials,
     KVImport,
     KVTransfer,
     ServerInfo,
@@ -46,11 +47,14 @@ class AsyncChunkAttnClient:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         keepalive_s: float | None = None,
         root_certificates: bytes | None = None,
+        certificate_chain: bytes | None = None,
+        private_key: bytes | None = None,
+        token: str | None = None,
         timeout_s: float | None = None,
     ) -> None:
-        self._channel: grpc.aio.Channel = open_channel(
-            grpc.aio, target, max_message_bytes, keepalive_s, root_certificates
-        )
+        credentials = Credentials(root_certificates, certificate_chain, private_key, token)
+        self._metadata = credentials.metadata()
+        self._channel: grpc.aio.Channel = open_channel(grpc.aio, target, max_message_bytes, keepalive_s, credentials)
         self._stub = pb_grpc.ChunkAttnStub(self._channel)
         self._attend = self._channel.unary_unary(
             ATTEND, request_serializer=wire.identity, response_deserializer=wire.identity
@@ -70,11 +74,15 @@ class AsyncChunkAttnClient:
 
     async def info(self) -> ServerInfo:
         with rpc_errors():
-            return ServerInfo.from_pb(await self._stub.Info(pb.InfoRequest(), timeout=self.timeout_s))
+            return ServerInfo.from_pb(
+                await self._stub.Info(pb.InfoRequest(), timeout=self.timeout_s, metadata=self._metadata)
+            )
 
     async def health(self, service: str = "") -> str:
         with rpc_errors():
-            r = await self._health.Check(health_pb2.HealthCheckRequest(service=service), timeout=self.timeout_s)
+            r = await self._health.Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=self.timeout_s, metadata=self._metadata
+            )
         return str(health_pb2.HealthCheckResponse.ServingStatus.Name(r.status))
 
     async def attend(
@@ -90,18 +98,20 @@ class AsyncChunkAttnClient:
     ) -> npt.NDArray[Any]:
         request = attend_request(layer, entries, q, k, v, end_of_sequence=end_of_sequence, dtype=dtype)
         with rpc_errors():
-            response = await self._attend(request, timeout=self.timeout_s)
+            response = await self._attend(request, timeout=self.timeout_s, metadata=self._metadata)
         return decode_attend_response(response)
 
     async def release(self, seq_ids: Sequence[str], *, missing_ok: bool = False) -> int:
         request = pb.ReleaseRequest(seq_ids=list(seq_ids), missing_ok=missing_ok)
         with rpc_errors():
-            r = await self._stub.Release(request, timeout=self.timeout_s)
+            r = await self._stub.Release(request, timeout=self.timeout_s, metadata=self._metadata)
         return int(r.released)
 
     async def fork(self, parent: str, child: str) -> int:
         with rpc_errors():
-            r = await self._stub.Fork(pb.ForkRequest(parent=parent, child=child), timeout=self.timeout_s)
+            r = await self._stub.Fork(
+                pb.ForkRequest(parent=parent, child=child), timeout=self.timeout_s, metadata=self._metadata
+            )
         return int(r.shared_blocks)
 
     async def export_kv(
@@ -109,7 +119,7 @@ class AsyncChunkAttnClient:
     ) -> AsyncIterator[pb.KVChunk]:
         request = pb.ExportKVRequest(seq_id=seq_id, layers=list(layers), max_message_bytes=max_message_bytes)
         with rpc_errors():
-            async for chunk in self._stub.ExportKV(request, timeout=self.timeout_s):
+            async for chunk in self._stub.ExportKV(request, timeout=self.timeout_s, metadata=self._metadata):
                 yield chunk
 
     async def import_kv(self, chunks: AsyncIterable[pb.KVChunk], *, seq_id: str | None = None) -> KVImport:
@@ -118,7 +128,7 @@ class AsyncChunkAttnClient:
                 yield renamed(c, seq_id)
 
         with rpc_errors():
-            r = await self._stub.ImportKV(feed(), timeout=self.timeout_s)
+            r = await self._stub.ImportKV(feed(), timeout=self.timeout_s, metadata=self._metadata)
         return KVImport(r.seq_id, r.blocks, r.records, r.bytes)
 
     async def transfer_kv(
@@ -129,25 +139,33 @@ class AsyncChunkAttnClient:
         new_seq_id: str = "",
         release_after: bool = False,
         layers: Sequence[int] = (),
+        target_token: str = "",
     ) -> KVTransfer:
-        request = transfer_request(seq_id, target, new_seq_id, release_after, layers)
+        request = transfer_request(seq_id, target, new_seq_id, release_after, layers, target_token)
         with rpc_errors():
-            return KVTransfer.from_pb(await self._stub.TransferKV(request, timeout=self.timeout_s))
+            return KVTransfer.from_pb(
+                await self._stub.TransferKV(request, timeout=self.timeout_s, metadata=self._metadata)
+            )
 
     def stream(self) -> AsyncAttendStream:
         return AsyncAttendStream(
             self._channel.stream_stream(
                 ATTEND_STREAM, request_serializer=wire.identity, response_deserializer=wire.identity
-            )
+            ),
+            self._metadata,
         )
 
 
 class AsyncAttendStream:
     """Calls over one AttendStream RPC, answered in order; ``async with`` closes it."""
 
-    def __init__(self, method: grpc.aio.StreamStreamMultiCallable[bytes, bytes]) -> None:
+    def __init__(
+        self,
+        method: grpc.aio.StreamStreamMultiCallable[bytes, bytes],
+        metadata: tuple[tuple[str, str], ...] | None = None,
+    ) -> None:
         self._requests: asyncio.Queue[bytes | None] = asyncio.Queue()
-        self._call = method(self._feed())
+        self._call = method(self._feed(), metadata=metadata)
         self._responses: AsyncIterator[bytes] = self._call.__aiter__()
         self._next_id = 0
         self._lock = asyncio.Lock()

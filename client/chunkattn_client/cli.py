@@ -54,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
 
     def command(name: str, help: str) -> argparse.ArgumentParser:
         c = sub.add_parser(name, help=help, description=help)
-        c.add_argument("--target", default=DEFAULT_TARGET, help="HOST:PORT (default $CHUNKATTN_TARGET or %(default)s)")
+        _connection(c)
         return c
 
     c = command("info", "Print the server's model shape, KV pool and version.")
@@ -72,7 +72,7 @@ def _parser() -> argparse.ArgumentParser:
 
     def kv_command(name: str, help: str) -> argparse.ArgumentParser:
         c = kv_sub.add_parser(name, help=help, description=help)
-        c.add_argument("--target", default=DEFAULT_TARGET, help="HOST:PORT (default $CHUNKATTN_TARGET or %(default)s)")
+        _connection(c)
         c.add_argument("--timeout", type=float, default=300.0, metavar="S")
         return c
 
@@ -91,6 +91,12 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--new-seq-id", default="", help="its id there (default: the same)")
     c.add_argument("--release", action="store_true", help="release it on the source once the target has it")
     c.add_argument("--layers", default="", help="comma-separated layers (default: all)")
+    c.add_argument(
+        "--target-token",
+        default=os.environ.get("CHUNKATTN_TARGET_TOKEN", ""),
+        help="the token the source presents to the importing server (default $CHUNKATTN_TARGET_TOKEN, else the"
+        " source's own --transfer-token)",
+    )
     c.set_defaults(func=_kv_transfer)
     c = kv_command("fork", "Start a sequence that shares another's KV copy-on-write.")
     c.add_argument("parent")
@@ -129,11 +135,53 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+# -- connections ----------------------------------------------------------------------------------------
+
+
+def _connection(c: argparse.ArgumentParser) -> None:
+    """The flags that say where the server is and how to talk to it."""
+    c.add_argument("--target", default=DEFAULT_TARGET, help="HOST:PORT (default $CHUNKATTN_TARGET or %(default)s)")
+    g = c.add_argument_group("security (a server with TLS, mutual TLS or tokens)")
+    g.add_argument(
+        "--tls-ca", metavar="FILE", help="use TLS, trusting the server's certificate if it chains to this CA"
+    )
+    g.add_argument("--tls-cert", metavar="FILE", help="present this client certificate (mutual TLS); with --tls-key")
+    g.add_argument("--tls-key", metavar="FILE", help="the client certificate's private key")
+    g.add_argument(
+        "--token",
+        default=os.environ.get("CHUNKATTN_TOKEN"),
+        help="the bearer token that names your tenant (default $CHUNKATTN_TOKEN; a flag shows in ps)",
+    )
+
+
+def _credentials(args: argparse.Namespace) -> dict[str, Any]:
+    """The client's credential arguments from the flags (files read here: OSError when one cannot be)."""
+
+    def read(path: str | None, flag: str) -> bytes | None:
+        if path is None:
+            return None
+        try:
+            return Path(path).read_bytes()
+        except OSError as e:
+            raise OSError(f"{flag} {path}: {e.strerror}") from None
+
+    return {
+        "root_certificates": read(args.tls_ca, "--tls-ca"),
+        "certificate_chain": read(args.tls_cert, "--tls-cert"),
+        "private_key": read(args.tls_key, "--tls-key"),
+        "token": args.token or None,
+    }
+
+
+def _client(args: argparse.Namespace) -> ChunkAttnClient:
+    return ChunkAttnClient(args.target, timeout_s=args.timeout, **_credentials(args))
+
+
 # -- info, health ---------------------------------------------------------------------------------------
 
 
 def _info(args: argparse.Namespace) -> int:
-    with ChunkAttnClient(args.target, timeout_s=args.timeout) as c:
+    with _client(args) as c:
         info = c.info()
     if args.json:
         print(json.dumps(dataclasses.asdict(info), indent=2))
@@ -162,7 +210,7 @@ def describe(info: ServerInfo) -> str:
 
 def _health(args: argparse.Namespace) -> int:
     deadline = time.monotonic() + args.wait
-    with ChunkAttnClient(args.target, timeout_s=args.timeout) as c:
+    with _client(args) as c:
         while True:
             try:
                 status = c.health()
@@ -188,7 +236,7 @@ def _layers(text: str) -> list[int]:
 def _kv_export(args: argparse.Namespace) -> int:
     from chunkattn_client import kvfile
 
-    with ChunkAttnClient(args.target, timeout_s=args.timeout) as c:
+    with _client(args) as c:
         start = time.perf_counter()
         chunks = c.export_kv(args.seq_id, layers=_layers(args.layers))
         counted = _Counted(chunks)
@@ -225,7 +273,7 @@ def _kv_import(args: argparse.Namespace) -> int:
 
     if not os.path.exists(args.file):
         raise ValueError(f"no such file: {args.file}")
-    with ChunkAttnClient(args.target, timeout_s=args.timeout) as c:
+    with _client(args) as c:
         start = time.perf_counter()
         r = c.import_kv(kvfile.read(args.file), seq_id=args.seq_id)
     print(
@@ -236,9 +284,14 @@ def _kv_import(args: argparse.Namespace) -> int:
 
 
 def _kv_transfer(args: argparse.Namespace) -> int:
-    with ChunkAttnClient(args.target, timeout_s=args.timeout) as c:
+    with _client(args) as c:
         r = c.transfer_kv(
-            args.seq_id, args.to, new_seq_id=args.new_seq_id, release_after=args.release, layers=_layers(args.layers)
+            args.seq_id,
+            args.to,
+            new_seq_id=args.new_seq_id,
+            release_after=args.release,
+            layers=_layers(args.layers),
+            target_token=args.target_token,
         )
     where = f"{args.to} as {args.new_seq_id!r}" if args.new_seq_id else args.to
     print(
@@ -249,7 +302,7 @@ def _kv_transfer(args: argparse.Namespace) -> int:
 
 
 def _kv_fork(args: argparse.Namespace) -> int:
-    with ChunkAttnClient(args.target, timeout_s=args.timeout) as c:
+    with _client(args) as c:
         shared = c.fork(args.parent, args.child)
     print(f"forked {args.parent!r} into {args.child!r}: {shared} blocks shared copy-on-write")
     return EXIT_OK
@@ -294,7 +347,7 @@ def _bench(args: argparse.Namespace) -> int:
         if path and not os.access(Path(path).resolve().parent, os.W_OK):
             raise WorkloadError(f"cannot write {path}: its directory does not exist or is not writable")
 
-    results = asyncio.run(_run_all(configs, args.progress))
+    results = asyncio.run(_run_all(configs, args.progress, _credentials(args)))
     values = values[: len(results)]  # fewer when Ctrl-C ended a sweep
     rows = [(_label(v), r, report.summary(r)) for v, r in zip(values, results, strict=True)]
     for label, _, s in rows:
@@ -342,14 +395,14 @@ def _label(value: Any) -> str:
     return "run" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
 
 
-async def _run_all(configs: Sequence[Any], progress_mode: str) -> list[Any]:
+async def _run_all(configs: Sequence[Any], progress_mode: str, credentials: dict[str, Any]) -> list[Any]:
     """Run each config in turn on one channel. The first Ctrl-C ends the current run (it is still reported)
     and the sweep; a second one quits at once."""
     from chunkattn_client.bench.progress import make_progress
     from chunkattn_client.bench.runner import Bench
 
     results = []
-    async with AsyncChunkAttnClient(configs[0].target, timeout_s=configs[0].timeout_s) as client:
+    async with AsyncChunkAttnClient(configs[0].target, timeout_s=configs[0].timeout_s, **credentials) as client:
         info = await client.info()
         loop = asyncio.get_running_loop()
         for cfg in configs:

@@ -26,6 +26,7 @@ from chunkattn_client import codec, wire
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2_grpc as pb_grpc
 from chunkattn_client.batch import BatchEntry
+from chunkattn_client.limits import token_problem
 
 # Large enough for a 4,096-token prefill of Llama-4-Scout's shape in bf16 (q, k, v: 56 MiB) with room.
 DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
@@ -155,21 +156,61 @@ def renamed(chunk: pb.KVChunk, seq_id: str | None) -> pb.KVChunk:
 
 
 def transfer_request(
-    seq_id: str, target: str, new_seq_id: str, release_after: bool, layers: Sequence[int]
+    seq_id: str, target: str, new_seq_id: str, release_after: bool, layers: Sequence[int], target_token: str = ""
 ) -> pb.TransferKVRequest:
     return pb.TransferKVRequest(
-        seq_id=seq_id, target=target, new_seq_id=new_seq_id, release_after=release_after, layers=list(layers)
+        seq_id=seq_id,
+        target=target,
+        new_seq_id=new_seq_id,
+        release_after=release_after,
+        layers=list(layers),
+        target_token=target_token,
     )
 
 
+@dataclass(frozen=True)
+class Credentials:
+    """How a client proves who it is and checks whom it talks to (README: Security).
+
+    root_certificates: PEM CA(s) the server's certificate must chain to; setting it (or a client
+    certificate) turns TLS on. certificate_chain, private_key: PEM, a client certificate for servers that
+    require one (mutual TLS); both or neither. token: sent as ``authorization: Bearer <token>`` call
+    metadata on every call (over plaintext too: keep that to trusted networks).
+    """
+
+    root_certificates: bytes | None = None
+    certificate_chain: bytes | None = None
+    private_key: bytes | None = None
+    token: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.certificate_chain is None) != (self.private_key is None):
+            raise ValueError("certificate_chain and private_key go together: give both (mutual TLS), or neither")
+        problem = None if self.token is None else token_problem(self.token)
+        if problem:
+            raise ValueError(problem)
+
+    @property
+    def tls(self) -> bool:
+        return self.root_certificates is not None or self.certificate_chain is not None
+
+    def metadata(self) -> tuple[tuple[str, str], ...] | None:
+        """The call metadata that carries the token (None: no token)."""
+        return None if self.token is None else (("authorization", f"Bearer {self.token}"),)
+
+
 def open_channel(
-    api: Any, target: str, max_message_bytes: int, keepalive_s: float | None, root_certificates: bytes | None
+    api: Any, target: str, max_message_bytes: int, keepalive_s: float | None, credentials: Credentials
 ) -> Any:
-    """A channel from ``api`` (the grpc module, or grpc.aio): TLS when root certificates are given."""
+    """A channel from ``api`` (the grpc module, or grpc.aio): TLS when the credentials say so."""
     options = channel_options(max_message_bytes, keepalive_s)
-    if root_certificates is None:
+    if not credentials.tls:
         return api.insecure_channel(target, options=options)
-    creds = grpc.ssl_channel_credentials(root_certificates=root_certificates)
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=credentials.root_certificates,
+        private_key=credentials.private_key,
+        certificate_chain=credentials.certificate_chain,
+    )
     return api.secure_channel(target, creds, options=options)
 
 
@@ -248,8 +289,8 @@ ATTEND_STREAM = "/chunkattn.v1.ChunkAttn/AttendStream"
 class ChunkAttnClient:
     """A blocking client. Thread-safe: gRPC channels may be shared between threads.
 
-    target: "host:port". root_certificates: PEM bytes to use TLS (None: plaintext). timeout_s: the
-    deadline of each call (None: none).
+    target: "host:port". root_certificates, certificate_chain, private_key, token: see ``Credentials``
+    (none of them: plaintext, no token). timeout_s: the deadline of each call (None: none).
     """
 
     def __init__(
@@ -259,9 +300,14 @@ class ChunkAttnClient:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         keepalive_s: float | None = None,
         root_certificates: bytes | None = None,
+        certificate_chain: bytes | None = None,
+        private_key: bytes | None = None,
+        token: str | None = None,
         timeout_s: float | None = None,
     ) -> None:
-        self._channel: grpc.Channel = open_channel(grpc, target, max_message_bytes, keepalive_s, root_certificates)
+        credentials = Credentials(root_certificates, certificate_chain, private_key, token)
+        self._metadata = credentials.metadata()
+        self._channel: grpc.Channel = open_channel(grpc, target, max_message_bytes, keepalive_s, credentials)
         self._stub = pb_grpc.ChunkAttnStub(self._channel)
         # Attend requests are serialized by wire.encode_attend_request (protobuf's serializer is slow on MiBs).
         self._attend = self._channel.unary_unary(
@@ -282,12 +328,16 @@ class ChunkAttnClient:
 
     def info(self) -> ServerInfo:
         with rpc_errors():
-            return ServerInfo.from_pb(self._stub.Info(pb.InfoRequest(), timeout=self.timeout_s))
+            return ServerInfo.from_pb(
+                self._stub.Info(pb.InfoRequest(), timeout=self.timeout_s, metadata=self._metadata)
+            )
 
     def health(self, service: str = "") -> str:
         """The standard health status name: "SERVING", "NOT_SERVING", ... ("" = the whole server)."""
         with rpc_errors():
-            r = self._health.Check(health_pb2.HealthCheckRequest(service=service), timeout=self.timeout_s)
+            r = self._health.Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=self.timeout_s, metadata=self._metadata
+            )
         return str(health_pb2.HealthCheckResponse.ServingStatus.Name(r.status))
 
     def attend(
@@ -306,27 +356,31 @@ class ChunkAttnClient:
         ``end_of_sequence`` are released after the call. Returns [T, H, D] (uint16 words for bfloat16)."""
         request = attend_request(layer, entries, q, k, v, end_of_sequence=end_of_sequence, dtype=dtype)
         with rpc_errors():
-            response = self._attend(request, timeout=self.timeout_s)
+            response = self._attend(request, timeout=self.timeout_s, metadata=self._metadata)
         return decode_attend_response(response)
 
     def release(self, seq_ids: Sequence[str], *, missing_ok: bool = False) -> int:
         """Release sequences; returns how many existed."""
         with rpc_errors():
             r = self._stub.Release(
-                pb.ReleaseRequest(seq_ids=list(seq_ids), missing_ok=missing_ok), timeout=self.timeout_s
+                pb.ReleaseRequest(seq_ids=list(seq_ids), missing_ok=missing_ok),
+                timeout=self.timeout_s,
+                metadata=self._metadata,
             )
         return int(r.released)
 
     def fork(self, parent: str, child: str) -> int:
         """A new sequence ``child`` sharing ``parent``'s KV copy-on-write; returns the blocks shared."""
         with rpc_errors():
-            r = self._stub.Fork(pb.ForkRequest(parent=parent, child=child), timeout=self.timeout_s)
+            r = self._stub.Fork(
+                pb.ForkRequest(parent=parent, child=child), timeout=self.timeout_s, metadata=self._metadata
+            )
         return int(r.shared_blocks)
 
     def export_kv(self, seq_id: str, *, layers: Sequence[int] = (), max_message_bytes: int = 0) -> Iterator[pb.KVChunk]:
         """A sequence's live KV as KVChunk messages (header, blocks, trailer), e.g. for ``kvfile.write``."""
         request = pb.ExportKVRequest(seq_id=seq_id, layers=list(layers), max_message_bytes=max_message_bytes)
-        call = self._stub.ExportKV(request, timeout=self.timeout_s)
+        call = self._stub.ExportKV(request, timeout=self.timeout_s, metadata=self._metadata)
 
         def chunks() -> Iterator[pb.KVChunk]:
             with rpc_errors():
@@ -337,7 +391,9 @@ class ChunkAttnClient:
     def import_kv(self, chunks: Iterable[pb.KVChunk], *, seq_id: str | None = None) -> KVImport:
         """Import an exported KV stream as a new sequence (named ``seq_id``, else the exported id)."""
         with rpc_errors():
-            r = self._stub.ImportKV((renamed(c, seq_id) for c in chunks), timeout=self.timeout_s)
+            r = self._stub.ImportKV(
+                (renamed(c, seq_id) for c in chunks), timeout=self.timeout_s, metadata=self._metadata
+            )
         return KVImport(r.seq_id, r.blocks, r.records, r.bytes)
 
     def transfer_kv(
@@ -348,11 +404,13 @@ class ChunkAttnClient:
         new_seq_id: str = "",
         release_after: bool = False,
         layers: Sequence[int] = (),
+        target_token: str = "",
     ) -> KVTransfer:
-        """Have this server stream ``seq_id``'s KV straight into the server at ``target`` ("host:port")."""
-        request = transfer_request(seq_id, target, new_seq_id, release_after, layers)
+        """Have this server stream ``seq_id``'s KV straight into the server at ``target`` ("host:port"),
+        presenting ``target_token`` there (empty: the server's own --transfer-token, if any)."""
+        request = transfer_request(seq_id, target, new_seq_id, release_after, layers, target_token)
         with rpc_errors():
-            return KVTransfer.from_pb(self._stub.TransferKV(request, timeout=self.timeout_s))
+            return KVTransfer.from_pb(self._stub.TransferKV(request, timeout=self.timeout_s, metadata=self._metadata))
 
     def stream(self) -> AttendStream:
         """A bidirectional stream for a long-lived model runner: one round trip per call, no new RPC.
@@ -362,6 +420,7 @@ class ChunkAttnClient:
                 ATTEND_STREAM, request_serializer=wire.identity, response_deserializer=wire.identity
             ),
             timeout_s=self.timeout_s,
+            metadata=self._metadata,
         )
 
 
@@ -374,9 +433,15 @@ class AttendStream:
     otherwise be taken for the next call's). A stream dropped without ``close()`` is cancelled.
     """
 
-    def __init__(self, method: grpc.StreamStreamMultiCallable[bytes, bytes], *, timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        method: grpc.StreamStreamMultiCallable[bytes, bytes],
+        *,
+        timeout_s: float | None = None,
+        metadata: tuple[tuple[str, str], ...] | None = None,
+    ) -> None:
         self._requests: queue.Queue[bytes | None] = queue.Queue()
-        self._call: Any = method(iter(self._requests.get, None))
+        self._call: Any = method(iter(self._requests.get, None), metadata=metadata)
         # A reader thread hands answers over, so that a call can stop waiting (gRPC's iterator cannot). It
         # holds the call and the queue, not the stream, so that a dropped stream is collected and cancelled.
         self._answers: queue.Queue[bytes | ChunkAttnError | None] = queue.Queue()

@@ -52,6 +52,14 @@ def bounded(message: str) -> str:
     return message[: MAX_MESSAGE_CHARS - 40] + f"... ({len(message)} characters in all)"
 
 
+def token_problem(token: str, what: str = "a token") -> str | None:
+    """Why ``token`` cannot be a bearer token (it travels in a header: printable ASCII, no surrounding
+    spaces), or None. Never quotes the token."""
+    if not token or not token.isascii() or not token.isprintable() or token != token.strip():
+        return f"{what} must be printable ASCII without surrounding spaces (it travels in a header)"
+    return None
+
+
 def id_problem(seq_id: object, what: str = "seq_id") -> str | None:
     """Why ``seq_id`` is not a valid sequence id, or None when it is."""
     if not isinstance(seq_id, str):

@@ -25,6 +25,7 @@ from typing import Any
 from chunkattn_client import hfconfig
 from chunkattn_client.client import MAX_KEEPALIVE_S, MIN_KEEPALIVE_S, check_keepalive
 from chunkattn_server import allocator
+from chunkattn_server.auth import token_digest
 from chunkattn_server.config import (
     DEFAULT_IMPORT_STALL_S,
     DEFAULT_MAX_BATCH_TOKENS,
@@ -139,6 +140,46 @@ def build_parser() -> argparse.ArgumentParser:
         help="TransferKV pings its target after this long without news and fails if no answer comes within as"
         f" long (default {DEFAULT_TRANSFER_KEEPALIVE_S:g}; 0: no pings; else {MIN_KEEPALIVE_S:g} to"
         f" {MAX_KEEPALIVE_S:g})",
+    )
+    t = p.add_argument_group("security (README: Security)")
+    t.add_argument("--tls-cert", metavar="FILE", help="serve TLS with this PEM certificate (chain); with --tls-key")
+    t.add_argument("--tls-key", metavar="FILE", help="the certificate's PEM private key")
+    t.add_argument(
+        "--tls-client-ca",
+        metavar="FILE",
+        help="mutual TLS: require client certificates that chain to this PEM CA (a certificate's CN may name a"
+        " tenant in --auth-tokens)",
+    )
+    t.add_argument(
+        "--auth-tokens",
+        metavar="FILE",
+        help="tenants, their tokens' SHA-256 and quotas (JSON, see README): every chunkattn RPC then needs a"
+        " token or a client certificate that names a tenant; reloaded on SIGHUP with the TLS files",
+    )
+    t.add_argument(
+        "--transfer-token",
+        default="",
+        help="the token TransferKV presents to the --transfer-targets unless a request brings its own; prefer"
+        " the environment, CHUNKATTN_TRANSFER_TOKEN (a flag shows in ps)",
+    )
+    t.add_argument(
+        "--transfer-targets",
+        default="",
+        metavar="HOST:PORT,...",
+        help="the targets, exactly as requests name them, that may receive the server's own --transfer-token"
+        " and --transfer-tls-cert (to any other target a request must bring its own target_token)",
+    )
+    t.add_argument(
+        "--transfer-tls-ca", metavar="FILE", help="TransferKV reaches its targets over TLS, trusting this CA"
+    )
+    t.add_argument(
+        "--transfer-tls-cert", metavar="FILE", help="the client certificate TransferKV presents (mutual TLS)"
+    )
+    t.add_argument("--transfer-tls-key", metavar="FILE", help="its private key")
+    t.add_argument(
+        "--hash-token",
+        action="store_true",
+        help="read a token on standard input, print its SHA-256 for the token file, and exit",
     )
     m = p.add_argument_group("model (the attention shape; must match the client's model)")
     m.add_argument("--preset", choices=sorted(PRESETS), default="demo", help="start from a known shape (default demo)")
@@ -275,6 +316,12 @@ def check(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    if args.hash_token:
+        token = sys.stdin.readline().strip()
+        if not token:
+            build_parser().error("--hash-token reads a token on standard input, and got none")
+        print(token_digest(token))
+        return 0
     check(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log.info("%s", allocator.keep_freed_memory())
@@ -296,6 +343,15 @@ def main(argv: list[str] | None = None) -> int:
             max_batch_tokens=args.max_batch_tokens,
             max_batch_delay_us=args.max_batch_delay_us,
             inline_steps=args.inline_steps,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+            tls_client_ca=args.tls_client_ca,
+            auth_tokens=args.auth_tokens,
+            transfer_token=args.transfer_token,
+            transfer_tls_ca=args.transfer_tls_ca,
+            transfer_tls_cert=args.transfer_tls_cert,
+            transfer_tls_key=args.transfer_tls_key,
+            transfer_targets=tuple(t for t in (x.strip() for x in args.transfer_targets.split(",")) if t),
         )
         asyncio.run(serve(engine_config(args), server))
     except (ConfigError, OSError) as e:

@@ -16,7 +16,7 @@ resetting the connection is found by the keepalive pings the caller's ``options`
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,10 +35,17 @@ class _Entry:
 
 
 class ChannelPool:
-    """Insecure channels by target address, shared by the transfers to that target (one event loop)."""
+    """Channels by target address, shared by the transfers to that target (one event loop): TLS with
+    ``credentials(target)``, plaintext where that is None."""
 
-    def __init__(self, options: Sequence[tuple[str, Any]], limit: int = DEFAULT_LIMIT) -> None:
+    def __init__(
+        self,
+        options: Sequence[tuple[str, Any]],
+        credentials: Callable[[str], grpc.ChannelCredentials | None] = lambda target: None,
+        limit: int = DEFAULT_LIMIT,
+    ) -> None:
         self._options = [*options, ("grpc.use_local_subchannel_pool", 1)]
+        self._credentials = credentials
         self._limit = limit
         self._entries: dict[str, _Entry] = {}  # least recently used first
         self._closed = False
@@ -53,7 +60,7 @@ class ChannelPool:
         if entry is not None and entry.channel.get_state() in BROKEN:
             await self._retire(entry)
             entry = None
-        entry = entry or _Entry(grpc.aio.insecure_channel(target, options=self._options))
+        entry = entry or _Entry(self._open(target))
         self._entries[target] = entry
         entry.users += 1
         try:
@@ -69,6 +76,12 @@ class ChannelPool:
             if entry.dropped:
                 await self._retire(entry)
             await self._trim()
+
+    def _open(self, target: str) -> grpc.aio.Channel:
+        credentials = self._credentials(target)
+        if credentials is None:
+            return grpc.aio.insecure_channel(target, options=self._options)
+        return grpc.aio.secure_channel(target, credentials, options=self._options)
 
     async def close(self) -> None:
         """Close every channel (at shutdown, once no transfer runs); later uses raise RuntimeError."""

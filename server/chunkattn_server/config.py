@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from chunkattn_client.limits import quote
+import grpc
+
+from chunkattn_client.limits import quote, token_problem
 from chunkattn_server.errors import ConfigError, UnknownLayer
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -284,8 +287,31 @@ class ServerConfig:
     max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
     max_batch_delay_us: int = 0
     inline_steps: bool = True
+    # Security (README "Security"): TLS files, the token file, and how TransferKV reaches its targets.
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    auth_tokens: str | None = None
+    transfer_token: str = ""
+    transfer_tls_ca: str | None = None
+    transfer_tls_cert: str | None = None
+    transfer_tls_key: str | None = None
+    transfer_targets: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("--tls-cert and --tls-key go together: give both to serve TLS, or neither")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ConfigError("--tls-client-ca (mutual TLS) needs TLS: give --tls-cert and --tls-key too")
+        problem = self.transfer_token and token_problem(self.transfer_token, "--transfer-token")
+        if problem:
+            raise ConfigError(problem)
+        if (self.transfer_token or self.transfer_tls_cert) and not self.transfer_targets:
+            raise ConfigError(
+                "--transfer-token and --transfer-tls-cert are the server's own credentials: name the targets they"
+                " may go to with --transfer-targets (a tenant names the target of its transfer, so to any other"
+                " it could take them); requests can always bring their own target_token"
+            )
         if self.max_batch_tokens < 1 or self.max_batch_delay_us < 0:
             raise ConfigError(
                 f"max_batch_tokens must be >= 1 and max_batch_delay_us >= 0, got {self.max_batch_tokens} and"
@@ -296,6 +322,22 @@ class ServerConfig:
                 f"the bytes in flight ({self.max_inflight_bytes >> 20} MiB) must hold at least one largest message"
                 f" ({self.max_message_bytes >> 20} MiB): raise --max-inflight-mib or lower --max-message-mib"
             )
+
+    def transfer_credentials(self) -> Callable[[str], grpc.ChannelCredentials | None]:
+        """TLS for TransferKV's channel to each target (None: plaintext). The server's client certificate
+        goes only to the targets of --transfer-targets: a tenant names the target of its transfer."""
+        from chunkattn_server.tls import channel_credentials
+
+        ca, cert, key = self.transfer_tls_ca, self.transfer_tls_cert, self.transfer_tls_key
+        own = channel_credentials(ca, cert, key, "--transfer-tls")
+        anyone = channel_credentials(ca, None, None, "--transfer-tls") if cert is not None else own
+        allowed = frozenset(self.transfer_targets)
+        return lambda target: own if target in allowed else anyone
+
+    def transfer_token_for(self, target: str) -> str:
+        """The token TransferKV presents to ``target`` when the request brings none: the server's own, only to
+        the targets of --transfer-targets (to any other, a tenant could take it)."""
+        return self.transfer_token if target in self.transfer_targets else ""
 
     @property
     def inflight_bytes(self) -> int:

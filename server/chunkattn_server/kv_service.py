@@ -20,8 +20,9 @@ import grpc
 from chunkattn_client import wire
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_client.client import channel_options
-from chunkattn_client.limits import MAX_ID_BYTES, id_problem, target_problem
+from chunkattn_client.limits import MAX_ID_BYTES, id_problem, target_problem, token_problem
 from chunkattn_server import kvwire
+from chunkattn_server.auth import Tenant
 from chunkattn_server.channels import ChannelPool
 from chunkattn_server.config import ServerConfig
 from chunkattn_server.engine import Engine, EngineStats
@@ -70,7 +71,10 @@ class KVService:
         # TransferKV's channels, kept open. With keepalive, a target whose host vanished without closing the
         # connection (no reset: powered off, cut off, frozen) is found out within two keepalive periods, an
         # unanswered ping failing the transfer with UNAVAILABLE, instead of at the transfer's deadline.
-        self._targets = ChannelPool(channel_options(config.max_message_bytes, config.transfer_keepalive_s or None))
+        self._targets = ChannelPool(
+            channel_options(config.max_message_bytes, config.transfer_keepalive_s or None),
+            config.transfer_credentials(),
+        )
 
     def handlers(self) -> dict[str, grpc.RpcMethodHandler[Any, Any]]:
         r, c, small = self._rpcs, self._config, SMALL_REQUEST_BYTES  # a few ids, a target, layers
@@ -84,20 +88,22 @@ class KVService:
             "TransferKV": r.unary("TransferKV", self.TransferKV, pb.TransferKVRequest, small),
         }
 
-    async def Fork(self, request: pb.ForkRequest, context: Context) -> pb.ForkResponse:  # noqa: N802
-        parent, child = request.parent, request.child
-        shared, stats = await self._run("Fork", lambda e: (e.fork(parent, child), e.stats()))
+    async def Fork(self, request: pb.ForkRequest, context: Context, tenant: Tenant) -> pb.ForkResponse:  # noqa: N802
+        parent, child, name = request.parent, request.child, tenant.name
+        shared, stats = await self._run("Fork", lambda e: (e.fork(parent, child, tenant=name), e.stats()))
         self._metrics.forked.inc()
         self._observe_pool(stats)
         return pb.ForkResponse(shared_blocks=shared)
 
-    async def ExportKV(self, request: pb.ExportKVRequest, context: Context) -> AsyncIterator[bytes]:  # noqa: N802
+    async def ExportKV(  # noqa: N802
+        self, request: pb.ExportKVRequest, context: Context, tenant: Tenant
+    ) -> AsyncIterator[bytes]:
         started = time.perf_counter()
         if request.max_message_bytes < 0:
             raise InvalidArgument(f"max_message_bytes must be >= 0 (0: 4 MiB), got {request.max_message_bytes}")
         limit = min(request.max_message_bytes or DEFAULT_KV_MESSAGE_BYTES, self._config.max_message_bytes)
         try:
-            manifest = await self._manifest(request.seq_id, list(request.layers))
+            manifest = await self._manifest(request.seq_id, list(request.layers), tenant)
             async with contextlib.aclosing(self._chunks(manifest, limit)) as chunks:  # its next job cancelled
                 async for chunk in chunks:
                     yield chunk
@@ -106,24 +112,27 @@ class KVService:
             raise
         self._transferred("out", grpc.StatusCode.OK, started)
 
-    async def ImportKV(self, stream: Stream, context: Context) -> pb.ImportKVResponse:  # noqa: N802
+    async def ImportKV(self, stream: Stream, context: Context, tenant: Tenant) -> pb.ImportKVResponse:  # noqa: N802
         started = time.perf_counter()
         try:
-            response = await self._import(stream)
+            response = await self._import(stream, tenant)
         except BaseException as e:
             self._transferred("in", _code(e), started)
             raise
         self._transferred("in", grpc.StatusCode.OK, started)
         return response
 
-    async def TransferKV(self, request: pb.TransferKVRequest, context: Context) -> pb.TransferKVResponse:  # noqa: N802
+    async def TransferKV(  # noqa: N802
+        self, request: pb.TransferKVRequest, context: Context, tenant: Tenant
+    ) -> pb.TransferKVResponse:
         started = time.perf_counter()
         try:
             problem = target_problem(request.target)
             if problem:
                 raise InvalidArgument(problem)
             remaining = context.time_remaining()
-            response = await self._transfer(request, DEFAULT_TRANSFER_TIMEOUT_S if remaining is None else remaining)
+            timeout = DEFAULT_TRANSFER_TIMEOUT_S if remaining is None else remaining
+            response = await self._transfer(request, timeout, tenant)
         except BaseException as e:
             self._transferred("out", _code(e), started)
             raise
@@ -133,8 +142,11 @@ class KVService:
 
     # -- the work --------------------------------------------------------------------------------------
 
-    async def _manifest(self, seq_id: str, layers: list[int]) -> KVManifest:
-        result: KVManifest = await self._run("ExportKV", lambda e: e.transfer.export_manifest(seq_id, layers or None))
+    async def _manifest(self, seq_id: str, layers: list[int], tenant: Tenant) -> KVManifest:
+        name = tenant.name
+        result: KVManifest = await self._run(
+            "ExportKV", lambda e: e.transfer.export_manifest(seq_id, layers or None, name)
+        )
         return result
 
     async def _chunks(
@@ -171,7 +183,7 @@ class KVService:
                 pending.cancel()
         yield kvwire.encode_trailer(sum(len(batch) for batch in todo))
 
-    async def _import(self, stream: Stream) -> pb.ImportKVResponse:
+    async def _import(self, stream: Stream, tenant: Tenant) -> pb.ImportKVResponse:
         """The header is decoded, checked and its blocks reserved in one engine job; each later message is
         decoded and written in one job, running while the next message arrives. Every message counts in the
         server's limits from its arrival until it is written; only the header's can be refused, a later one
@@ -191,7 +203,7 @@ class KVService:
             part, manifest = kvwire.decode(first)
             if part != "header" or not isinstance(manifest, KVManifest):
                 raise IncompatibleKV("a KV stream must start with its header")
-            holder.append(e.transfer.begin_import(manifest))
+            holder.append(e.transfer.begin_import(manifest, tenant.name))
             return holder[0]
 
         def abort(e: Engine) -> None:
@@ -218,10 +230,10 @@ class KVService:
                 self._metrics.kv_transfer_bytes.labels("in").inc(size)
 
         try:
-            with admission.admit(len(first)):
+            with admission.admit(len(first), tenant=tenant):
                 session: ImportSession = await self._run("ImportKV", begin)
             while (data := await stream.read()) is not None:
-                ticket = await admission.admit_when_room(len(data))
+                ticket = await admission.admit_when_room(len(data), tenant)
                 try:
                     await written()  # a damaged block is reported before anything about the next message
                 except BaseException:
@@ -231,6 +243,9 @@ class KVService:
                     ticket.release()
                     raise IncompatibleKV("unexpected message in the KV stream after its trailer")
                 job = asyncio.ensure_future(self._run("ImportKV", self._importer(session, data)))
+                # Held while the message is being written, not while the client takes its time with the
+                # next one: an idle import holds no call slot (its blocks are its own, counted in its quota).
+                job.add_done_callback(_releasing(ticket))
                 writing = (job, ticket)
             await written()
             if not trailer:
@@ -264,33 +279,32 @@ class KVService:
 
         return job
 
-    async def _transfer(self, request: pb.TransferKVRequest, timeout: float | None) -> pb.TransferKVResponse:
+    async def _transfer(
+        self, request: pb.TransferKVRequest, timeout: float | None, tenant: Tenant
+    ) -> pb.TransferKVResponse:
         problem = request.new_seq_id and id_problem(request.new_seq_id, "new_seq_id")
         if problem:
             raise InvalidBatch(problem)
-        manifest = await self._manifest(request.seq_id, list(request.layers))  # NOT_FOUND before any connection
+        token = request.target_token or self._config.transfer_token_for(request.target)
+        problem = token and token_problem(token, "target_token")
+        if problem:
+            raise InvalidArgument(problem)
+        manifest = await self._manifest(request.seq_id, list(request.layers), tenant)  # NOT_FOUND before connecting
         failure: list[BaseException] = []
         chunks = self._chunks(manifest, DEFAULT_KV_MESSAGE_BYTES, as_id=request.new_seq_id, failure=failure)
+        metadata = (("authorization", f"Bearer {token}"),) if token else None
         try:
             async with self._targets.use(request.target) as channel:
                 method: grpc.aio.StreamUnaryMultiCallable[bytes, pb.ImportKVResponse] = channel.stream_unary(
                     IMPORT_KV, request_serializer=wire.identity, response_deserializer=pb.ImportKVResponse.FromString
                 )
-                imported: pb.ImportKVResponse = await method(chunks, timeout=timeout)
+                imported: pb.ImportKVResponse = await method(chunks, timeout=timeout, metadata=metadata)
         except grpc.RpcError as e:
             if failure:  # our export failed first; the target only saw the stream stop
                 raise failure[0] from None
             error = TargetError.from_rpc(e, request.target)
             if error.code == grpc.StatusCode.INTERNAL and "Internal error from Core" in str(error):
-                # A target that refuses an import (a full pool, an id in use) ends the stream while we still
-                # send, and gRPC Python's asyncio client then sometimes reports this in place of the target's
-                # status (grpc/grpc#36066: about 1 such refusal in 50 here). Nothing was imported.
-                raise TargetError(
-                    grpc.StatusCode.UNAVAILABLE,
-                    f"the target {request.target} ended the KV stream before it was sent, refusing the import,"
-                    " and gRPC lost its reason (grpc/grpc#36066); nothing was imported: retry, or ask the target"
-                    " (a full pool or an id in use are the usual reasons)",
-                ) from None
+                raise await self._lost_refusal(request.target, metadata) from None
             raise error from None
         if failure:
             raise failure[0]
@@ -304,6 +318,14 @@ class KVService:
             blocks=imported.blocks, records=imported.records, bytes=imported.bytes, released=released
         )
 
+    async def _lost_refusal(self, target: str, metadata: Any) -> TargetError:
+        """See _lost_refusal_of; on the target's kept channel (a refusal does not drop it)."""
+        try:
+            async with self._targets.use(target) as channel:
+                return await _lost_refusal_of(channel, metadata, target)
+        except grpc.RpcError as e:
+            return TargetError.from_rpc(e, target)
+
     async def close(self) -> None:
         """Close the channels to transfer targets (at shutdown, after the last call)."""
         await self._targets.close()
@@ -316,10 +338,39 @@ class KVService:
         self._metrics.kv_transfer_seconds.labels(direction).observe(time.perf_counter() - started)
 
 
+async def _lost_refusal_of(channel: grpc.aio.Channel, metadata: Any, target: str) -> TargetError:
+    """What to say when a target refused an import and gRPC lost its reason. A target that refuses an import
+    (credentials, a full pool, an id in use) ends the stream while we still send, and gRPC Python's asyncio
+    client then sometimes reports "Internal error from Core" in place of the target's status (grpc/grpc#36066:
+    about 1 such refusal in 50 here, and most refusals of credentials, which come before any message is read).
+    One Info call with the same credentials finds out whether those were the reason; nothing was imported."""
+    info = channel.unary_unary(
+        "/chunkattn.v1.ChunkAttn/Info",
+        request_serializer=pb.InfoRequest.SerializeToString,
+        response_deserializer=pb.InfoResponse.FromString,
+    )
+    try:
+        await info(pb.InfoRequest(), metadata=metadata, timeout=10)
+    except grpc.RpcError as e:
+        if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+            return TargetError.from_rpc(e, target)
+    return TargetError(
+        grpc.StatusCode.UNAVAILABLE,
+        f"the target {target} ended the KV stream before it was sent, refusing the import, and gRPC lost its"
+        " reason (grpc/grpc#36066); nothing was imported: retry, or ask the target (a full pool or an id in use"
+        " are the usual reasons)",
+    )
+
+
 def _code(e: BaseException) -> grpc.StatusCode:
     """What a transfer that ended with ``e`` is counted as: cancelled when its client went away or stopped
     reading (the export's generator closed), else the status the caller gets."""
     return grpc.StatusCode.CANCELLED if isinstance(e, asyncio.CancelledError | GeneratorExit) else status_code(e)
+
+
+def _releasing(ticket: Ticket) -> Callable[[asyncio.Future[Any]], None]:
+    """A done-callback that releases ``ticket``."""
+    return lambda _: ticket.release()
 
 
 def _releaser(manifest: KVManifest) -> Callable[[Engine], EngineStats]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import platform
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from prometheus_client import (
@@ -116,6 +117,21 @@ class Metrics:
             ["kind"],
             registry=r,
         )
+        # Per tenant, with authentication on (--auth-tokens): label values are the token file's tenant names.
+        self.tenant_requests = Counter(
+            "chunkattn_tenant_requests_total",
+            "Requests answered, by the caller's tenant, RPC and gRPC status code (only with --auth-tokens; a call"
+            " without valid credentials has no tenant and counts in chunkattn_requests_total alone).",
+            ["tenant", "rpc", "code"],
+            registry=r,
+        )
+        self.tenant_kv_blocks = Gauge(
+            "chunkattn_tenant_kv_blocks", "KV blocks held by each tenant's sequences.", ["tenant"], registry=r
+        )
+        self.tenant_sequences = Gauge(
+            "chunkattn_tenant_sequences", "Sequences each tenant holds.", ["tenant"], registry=r
+        )
+        self._tenants: set[str] = set()  # the tenants the two gauges above have series for
         self.bytes_received = Counter("chunkattn_received_bytes_total", "Tensor bytes received (q, k, v).", registry=r)
         self.bytes_sent = Counter("chunkattn_sent_bytes_total", "Tensor bytes sent (outputs).", registry=r)
         self.kv_blocks_total = Gauge("chunkattn_kv_blocks", "KV blocks in the pool.", registry=r)
@@ -166,7 +182,21 @@ class Metrics:
 
         self.build_info.labels(__version__, backend, device, platform.python_version()).set(1)
 
+    def set_tenants(self, names: Iterable[str]) -> None:
+        """The tenants that get per-tenant gauges (the token file's; none without one). A tenant no longer
+        listed loses its gauges; its counters stay (they are history)."""
+        now = set(names)
+        for gone in self._tenants - now:
+            self.tenant_kv_blocks.remove(gone)
+            self.tenant_sequences.remove(gone)
+            for metric in (self.tenant_kv_blocks, self.tenant_sequences):
+                self._children.pop((id(metric), (gone,)), None)
+        self._tenants = now
+
     def observe_pool(self, stats: EngineStats) -> None:
-        """Set the KV-in-use and active-sequence gauges from the engine's stats."""
+        """Set the KV-in-use and active-sequence gauges from the engine's stats, per tenant too."""
         self.kv_blocks_used.set(stats.used_blocks)
         self.active_sequences.set(stats.num_sequences)
+        for name in self._tenants:
+            self.of(self.tenant_kv_blocks, name).set(stats.blocks_by_tenant.get(name, 0))
+            self.of(self.tenant_sequences, name).set(stats.sequences_by_tenant.get(name, 0))

@@ -2,15 +2,18 @@
 
 Handlers are plain coroutines over parsed requests that raise domain errors (errors.py); this module
 registers them with gRPC as raw bytes (so that gRPC never parses a request: a parse failure here is
-INVALID_ARGUMENT naming the field, never UNKNOWN), maps every error to its status through
-``errors.status_code`` with a bounded message, counts every answer, and enforces the server's limits:
+INVALID_ARGUMENT naming the field, never UNKNOWN), names each call's tenant first (auth.py: a call without
+valid credentials is UNAUTHENTICATED; auth.Gate refuses a missing or wrong token even before gRPC reads
+the request) and hands it to the handler, maps
+every error to its status through ``errors.status_code`` with a bounded message, counts every answer, and
+enforces the server's limits:
 
-- ``Admission``: how many calls the server works on at once (--max-concurrent-rpcs) and how many request
-  bytes it holds (--max-inflight-mib). A unary call counts from the arrival of its request to its answer; a
-  stream counts for each of its messages, from its arrival until it is answered (AttendStream) or written
-  (ImportKV), and for an export's next message while it is read from the cache: an idle stream holds
-  nothing. Health, reflection and Info are not counted. (Calls gRPC is still receiving are bounded apart,
-  by server.py's --max-open-calls.)
+- ``Admission``: how many calls the server works on at once (--max-concurrent-rpcs), and each tenant
+  (its max_calls quota), and how many request bytes it holds (--max-inflight-mib). A unary call counts
+  from the arrival of its request to its answer; a stream counts for each of its messages, from its arrival
+  until it is answered (AttendStream) or written (ImportKV), and for an export's next message while it is
+  read from the cache: an idle stream holds nothing. Health, reflection and Info are not counted. (Calls
+  gRPC is still receiving are bounded apart, by server.py's --max-open-calls.)
 - Parsing: a request over SMALL_REQUEST_BYTES is parsed in a thread, its fields counted first, so that no
   request holds up the event loop for long; a parse failure is explained field by field, within bounds.
 - Streams: a read or a write that makes no progress for the stream's idle limit (--stream-idle-s, or
@@ -31,7 +34,8 @@ from google.protobuf.message import DecodeError, Message
 
 from chunkattn_client import wire
 from chunkattn_client.limits import bounded
-from chunkattn_server.errors import InvalidArgument, Overloaded, StreamStalled, status_code
+from chunkattn_server.auth import ANONYMOUS, Authenticator, Tenant
+from chunkattn_server.errors import InvalidArgument, Overloaded, StreamStalled, TooManyCalls, status_code
 
 Context = grpc.aio.ServicerContext[Any, Any]
 M = TypeVar("M", bound=Message)
@@ -44,22 +48,24 @@ SMALL_REQUEST_BYTES = 64 << 10
 
 
 class Count(Protocol):
-    """Count a call's outcome; ``seconds``: how long the server took over it (None: a stream as a whole)."""
+    """Count a call's outcome; ``seconds``: how long the server took over it (None: a stream as a whole);
+    ``tenant``: the caller's, when known."""
 
-    def __call__(self, rpc: str, code: grpc.StatusCode, seconds: float | None) -> None: ...
+    def __call__(self, rpc: str, code: grpc.StatusCode, seconds: float | None, tenant: Tenant | None) -> None: ...
 
 
 class Ticket:
-    """One admitted piece of work: a call slot and ``nbytes`` of the byte budget, held until ``release``
-    (idempotent) or the end of its ``with`` block."""
+    """One admitted piece of work: a call slot (of the server's and of its tenant's) and ``nbytes`` of the
+    byte budget, held until ``release`` (idempotent) or the end of its ``with`` block."""
 
-    def __init__(self, admission: Admission, nbytes: int) -> None:
+    def __init__(self, admission: Admission, nbytes: int, tenant: str) -> None:
         self._admission: Admission | None = admission
         self.nbytes = nbytes
+        self.tenant = tenant
 
     def release(self) -> None:
         if self._admission is not None:
-            self._admission._leave(self.nbytes)
+            self._admission._leave(self.nbytes, self.tenant)
             self._admission = None
 
     def __enter__(self) -> Ticket:
@@ -81,12 +87,20 @@ class Admission:
         self.max_bytes = max_bytes
         self.calls = 0
         self.bytes = 0
+        self.by_tenant: dict[str, int] = {}  # calls worked on, per tenant
         self._waiting: list[asyncio.Future[None]] = []
 
-    def admit(self, nbytes: int = 0, *, refusable: bool = True) -> Ticket:
-        """A ticket for work on a request of ``nbytes``; Overloaded when the server is full, unless the work
-        belongs to a stream already admitted (``refusable=False``: a stream is never refused halfway)."""
+    def admit(self, nbytes: int = 0, *, refusable: bool = True, tenant: Tenant = ANONYMOUS) -> Ticket:
+        """A ticket for work on a request of ``nbytes``; Overloaded when the server or the tenant is full
+        (TooManyCalls: its max_calls), unless the work belongs to a stream already admitted
+        (``refusable=False``: a stream is never refused halfway)."""
+        held = self.by_tenant.get(tenant.name, 0)
         if refusable:
+            if tenant.max_calls is not None and held >= tenant.max_calls:
+                raise TooManyCalls(
+                    f"your tenant is working on {held} calls, its quota (max_calls {tenant.max_calls}); retry when"
+                    " one has finished, or ask the operator for more"
+                )
             if self.max_calls and self.calls >= self.max_calls:
                 raise Overloaded(
                     f"the server is working on {self.calls} calls, its limit (chunkattn-server"
@@ -101,9 +115,10 @@ class Admission:
                 )
         self.calls += 1
         self.bytes += nbytes
-        return Ticket(self, nbytes)
+        self.by_tenant[tenant.name] = held + 1
+        return Ticket(self, nbytes, tenant.name)
 
-    async def admit_when_room(self, nbytes: int) -> Ticket:
+    async def admit_when_room(self, nbytes: int, tenant: Tenant = ANONYMOUS) -> Ticket:
         """A ticket for the next message of a stream already admitted: never refused, but while the byte
         budget is full it waits (and, not reading on, holds its client back through gRPC's flow control).
         What it waits for is admitted work, which never waits, so it ends."""
@@ -111,11 +126,16 @@ class Admission:
             room = asyncio.get_running_loop().create_future()
             self._waiting.append(room)
             await room
-        return self.admit(nbytes, refusable=False)
+        return self.admit(nbytes, refusable=False, tenant=tenant)
 
-    def _leave(self, nbytes: int) -> None:
+    def _leave(self, nbytes: int, tenant: str) -> None:
         self.calls -= 1
         self.bytes -= nbytes
+        left = self.by_tenant[tenant] - 1
+        if left:
+            self.by_tenant[tenant] = left
+        else:
+            del self.by_tenant[tenant]
         waiting, self._waiting = self._waiting, []
         for room in waiting:  # each looks again
             if not room.done():
@@ -139,18 +159,29 @@ def parse_now(message: type[M], raw: bytes, max_fields: int | None = None) -> M:
 
 class Stream:
     """A stream's reads and writes, each bounded in time: a client that sends nothing (or reads nothing)
-    for ``idle_s`` ends the stream with StreamStalled (DEADLINE_EXCEEDED). ``idle_s`` 0: no bound."""
+    for ``idle_s`` ends the stream with StreamStalled (DEADLINE_EXCEEDED). ``idle_s`` 0: no bound. Before
+    each read and write ``recheck()`` runs (its error ends the stream): a token revoked while the stream is
+    open ends it at its next message."""
 
-    def __init__(self, requests: AsyncIterator[bytes] | None, context: Context, idle_s: float, flag: str) -> None:
+    def __init__(
+        self,
+        requests: AsyncIterator[bytes] | None,
+        context: Context,
+        idle_s: float,
+        flag: str,
+        recheck: Callable[[], object] = lambda: None,
+    ) -> None:
         self._requests = None if requests is None else requests.__aiter__()
         self._context = context
         self._idle_s = idle_s
         self._flag = flag
+        self._recheck = recheck
         self.received = 0
 
     async def read(self) -> bytes | None:
         """The next request (None at the stream's end)."""
         assert self._requests is not None
+        self._recheck()
         try:
             async with asyncio.timeout(self._idle_s or None):  # no task per message, as wait_for makes
                 data = await anext(self._requests, None)
@@ -163,6 +194,7 @@ class Stream:
         return data
 
     async def write(self, data: bytes) -> None:
+        self._recheck()
         try:
             async with asyncio.timeout(self._idle_s or None):
                 await self._context.write(data)
@@ -181,9 +213,10 @@ def serialize(message: Message | bytes) -> bytes:
 class Rpcs:
     """Builds the gRPC handlers of one service's RPCs around plain coroutines (see the module docstring)."""
 
-    def __init__(self, count: Count, admission: Admission) -> None:
+    def __init__(self, count: Count, admission: Admission, auth: Authenticator) -> None:
         self._count = count
         self.admission = admission
+        self.auth = auth
         # Large requests are parsed here, off the event loop.
         self.parser = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="chunkattn-parse")
 
@@ -200,14 +233,20 @@ class Rpcs:
             return parse_now(message, raw, max_fields)
         return await asyncio.get_running_loop().run_in_executor(self.parser, parse_now, message, raw, max_fields)
 
+    def _rechecker(self, tenant: Tenant, context: Context) -> Callable[[], object]:
+        return lambda: self.auth.current(tenant, context)
+
     @contextlib.asynccontextmanager
-    async def _answering(self, rpc: str, context: Context, *, count_ok: bool = True) -> AsyncIterator[None]:
-        """Count the call's outcome (an OK one unless ``count_ok`` is False: a stream whose handler counts its
-        messages); turn any error into its status (the one place that aborts a call)."""
+    async def _answering(self, rpc: str, context: Context, *, count_ok: bool = True) -> AsyncIterator[Tenant]:
+        """Name the caller's tenant (UNAUTHENTICATED without credentials) and give it to the block; count the
+        call's outcome (an OK one unless ``count_ok`` is False: a stream whose handler counts its messages);
+        turn any error into its status (the one place that aborts a call)."""
         code = grpc.StatusCode.OK
         started = time.perf_counter()
+        tenant: Tenant | None = None
         try:
-            yield
+            tenant = self.auth.tenant_of(context.invocation_metadata(), context.auth_context())
+            yield tenant
         except asyncio.CancelledError:  # the client went away, or its deadline passed: nobody to answer
             remaining = context.time_remaining()
             late = remaining is not None and remaining <= 0
@@ -218,26 +257,26 @@ class Rpcs:
             await context.abort(code, bounded(str(e)))
         finally:
             if count_ok or code != grpc.StatusCode.OK:
-                self._count(rpc, code, time.perf_counter() - started if count_ok else None)
+                self._count(rpc, code, time.perf_counter() - started if count_ok else None, tenant)
 
     def unary(
         self,
         rpc: str,
-        handler: Callable[[Any, Context], Awaitable[Message | bytes]],
+        handler: Callable[[Any, Context, Tenant], Awaitable[Message | bytes]],
         request: type[Message] | None,
         max_bytes: int,
         *,
         max_fields: int | None = None,
         admit: bool = True,
     ) -> grpc.RpcMethodHandler[bytes, Any]:
-        """``handler(request, context)``: ``request`` parsed (see ``parse``; or the raw bytes, with ``request``
-        None), the call admitted for its whole duration unless ``admit`` is False."""
+        """``handler(request, context, tenant)``: ``request`` parsed (see ``parse``; or the raw bytes, with
+        ``request`` None), the call admitted for its whole duration unless ``admit`` is False."""
 
         async def behavior(raw: bytes, context: Context) -> Message | bytes:
-            async with self._answering(rpc, context):
-                with self.admission.admit(len(raw)) if admit else contextlib.nullcontext():
+            async with self._answering(rpc, context) as tenant:
+                with self.admission.admit(len(raw), tenant=tenant) if admit else contextlib.nullcontext():
                     parsed = raw if request is None else await self.parse(request, raw, max_bytes, max_fields)
-                    return await handler(parsed, context)
+                    return await handler(parsed, context, tenant)
             raise AssertionError("unreachable: _answering aborted the call")  # for mypy: abort raises
 
         return grpc.unary_unary_rpc_method_handler(
@@ -247,21 +286,21 @@ class Rpcs:
     def server_stream(
         self,
         rpc: str,
-        handler: Callable[[Any, Context], AsyncIterator[bytes]],
+        handler: Callable[[Any, Context, Tenant], AsyncIterator[bytes]],
         request: type[Message],
         max_bytes: int,
         idle_s: float,
         flag: str,
     ) -> grpc.RpcMethodHandler[bytes, bytes]:
-        """``handler(request, context)`` yields serialized responses. The call counts while the handler
-        makes its next response, not while the client reads the last one (bounded by ``idle_s``)."""
+        """``handler(request, context, tenant)`` yields serialized responses. The call counts while the
+        handler makes its next response, not while the client reads the last one (bounded by ``idle_s``)."""
 
         async def behavior(raw: bytes, context: Context) -> None:
-            async with self._answering(rpc, context):
-                out = Stream(None, context, idle_s, flag)
-                ticket = self.admission.admit(len(raw))
+            async with self._answering(rpc, context) as tenant:
+                out = Stream(None, context, idle_s, flag, self._rechecker(tenant, context))
+                ticket = self.admission.admit(len(raw), tenant=tenant)
                 try:
-                    responses = handler(await self.parse(request, raw, max_bytes), context)
+                    responses = handler(await self.parse(request, raw, max_bytes), context, tenant)
                     async with contextlib.aclosing(responses):  # type: ignore[type-var]
                         while True:
                             response = await anext(responses, None)
@@ -269,7 +308,7 @@ class Rpcs:
                             if response is None:
                                 break
                             await out.write(response)
-                            ticket = self.admission.admit(refusable=False)
+                            ticket = self.admission.admit(refusable=False, tenant=tenant)
                 finally:
                     ticket.release()
 
@@ -278,13 +317,14 @@ class Rpcs:
         )
 
     def client_stream(
-        self, rpc: str, handler: Callable[[Stream, Context], Awaitable[Message]], idle_s: float, flag: str
+        self, rpc: str, handler: Callable[[Stream, Context, Tenant], Awaitable[Message]], idle_s: float, flag: str
     ) -> grpc.RpcMethodHandler[bytes, Any]:
-        """``handler(stream, context)`` reads the requests (raw bytes) itself and admits its own work."""
+        """``handler(stream, context, tenant)`` reads the requests (raw bytes) itself and admits its own work."""
 
         async def behavior(requests: AsyncIterator[bytes], context: Context) -> Message:
-            async with self._answering(rpc, context):
-                return await handler(Stream(requests, context, idle_s, flag), context)
+            async with self._answering(rpc, context) as tenant:
+                stream = Stream(requests, context, idle_s, flag, self._rechecker(tenant, context))
+                return await handler(stream, context, tenant)
             raise AssertionError("unreachable: _answering aborted the call")
 
         return grpc.stream_unary_rpc_method_handler(
@@ -292,14 +332,15 @@ class Rpcs:
         )
 
     def bidi_stream(
-        self, rpc: str, handler: Callable[[Stream, Context], Awaitable[None]], idle_s: float, flag: str
+        self, rpc: str, handler: Callable[[Stream, Context, Tenant], Awaitable[None]], idle_s: float, flag: str
     ) -> grpc.RpcMethodHandler[bytes, bytes]:
-        """``handler(stream, context)`` reads and writes raw messages itself, admits and counts its own work;
-        only a stream that ends badly (idle, draining, cancelled) is a status, and a count, here."""
+        """``handler(stream, context, tenant)`` reads and writes raw messages itself, admits and counts its own
+        work; only a stream that ends badly (idle, draining, cancelled) is a status, and a count, here."""
 
         async def behavior(requests: AsyncIterator[bytes], context: Context) -> None:
-            async with self._answering(rpc, context, count_ok=False):
-                await handler(Stream(requests, context, idle_s, flag), context)
+            async with self._answering(rpc, context, count_ok=False) as tenant:
+                stream = Stream(requests, context, idle_s, flag, self._rechecker(tenant, context))
+                await handler(stream, context, tenant)
 
         return grpc.stream_stream_rpc_method_handler(
             behavior, request_deserializer=wire.identity, response_serializer=wire.identity

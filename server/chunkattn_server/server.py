@@ -1,9 +1,9 @@
 """Wiring: the gRPC server, standard health and reflection, the metrics endpoint, idle eviction, signals.
 
-Life cycle: allocate the KV pool (engine) first, then serve with health SERVING; on SIGTERM/SIGINT
-set NOT_SERVING, end open streams before their next request (UNAVAILABLE), refuse new calls
-(UNAVAILABLE), let calls in flight finish within the grace period, stop the scheduler and return
-(exit 0).
+Life cycle: allocate the KV pool (engine) first, then serve with health SERVING; on SIGHUP reload the
+token file and the TLS files (a bad file keeps the old one); on SIGTERM/SIGINT set NOT_SERVING, end open
+streams before their next request (UNAVAILABLE), refuse new calls (UNAVAILABLE), let calls in flight
+finish within the grace period, stop the scheduler and return (exit 0).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -20,11 +21,13 @@ from prometheus_client import start_http_server
 
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_client.client import MIN_KEEPALIVE_S, channel_options
+from chunkattn_server.auth import Authenticator, Gate
 from chunkattn_server.config import EngineConfig, ServerConfig
 from chunkattn_server.engine import Engine
 from chunkattn_server.metrics import Metrics
 from chunkattn_server.scheduler import Scheduler
 from chunkattn_server.service import ChunkAttnService
+from chunkattn_server.tls import ServerTLS
 
 log = logging.getLogger("chunkattn_server")
 
@@ -52,6 +55,10 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):  # first: a signal while the pool is allocated still drains
         loop.add_signal_handler(sig, stop.set)
+    # Credentials are read before the pool is allocated: a bad file fails at once, not after a minute.
+    auth = Authenticator(config.auth_tokens)
+    tls = None if config.tls_cert is None else ServerTLS(config.tls_cert, config.tls_key or "", config.tls_client_ca)
+    config.transfer_credentials()  # the files TransferKV will need, read once now to find mistakes
     metrics = Metrics()
     worker = Scheduler(  # allocates the KV pool: SERVING only after this
         lambda: Engine(engine_config),
@@ -67,8 +74,19 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
     # and idle streams never count); gRPC's own limit, far above, bounds the calls open at once, those still
     # being received included, which the service cannot see.
     options = [*channel_options(config.max_message_bytes, None), *PING_POLICY, *STREAM_LIMITS]
-    server = grpc.aio.server(options=options, maximum_concurrent_rpcs=config.max_open_calls or None)
-    service = ChunkAttnService(worker, metrics, config)
+
+    def refused(rpc: str) -> None:
+        metrics.of(metrics.requests, rpc, grpc.StatusCode.UNAUTHENTICATED.name).inc()
+
+    gate = Gate(auth, tls is not None and tls.mutual, f"/{SERVICE_NAME}/", refused)
+    server = grpc.aio.server(
+        options=options,
+        maximum_concurrent_rpcs=config.max_open_calls or None,
+        interceptors=[gate] if auth.enabled else [],
+    )
+    await worker.run("quotas", _quotas(auth))
+    metrics.set_tenants(auth.tenants.by_name)
+    service = ChunkAttnService(worker, metrics, config, auth)
     service.add_to_server(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -76,7 +94,7 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
     )
     address = f"{config.host}:{config.port}"
-    port = server.add_insecure_port(address)
+    port = server.add_insecure_port(address) if tls is None else server.add_secure_port(address, tls.credentials())
     if port == 0:
         raise OSError(f"cannot listen on {address}")
     if config.metrics_port:
@@ -86,10 +104,11 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     stats = engine.stats()
     log.info(
-        "serving %s on %s:%d (metrics %s) on %s: %d layers, %d KV blocks of %d tokens (%.1f MiB)",
+        "serving %s on %s:%d (%s, metrics %s) on %s: %d layers, %d KV blocks of %d tokens (%.1f MiB)",
         SERVICE_NAME,
         config.host,
         port,
+        "plaintext" if tls is None else "mutual TLS" if tls.mutual else "TLS",
         f"http://{config.host}:{config.metrics_port}/metrics" if config.metrics_port else "off",
         engine.device,
         engine_config.model.num_layers,
@@ -114,6 +133,27 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
         else "off (--no-batching): one call per step",
     )
 
+    log.info(
+        "authentication: %s",
+        f"{len(auth.tenants.by_name)} tenants from {config.auth_tokens}"
+        if auth.enabled
+        else "off (every caller is one tenant)",
+    )
+
+    async def reload() -> None:
+        if tls is not None:
+            tls.reload()
+        if auth.reload():
+            await worker.run("quotas", _quotas(auth))
+            metrics.set_tenants(auth.tenants.by_name)
+            metrics.observe_pool(worker.stats)
+
+    def on_sighup() -> None:
+        reloading = asyncio.ensure_future(reload())
+        reloading.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    loop.add_signal_handler(signal.SIGHUP, on_sighup)
+
     evictor = (
         asyncio.create_task(_evict_idle(worker, metrics, config.idle_timeout_s)) if config.idle_timeout_s else None
     )
@@ -133,6 +173,16 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
         await service.close()
         worker.stop()
     log.info("stopped")
+
+
+def _quotas(auth: Authenticator) -> Callable[[Engine], None]:
+    """The engine job that gives each tenant of the token file its quota (run at start and on reload)."""
+    quotas = {name: tenant.quota for name, tenant in auth.tenants.by_name.items()}
+
+    def job(e: Engine) -> None:
+        e.kv.quotas = quotas
+
+    return job
 
 
 async def _evict_idle(worker: Scheduler, metrics: Metrics, idle_timeout_s: float) -> None:

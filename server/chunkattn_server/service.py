@@ -21,6 +21,7 @@ from chunkattn_client import codec, wire
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_client.limits import MAX_BATCH, MAX_ID_BYTES, bounded
 from chunkattn_server import __version__
+from chunkattn_server.auth import Authenticator, Tenant
 from chunkattn_server.checks import DTYPES
 from chunkattn_server.config import ServerConfig
 from chunkattn_server.engine import Engine, EngineStats
@@ -100,13 +101,14 @@ class ChunkAttnService:
     slow on MiBs of tensor bytes.
     """
 
-    def __init__(self, worker: Scheduler, metrics: Metrics, config: ServerConfig) -> None:
+    def __init__(self, worker: Scheduler, metrics: Metrics, config: ServerConfig, auth: Authenticator) -> None:
         self._worker = worker
         self._metrics = metrics
         self._config = config
+        self._auth = auth
         self._engine_info = _static_info(worker.engine, config.max_message_bytes)
         self._draining = False
-        self._rpcs = Rpcs(self._count, Admission(config.max_concurrent_rpcs, config.inflight_bytes))
+        self._rpcs = Rpcs(self._count, Admission(config.max_concurrent_rpcs, config.inflight_bytes), auth)
         self._kv = KVService(self._run, self._rpcs, self._observe_pool, metrics, worker.engine, config)
         metrics.kv_blocks_total.set(worker.engine.stats().num_blocks)
 
@@ -135,20 +137,21 @@ class ChunkAttnService:
         self._rpcs.close()
         await self._kv.close()
 
-    async def Info(self, request: pb.InfoRequest, context: Context) -> pb.InfoResponse:  # noqa: N802
-        """Never queued behind the engine's jobs: the pool as of the last one that finished."""
+    async def Info(self, request: pb.InfoRequest, context: Context, tenant: Tenant) -> pb.InfoResponse:  # noqa: N802
+        """Never queued behind the engine's jobs: the pool as of the last one that finished. The pool's
+        totals, and the caller's own sequences only."""
         stats = self._worker.stats
         self._observe_pool(stats)
         response = pb.InfoResponse()
         response.CopyFrom(self._engine_info)
         response.free_blocks = stats.free_blocks
-        response.active_sequences = stats.num_sequences
+        response.active_sequences = stats.sequences_by_tenant.get(tenant.name, 0)
         return response
 
-    async def Attend(self, raw: bytes, context: Context) -> bytes:  # noqa: N802
-        return await self._attend("Attend", *await self._parse(raw))
+    async def Attend(self, raw: bytes, context: Context, tenant: Tenant) -> bytes:  # noqa: N802
+        return await self._attend("Attend", *await self._parse(raw), tenant)
 
-    async def AttendStream(self, stream: Stream, context: Context) -> None:  # noqa: N802
+    async def AttendStream(self, stream: Stream, context: Context, tenant: Tenant) -> None:  # noqa: N802
         """One answer per request, in order; a failed request is answered with its status and the stream
         goes on. Each request is admitted on its own; an idle stream holds nothing."""
         while (raw := await stream.read()) is not None:
@@ -157,21 +160,23 @@ class ChunkAttnService:
             request_id = 0  # stays 0 when the request cannot be read at all
             started = time.perf_counter()
             try:
-                with self._rpcs.admission.admit(len(raw)):
+                with self._rpcs.admission.admit(len(raw), tenant=tenant):
                     request, tensors = await self._parse(raw)
                     request_id = request.request_id
-                    response = await self._attend("AttendStream", request, tensors)
+                    response = await self._attend("AttendStream", request, tensors, tenant)
             except Exception as e:
                 code = status_code(e)
                 response = wire.encode_attend_response(request_id, None, code.value[0], bounded(str(e)))
             else:
                 code = grpc.StatusCode.OK
-            self._count("AttendStream", code, time.perf_counter() - started)
+            self._count("AttendStream", code, time.perf_counter() - started, tenant)
             await stream.write(response)
 
-    async def Release(self, request: pb.ReleaseRequest, context: Context) -> pb.ReleaseResponse:  # noqa: N802
-        ids, missing_ok = request.seq_ids, request.missing_ok
-        released, stats = await self._run("Release", lambda e: (e.release(ids, missing_ok=missing_ok), e.stats()))
+    async def Release(self, request: pb.ReleaseRequest, context: Context, tenant: Tenant) -> pb.ReleaseResponse:  # noqa: N802
+        ids, missing_ok, name = request.seq_ids, request.missing_ok, tenant.name
+        released, stats = await self._run(
+            "Release", lambda e: (e.release(ids, missing_ok=missing_ok, tenant=name), e.stats())
+        )
         self._metrics.released.inc(released)
         self._observe_pool(stats)
         return pb.ReleaseResponse(released=released)
@@ -184,14 +189,16 @@ class ChunkAttnService:
             return parse_attend_request(raw)
         return await asyncio.get_running_loop().run_in_executor(self._rpcs.parser, parse_attend_request, raw)
 
-    async def _attend(self, rpc: str, request: pb.AttendRequest, tensors: dict[str, torch.Tensor]) -> bytes:
+    async def _attend(
+        self, rpc: str, request: pb.AttendRequest, tensors: dict[str, torch.Tensor], tenant: Tenant
+    ) -> bytes:
         if "q" not in tensors:
             raise InvalidTensor("q is missing; send q [tokens, num_heads, head_size]")
         q, k, v = tensors["q"], tensors.get("k"), tensors.get("v")
         if (k is None) != (v is None):
             raise InvalidTensor("send both k and v, or (for a KV-sharing layer) neither")
         with self._metrics.in_flight.track_inprogress():
-            result = await self._worker.attend(rpc, request.layer, request.entries, q, k, v)
+            result = await self._worker.attend(rpc, request.layer, request.entries, q, k, v, tenant.name)
         return wire.encode_attend_response(request.request_id, result.output)
 
     async def _run(self, rpc: str, fn: Callable[[Engine], T]) -> T:
@@ -201,10 +208,12 @@ class ChunkAttnService:
     def _observe_pool(self, stats: EngineStats) -> None:
         self._metrics.observe_pool(stats)
 
-    def _count(self, rpc: str, code: grpc.StatusCode, seconds: float | None) -> None:
+    def _count(self, rpc: str, code: grpc.StatusCode, seconds: float | None, tenant: Tenant | None) -> None:
         self._metrics.of(self._metrics.requests, rpc, code.name).inc()
         if seconds is not None:
             self._metrics.of(self._metrics.rpc_seconds, rpc).observe(seconds)
+        if tenant is not None and self._auth.enabled:
+            self._metrics.of(self._metrics.tenant_requests, tenant.name, rpc, code.name).inc()
 
 
 def _static_info(engine: Engine, max_message_bytes: int) -> pb.InfoResponse:

@@ -259,18 +259,20 @@ class ImportKVResponse(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., blocks: _Optional[int] = ..., records: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class TransferKVRequest(_message.Message):
-    __slots__ = ("seq_id", "target", "new_seq_id", "release_after", "layers")
+    __slots__ = ("seq_id", "target", "new_seq_id", "release_after", "layers", "target_token")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     NEW_SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     RELEASE_AFTER_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_TOKEN_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     target: str
     new_seq_id: str
     release_after: bool
     layers: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[str] = ..., target: _Optional[str] = ..., new_seq_id: _Optional[str] = ..., release_after: _Optional[bool] = ..., layers: _Optional[_Iterable[int]] = ...) -> None: ...
+    target_token: str
+    def __init__(self, seq_id: _Optional[str] = ..., target: _Optional[str] = ..., new_seq_id: _Optional[str] = ..., release_after: _Optional[bool] = ..., layers: _Optional[_Iterable[int]] = ..., target_token: _Optional[str] = ...) -> None: ...
 
 class TransferKVResponse(_message.Message):
     __slots__ = ("blocks", "records", "bytes", "seconds", "released")

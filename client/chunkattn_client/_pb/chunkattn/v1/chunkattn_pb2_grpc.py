@@ -35,6 +35,12 @@ class ChunkAttnStub:
     exported). A refused request changes nothing on the server; no request of a client gets UNKNOWN or
     INTERNAL. Limits: a sequence id is 1 to 256 bytes of UTF-8; a call names at most 8192 sequences; a
     sequence is at most 2^31 - 1 tokens long in any layer.
+
+    A server started with a token file (chunkattn-server --auth-tokens) answers every RPC here with
+    UNAUTHENTICATED unless the call carries "authorization: Bearer <token>" metadata, or (under mutual TLS)
+    a client certificate, that names a tenant. Sequence ids are then per tenant: a tenant's calls name, see
+    and count only its own sequences (another tenant's id is NOT_FOUND), and a call that would pass one of
+    its tenant's quotas gets RESOURCE_EXHAUSTED naming the quota. Health and reflection stay open.
     """
 
     def __init__(self, channel):
@@ -95,6 +101,12 @@ class ChunkAttnServicer:
     exported). A refused request changes nothing on the server; no request of a client gets UNKNOWN or
     INTERNAL. Limits: a sequence id is 1 to 256 bytes of UTF-8; a call names at most 8192 sequences; a
     sequence is at most 2^31 - 1 tokens long in any layer.
+
+    A server started with a token file (chunkattn-server --auth-tokens) answers every RPC here with
+    UNAUTHENTICATED unless the call carries "authorization: Bearer <token>" metadata, or (under mutual TLS)
+    a client certificate, that names a tenant. Sequence ids are then per tenant: a tenant's calls name, see
+    and count only its own sequences (another tenant's id is NOT_FOUND), and a call that would pass one of
+    its tenant's quotas gets RESOURCE_EXHAUSTED naming the quota. Health and reflection stay open.
     """
 
     def Info(self, request, context):
@@ -156,7 +168,9 @@ class ChunkAttnServicer:
 
     def TransferKV(self, request, context):
         """This server streams a sequence's KV straight into another server's ImportKV (disaggregated
-        prefill/decode), and optionally releases it here once the target has it.
+        prefill/decode), and optionally releases it here once the target has it. The target authenticates this
+        server by target_token (or the server's --transfer-token), over TLS when the server has
+        --transfer-tls-ca; the target's status is passed on (UNAUTHENTICATED for a token it refuses).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -223,6 +237,12 @@ class ChunkAttn:
     exported). A refused request changes nothing on the server; no request of a client gets UNKNOWN or
     INTERNAL. Limits: a sequence id is 1 to 256 bytes of UTF-8; a call names at most 8192 sequences; a
     sequence is at most 2^31 - 1 tokens long in any layer.
+
+    A server started with a token file (chunkattn-server --auth-tokens) answers every RPC here with
+    UNAUTHENTICATED unless the call carries "authorization: Bearer <token>" metadata, or (under mutual TLS)
+    a client certificate, that names a tenant. Sequence ids are then per tenant: a tenant's calls name, see
+    and count only its own sequences (another tenant's id is NOT_FOUND), and a call that would pass one of
+    its tenant's quotas gets RESOURCE_EXHAUSTED naming the quota. Health and reflection stay open.
     """
 
     @staticmethod

@@ -42,6 +42,12 @@ class ChunkAttnStub:
     exported). A refused request changes nothing on the server; no request of a client gets UNKNOWN or
     INTERNAL. Limits: a sequence id is 1 to 256 bytes of UTF-8; a call names at most 8192 sequences; a
     sequence is at most 2^31 - 1 tokens long in any layer.
+
+    A server started with a token file (chunkattn-server --auth-tokens) answers every RPC here with
+    UNAUTHENTICATED unless the call carries "authorization: Bearer <token>" metadata, or (under mutual TLS)
+    a client certificate, that names a tenant. Sequence ids are then per tenant: a tenant's calls name, see
+    and count only its own sequences (another tenant's id is NOT_FOUND), and a call that would pass one of
+    its tenant's quotas gets RESOURCE_EXHAUSTED naming the quota. Health and reflection stay open.
     """
 
     @_typing.overload
@@ -76,7 +82,9 @@ class ChunkAttnStub:
     """
     TransferKV: _grpc.UnaryUnaryMultiCallable[_chunkattn_pb2.TransferKVRequest, _chunkattn_pb2.TransferKVResponse]
     """This server streams a sequence's KV straight into another server's ImportKV (disaggregated
-    prefill/decode), and optionally releases it here once the target has it.
+    prefill/decode), and optionally releases it here once the target has it. The target authenticates this
+    server by target_token (or the server's --transfer-token), over TLS when the server has
+    --transfer-tls-ca; the target's status is passed on (UNAUTHENTICATED for a token it refuses).
     """
 
 @_typing.type_check_only
@@ -90,6 +98,12 @@ class ChunkAttnAsyncStub(ChunkAttnStub):
     exported). A refused request changes nothing on the server; no request of a client gets UNKNOWN or
     INTERNAL. Limits: a sequence id is 1 to 256 bytes of UTF-8; a call names at most 8192 sequences; a
     sequence is at most 2^31 - 1 tokens long in any layer.
+
+    A server started with a token file (chunkattn-server --auth-tokens) answers every RPC here with
+    UNAUTHENTICATED unless the call carries "authorization: Bearer <token>" metadata, or (under mutual TLS)
+    a client certificate, that names a tenant. Sequence ids are then per tenant: a tenant's calls name, see
+    and count only its own sequences (another tenant's id is NOT_FOUND), and a call that would pass one of
+    its tenant's quotas gets RESOURCE_EXHAUSTED naming the quota. Health and reflection stay open.
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -121,7 +135,9 @@ class ChunkAttnAsyncStub(ChunkAttnStub):
     """
     TransferKV: _aio.UnaryUnaryMultiCallable[_chunkattn_pb2.TransferKVRequest, _chunkattn_pb2.TransferKVResponse]  # type: ignore[assignment]
     """This server streams a sequence's KV straight into another server's ImportKV (disaggregated
-    prefill/decode), and optionally releases it here once the target has it.
+    prefill/decode), and optionally releases it here once the target has it. The target authenticates this
+    server by target_token (or the server's --transfer-token), over TLS when the server has
+    --transfer-tls-ca; the target's status is passed on (UNAUTHENTICATED for a token it refuses).
     """
 
 class ChunkAttnServicer(metaclass=_abc_1.ABCMeta):
@@ -134,6 +150,12 @@ class ChunkAttnServicer(metaclass=_abc_1.ABCMeta):
     exported). A refused request changes nothing on the server; no request of a client gets UNKNOWN or
     INTERNAL. Limits: a sequence id is 1 to 256 bytes of UTF-8; a call names at most 8192 sequences; a
     sequence is at most 2^31 - 1 tokens long in any layer.
+
+    A server started with a token file (chunkattn-server --auth-tokens) answers every RPC here with
+    UNAUTHENTICATED unless the call carries "authorization: Bearer <token>" metadata, or (under mutual TLS)
+    a client certificate, that names a tenant. Sequence ids are then per tenant: a tenant's calls name, see
+    and count only its own sequences (another tenant's id is NOT_FOUND), and a call that would pass one of
+    its tenant's quotas gets RESOURCE_EXHAUSTED naming the quota. Health and reflection stay open.
     """
 
     @_abc_1.abstractmethod
@@ -211,7 +233,9 @@ class ChunkAttnServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_chunkattn_pb2.TransferKVResponse, _abc.Awaitable[_chunkattn_pb2.TransferKVResponse]]:
         """This server streams a sequence's KV straight into another server's ImportKV (disaggregated
-        prefill/decode), and optionally releases it here once the target has it.
+        prefill/decode), and optionally releases it here once the target has it. The target authenticates this
+        server by target_token (or the server's --transfer-token), over TLS when the server has
+        --transfer-tls-ca; the target's status is passed on (UNAUTHENTICATED for a token it refuses).
         """
 
 def add_ChunkAttnServicer_to_server(servicer: ChunkAttnServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
