@@ -245,7 +245,9 @@ class Rpcs:
         started = time.perf_counter()
         tenant: Tenant | None = None
         try:
-            tenant = self.auth.tenant_of(context.invocation_metadata(), context.auth_context())
+            tenant = ANONYMOUS  # without authentication, skip reading the call's metadata and TLS peer
+            if self.auth.enabled:
+                tenant = self.auth.tenant_of(context.invocation_metadata(), context.auth_context())
             yield tenant
         except asyncio.CancelledError:  # the client went away, or its deadline passed: nobody to answer
             remaining = context.time_remaining()
