@@ -31,7 +31,9 @@ from chunkattn_server.auth import token_digest
 from tests.certs import CA
 from tests.server_process import SMALL, ServerProcess
 
-TOKENS = {name: f"token-of-{name}-0123456789" for name in ("a1", "b1", "a2", "b2", "small", "importer", "other")}
+TOKENS = {
+    name: f"token-of-{name}-0123456789" for name in ("a1", "b1", "a2", "b2", "small", "streams", "importer", "other")
+}
 QUOTA = {"max_kv_blocks": 24, "max_sequences": 2, "max_calls": 1}
 FLAGS = [*SMALL, "--num-blocks", "4096", "--idle-timeout-s", "0"]
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,6 +72,7 @@ def tokens(pki: PKI, tmp_path_factory: pytest.TempPathFactory) -> Path:
     tenants: dict[str, dict[str, Any]] = {name: {"token": TOKENS[name]} for name in ("a1", "b1", "a2", "b2", "other")}
     tenants["a1"]["subjects"] = ["runner-a"]
     tenants["small"] = {"token": TOKENS["small"], **QUOTA}
+    tenants["streams"] = {"token": TOKENS["streams"], "max_open_calls": 2}
     return token_file(tmp_path_factory.mktemp("auth") / "tokens.json", tenants)
 
 
@@ -346,15 +349,21 @@ def test_a_tenant_at_its_calls_quota_is_refused_until_its_call_ends(server: Serv
 
             holder = threading.Thread(target=hold)
             holder.start()
-            time.sleep(1.0)  # the transfer is connecting to the silent target
-            assert s.info().active_sequences == 1  # Info is never refused by the limits...
-            with pytest.raises(ChunkAttnError) as e:
-                s.release(["nothing"], missing_ok=True)  # ...but this call is the tenant's second
-            assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "max_calls 1" in e.value.message
+            refusal = None
+            deadline = time.monotonic() + 2.5  # within the held transfer's 3 s
+            while refusal is None and time.monotonic() < deadline:
+                try:
+                    s.release(["nothing"], missing_ok=True)  # the tenant's second call, once the transfer runs
+                    time.sleep(0.05)
+                except ChunkAttnError as e:
+                    refusal = e
+            assert refusal is not None, "the tenant's second call was never refused"
+            assert refusal.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "max_calls 1" in refusal.message
+            assert s.info().active_sequences == 1  # Info is never refused by the limits
             assert b.release(["nothing"], missing_ok=True) == 0
             holder.join()
-            assert [getattr(x, "code", None) for x in failed] == [grpc.StatusCode.DEADLINE_EXCEEDED]
+            assert [getattr(x, "code", None) for x in failed] == [grpc.StatusCode.DEADLINE_EXCEEDED], failed
             assert s.release(["held"]) == 1
 
 
@@ -616,3 +625,29 @@ def test_an_import_waiting_for_its_next_message_holds_no_call_of_its_tenant(serv
         importer.join(30)
         assert result[0].seq_id == "copy"
         assert s.release(["copy"]) == 1
+
+
+def test_a_tenant_at_its_open_calls_quota_cannot_open_more_streams(server: ServerProcess, pki: PKI) -> None:
+    """Idle streams hold no call slot, so max_calls does not bound them: max_open_calls does, per tenant."""
+    q, k, v = tensors(np.random.default_rng(12), 1)
+    with connect(server, pki, "streams") as c, connect(server, pki, "b1") as b:
+        first, second = c.stream(), c.stream()
+        first.attend(0, [BatchEntry("one", 0, 1)], q, k, v)
+        second.attend(0, [BatchEntry("two", 0, 1)], q, k, v)
+        with pytest.raises(ChunkAttnError) as e:
+            c.info()  # a third call open: refused, whatever it is
+        assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max_open_calls 2" in e.value.message
+        assert b.info().active_sequences == 0  # another tenant is not held back
+        first.close()
+        deadline = time.monotonic() + 10
+        released = None
+        while released is None:  # the server sees the stream end a moment after the client does
+            try:
+                released = c.release(["one", "two"])
+            except ChunkAttnError as busy:
+                if busy.code != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        assert released == 2
+        second.close()

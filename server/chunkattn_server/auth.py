@@ -13,13 +13,15 @@ The file (JSON; reloaded on SIGHUP, a bad new file keeps the old one)::
     {"tenants": {
         "team-a": {"tokens_sha256": ["<64 hex digits>", ...],
                    "subjects": ["runner.team-a"],
-                   "max_kv_blocks": 4096, "max_sequences": 256, "max_calls": 32},
+                   "max_kv_blocks": 4096, "max_sequences": 256, "max_calls": 32,
+                   "max_open_calls": 128},
         "team-b": {"tokens_sha256": ["..."]}}}
 
 A tenant name is 1-64 of ``A-Z a-z 0-9 _ . -``, starting with a letter or digit; it needs a token or a
 subject; each digest and subject belongs to one tenant; the quotas are optional positive integers (KV
-blocks and sequences held at once, calls worked on at once). ``chunkattn-server --hash-token`` prints a
-token's digest. Tokens are never logged: messages name the tenant, never the token.
+blocks and sequences held at once, calls worked on at once, calls open at once with idle streams).
+``chunkattn-server --hash-token`` prints a token's digest. Tokens are never logged: messages name the
+tenant, never the token.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _DIGEST = re.compile(r"[0-9a-fA-F]{64}")
-_QUOTAS = ("max_kv_blocks", "max_sequences", "max_calls")
+_QUOTAS = ("max_kv_blocks", "max_sequences", "max_calls", "max_open_calls")
 _FIELDS = {"tokens_sha256", "subjects", *_QUOTAS}
 BEARER = "bearer "
 
@@ -56,6 +58,7 @@ class Tenant:
     name: str
     quota: Quota = field(default_factory=Quota)
     max_calls: int | None = None  # calls worked on at once
+    max_open_calls: int | None = None  # calls open at once, idle streams included
 
 
 ANONYMOUS = Tenant("")
@@ -123,7 +126,8 @@ class Tenants:
                     raise ConfigError(f"{where}: subject {subject[:70]!r} names two tenants")
                 subjects[subject] = name
             limit = {key: _positive(spec.get(key), f"{where}: tenant {name!r}'s {key}") for key in _QUOTAS}
-            by_name[name] = Tenant(name, Quota(limit["max_kv_blocks"], limit["max_sequences"]), limit["max_calls"])
+            quota = Quota(limit["max_kv_blocks"], limit["max_sequences"])
+            by_name[name] = Tenant(name, quota, limit["max_calls"], limit["max_open_calls"])
         return cls(by_name, tuple(digests.items()), subjects)
 
 

@@ -217,6 +217,7 @@ class Rpcs:
         self._count = count
         self.admission = admission
         self.auth = auth
+        self.open_calls: dict[str, int] = {}  # per tenant: calls open, idle streams included
         # Large requests are parsed here, off the event loop.
         self.parser = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="chunkattn-parse")
 
@@ -243,12 +244,16 @@ class Rpcs:
         turn any error into its status (the one place that aborts a call)."""
         code = grpc.StatusCode.OK
         started = time.perf_counter()
-        tenant: Tenant | None = None
+        tenant: Tenant | None = None  # known once authenticated
+        held: str | None = None  # the tenant whose open call this is, once counted
         try:
-            tenant = ANONYMOUS  # without authentication, skip reading the call's metadata and TLS peer
+            named = ANONYMOUS  # without authentication, skip reading the call's metadata and TLS peer
             if self.auth.enabled:
-                tenant = self.auth.tenant_of(context.invocation_metadata(), context.auth_context())
-            yield tenant
+                named = self.auth.tenant_of(context.invocation_metadata(), context.auth_context())
+            tenant = named
+            self._open_call(named)
+            held = named.name
+            yield named
         except asyncio.CancelledError:  # the client went away, or its deadline passed: nobody to answer
             remaining = context.time_remaining()
             late = remaining is not None and remaining <= 0
@@ -258,8 +263,24 @@ class Rpcs:
             code = status_code(e)
             await context.abort(code, bounded(str(e)))
         finally:
+            if held is not None:
+                left = self.open_calls[held] - 1
+                if left:
+                    self.open_calls[held] = left
+                else:
+                    del self.open_calls[held]
             if count_ok or code != grpc.StatusCode.OK:
                 self._count(rpc, code, time.perf_counter() - started if count_ok else None, tenant)
+
+    def _open_call(self, tenant: Tenant) -> None:
+        """Count a call open for ``tenant`` (idle streams included); TooManyCalls past its max_open_calls."""
+        held = self.open_calls.get(tenant.name, 0)
+        if tenant.max_open_calls is not None and held >= tenant.max_open_calls:
+            raise TooManyCalls(
+                f"your tenant has {held} calls open (streams included), its quota (max_open_calls"
+                f" {tenant.max_open_calls}); close some, or ask the operator for more"
+            )
+        self.open_calls[tenant.name] = held + 1
 
     def unary(
         self,
