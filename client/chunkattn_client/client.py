@@ -196,7 +196,22 @@ class Credentials:
 
     def metadata(self) -> tuple[tuple[str, str], ...] | None:
         """The call metadata that carries the token (None: no token)."""
-        return None if self.token is None else (("authorization", f"Bearer {self.token}"),)
+        return bearer(self.token)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials | None:
+        """gRPC's credentials for a TLS channel (None: plaintext)."""
+        if not self.tls:
+            return None
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.root_certificates,
+            private_key=self.private_key,
+            certificate_chain=self.certificate_chain,
+        )
+
+
+def bearer(token: str | None) -> tuple[tuple[str, str], ...] | None:
+    """The call metadata that presents ``token`` (None or empty: none)."""
+    return (("authorization", f"Bearer {token}"),) if token else None
 
 
 def open_channel(
@@ -204,13 +219,9 @@ def open_channel(
 ) -> Any:
     """A channel from ``api`` (the grpc module, or grpc.aio): TLS when the credentials say so."""
     options = channel_options(max_message_bytes, keepalive_s)
-    if not credentials.tls:
+    creds = credentials.channel_credentials()
+    if creds is None:
         return api.insecure_channel(target, options=options)
-    creds = grpc.ssl_channel_credentials(
-        root_certificates=credentials.root_certificates,
-        private_key=credentials.private_key,
-        certificate_chain=credentials.certificate_chain,
-    )
     return api.secure_channel(target, creds, options=options)
 
 

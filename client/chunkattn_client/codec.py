@@ -90,7 +90,7 @@ def to_raw(x: Any, dtype: str | None = None) -> RawTensor:
 def _torch_raw(t: Any) -> RawTensor:
     import torch  # only reached when the caller already has torch
 
-    name = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}.get(t.dtype)
+    name = _TORCH_NAMES.get(str(t.dtype))
     if name is None:
         raise CodecError(f"cannot send a {t.dtype} tensor: use float32, float16 or bfloat16")
     if t.is_cpu and not t.requires_grad and t.is_contiguous():  # the server's outputs: no torch op but a view
@@ -98,6 +98,9 @@ def _torch_raw(t: Any) -> RawTensor:
     else:
         raw = t.detach().to("cpu").contiguous().view(torch.uint8).numpy().reshape(-1)
     return RawTensor(WIRE_DTYPES[name], tuple(t.shape), raw.data)
+
+
+_TORCH_NAMES = {"torch.float32": "float32", "torch.float16": "float16", "torch.bfloat16": "bfloat16"}
 
 
 def encode(x: Any, dtype: str | None = None) -> pb.Tensor:
@@ -121,23 +124,25 @@ def read_header(header: bytes, nbytes: int) -> tuple[int, tuple[int, ...]]:
     return t.dtype, shape
 
 
-def from_parts(header: bytes, data: Buffer) -> npt.NDArray[Any]:
-    """A read-only numpy view of a tensor taken apart by ``wire.split`` (no copy); CodecError as ``decode``."""
-    dtype, shape = read_header(header, len(data))
-    arr: npt.NDArray[Any] = np.frombuffer(data, dtype=_NUMPY[dtype])
-    return arr.reshape(shape)
-
-
-def decode(t: pb.Tensor) -> npt.NDArray[Any]:
-    """A read-only numpy view of the message's bytes: float32 / float16, or uint16 for bfloat16.
+def view(dtype: int, shape: tuple[int, ...], data: Buffer) -> npt.NDArray[Any]:
+    """A read-only numpy view (no copy) of a tensor's bytes: float32 / float16, or uint16 for bfloat16.
 
     Raises CodecError when the dtype is unknown, a dimension is negative, or the byte count is not
     product(shape) * itemsize.
     """
-    data = t.data  # read once: every read of a bytes field copies it out of the message
-    check(t.dtype, tuple(t.shape), len(data))
-    arr: npt.NDArray[Any] = np.frombuffer(data, dtype=_NUMPY[t.dtype])
-    return arr.reshape(tuple(t.shape))
+    check(dtype, shape, len(data))
+    arr: npt.NDArray[Any] = np.frombuffer(data, dtype=_NUMPY[dtype])
+    return arr.reshape(shape)
+
+
+def from_parts(header: bytes, data: Buffer) -> npt.NDArray[Any]:
+    """A read-only numpy view of a tensor taken apart by ``wire.split`` (no copy); CodecError as ``view``."""
+    return view(*read_header(header, len(data)), data)
+
+
+def decode(t: pb.Tensor) -> npt.NDArray[Any]:
+    """A read-only numpy view of the message's bytes (see ``view``)."""
+    return view(t.dtype, tuple(t.shape), t.data)  # t.data read once: each read copies it out of the message
 
 
 # More dimensions than any tensor of the protocol has (they have 3), and few enough that a product of int64s

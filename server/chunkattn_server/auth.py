@@ -231,7 +231,7 @@ def _warn_if_readable(path: str) -> None:
 
 
 class Gate(grpc.aio.ServerInterceptor):
-    """With authentication on, refuse a call of ``prefix`` (the chunkattn service) at its headers when its
+    """(Installed with authentication on.) Refuse a call of ``prefix`` (the chunkattn service) at its headers when its
     token is missing or wrong, before gRPC waits for, and holds, its request: otherwise a client without
     credentials could open calls that never send and hold the server's call slots. Under mutual TLS a call
     without a token goes on (its certificate, already verified, may name its tenant; the handler decides).
@@ -249,7 +249,7 @@ class Gate(grpc.aio.ServerInterceptor):
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler[Any, Any] | None:
         method: str = details.method
-        if self._auth.enabled and method.startswith(self._prefix):
+        if method.startswith(self._prefix):
             metadata = details.invocation_metadata
             if not (self._mutual and not any(key == "authorization" for key, _ in metadata or ())):
                 try:

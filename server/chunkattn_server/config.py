@@ -323,21 +323,22 @@ class ServerConfig:
                 f" ({self.max_message_bytes >> 20} MiB): raise --max-inflight-mib or lower --max-message-mib"
             )
 
-    def transfer_credentials(self) -> Callable[[str], grpc.ChannelCredentials | None]:
-        """TLS for TransferKV's channel to each target (None: plaintext). The server's client certificate
-        goes only to the targets of --transfer-targets: a tenant names the target of its transfer."""
-        from chunkattn_server.tls import channel_credentials
+    @cached_property
+    def transfer_channels(self) -> Callable[[str], grpc.ChannelCredentials | None]:
+        """TLS for TransferKV's channel to each target (None: plaintext); the files are read once, here. The
+        server's client certificate goes only to its own targets (``trusts``)."""
+        from chunkattn_server.tls import transfer_channels
 
-        ca, cert, key = self.transfer_tls_ca, self.transfer_tls_cert, self.transfer_tls_key
-        own = channel_credentials(ca, cert, key, "--transfer-tls")
-        anyone = channel_credentials(ca, None, None, "--transfer-tls") if cert is not None else own
-        allowed = frozenset(self.transfer_targets)
-        return lambda target: own if target in allowed else anyone
+        return transfer_channels(self.transfer_tls_ca, self.transfer_tls_cert, self.transfer_tls_key, self.trusts)
+
+    def trusts(self, target: str) -> bool:
+        """Whether ``target`` may receive the server's own credentials (--transfer-targets): a tenant names the
+        target of its transfer, so to any other it could take them."""
+        return target in self.transfer_targets
 
     def transfer_token_for(self, target: str) -> str:
-        """The token TransferKV presents to ``target`` when the request brings none: the server's own, only to
-        the targets of --transfer-targets (to any other, a tenant could take it)."""
-        return self.transfer_token if target in self.transfer_targets else ""
+        """The token TransferKV presents to ``target`` when the request brings none."""
+        return self.transfer_token if self.trusts(target) else ""
 
     @property
     def inflight_bytes(self) -> int:

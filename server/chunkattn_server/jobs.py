@@ -72,10 +72,16 @@ class Attend(Job):
     tokens: int = 0
     tenant: str = ""
     _ids: frozenset[tuple[str, str]] | None = None
+    _malformed: bool = False
 
-    def touches(self) -> frozenset[tuple[str, str]]:
-        if self._ids is None:  # once, when a step is chosen: a batch of thousands costs milliseconds
-            self._ids = frozenset((self.tenant, e.seq_id) for e in self.entries)
+    def touches(self) -> frozenset[tuple[str, str]] | None:
+        """Its sequences; None (a barrier: it runs alone, where its checks say what is wrong) when they cannot
+        even be read (an in-process caller's unhashable id)."""
+        if self._ids is None and not self._malformed:  # once, when a step is chosen: thousands cost milliseconds
+            try:
+                self._ids = frozenset((self.tenant, e.seq_id) for e in self.entries)
+            except TypeError:
+                self._malformed = True
         return self._ids
 
 
@@ -95,17 +101,20 @@ def work(model: ModelShape, step: Sequence[Job]) -> float:
     for job in step:
         for e in job.entries:  # type: ignore[attr-defined]
             try:
-                n, end = int(e.num_tokens), int(e.position) + int(e.num_tokens)
-                pairs += n * (end - (int(e.position) - int(e.position) % c if c else 0))
-            except (TypeError, ValueError, AttributeError):
-                continue  # a malformed entry: its call fails its checks (the engine says why)
+                p, n = e.position, e.num_tokens
+                pairs += n * (p + n - (p - p % c if c else 0))
+            except TypeError:
+                continue  # a malformed entry (an in-process caller's): its call fails its checks
     return float(pairs * model.num_heads * model.head_size)
 
 
-def serve(engine: Engine, step: list[Job], metrics: Metrics | None, runner: str) -> tuple[list[Result], list[Job]]:
+def serve(
+    engine: Engine, step: list[Job], metrics: Metrics | None, runner: str
+) -> tuple[list[Result], list[Job], EngineStats]:
     """Run one step on the engine (on the thread that may: see the scheduler). Returns the answers, (job, ok,
-    result or exception), and the calls to run again, first, in a step of their own (engine.Retry). The
-    metrics are observed before the answers go: a client that reads them after its call sees it counted."""
+    result or exception), the calls to run again, first, in a step of their own (engine.Retry), and the
+    engine's stats after it. The metrics are observed before the answers go: a client that reads them after
+    its call sees it counted."""
     started = time.perf_counter()
     results: list[Result] = []
     retry: list[Job] = []
@@ -117,9 +126,10 @@ def serve(engine: Engine, step: list[Job], metrics: Metrics | None, runner: str)
             results.append((first, False, e))
     else:
         _serve_attend(engine, step, results, retry, metrics)  # type: ignore[arg-type]
+    stats = engine.stats()
     if metrics is not None:
-        _observe(metrics, engine.stats(), step, results, retry, started, time.perf_counter(), runner)
-    return results, retry
+        _observe(metrics, stats, step, results, retry, started, time.perf_counter(), runner)
+    return results, retry, stats
 
 
 def _serve_attend(
@@ -212,15 +222,12 @@ def hand_back(done: list[Result]) -> None:
 
 
 def deliver(done: list[Result]) -> None:
-    """On an event loop: hand each job of a step its result (unless its caller has gone); a job of another
-    loop gets it through that loop."""
+    """On an event loop: hand each job of a step its result (unless its caller has gone); jobs of other
+    loops get theirs through those loops (hand_back)."""
     loop = asyncio.get_running_loop()
+    hand_back([r for r in done if r[0].future.get_loop() is not loop])
     for job, ok, value in done:
-        if job.future.get_loop() is not loop:
-            with contextlib.suppress(RuntimeError):  # that loop is closed: nobody waits for it
-                job.future.get_loop().call_soon_threadsafe(deliver, [(job, ok, value)])
-            continue
-        if job.future.done():
+        if job.future.get_loop() is not loop or job.future.done():
             continue
         if ok:
             job.future.set_result(value)

@@ -19,7 +19,8 @@ import grpc
 
 from chunkattn_client import wire
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
-from chunkattn_client.client import channel_options
+from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2_grpc as pb_grpc
+from chunkattn_client.client import bearer, channel_options
 from chunkattn_client.limits import MAX_ID_BYTES, id_problem, target_problem, token_problem
 from chunkattn_server import kvwire
 from chunkattn_server.auth import Tenant
@@ -73,7 +74,7 @@ class KVService:
         # unanswered ping failing the transfer with UNAVAILABLE, instead of at the transfer's deadline.
         self._targets = ChannelPool(
             channel_options(config.max_message_bytes, config.transfer_keepalive_s or None),
-            config.transfer_credentials(),
+            config.transfer_channels,
         )
 
     def handlers(self) -> dict[str, grpc.RpcMethodHandler[Any, Any]]:
@@ -285,14 +286,13 @@ class KVService:
         problem = request.new_seq_id and id_problem(request.new_seq_id, "new_seq_id")
         if problem:
             raise InvalidBatch(problem)
-        token = request.target_token or self._config.transfer_token_for(request.target)
-        problem = token and token_problem(token, "target_token")
+        problem = request.target_token and token_problem(request.target_token, "target_token")
         if problem:
             raise InvalidArgument(problem)
+        metadata = bearer(request.target_token or self._config.transfer_token_for(request.target))
         manifest = await self._manifest(request.seq_id, list(request.layers), tenant)  # NOT_FOUND before connecting
         failure: list[BaseException] = []
         chunks = self._chunks(manifest, DEFAULT_KV_MESSAGE_BYTES, as_id=request.new_seq_id, failure=failure)
-        metadata = (("authorization", f"Bearer {token}"),) if token else None
         try:
             async with self._targets.use(request.target) as channel:
                 method: grpc.aio.StreamUnaryMultiCallable[bytes, pb.ImportKVResponse] = channel.stream_unary(
@@ -319,12 +319,24 @@ class KVService:
         )
 
     async def _lost_refusal(self, target: str, metadata: Any) -> TargetError:
-        """See _lost_refusal_of; on the target's kept channel (a refusal does not drop it)."""
+        """What to say when a target refused an import and gRPC lost its reason. A target that refuses an
+        import (credentials, a full pool, an id in use) ends the stream while we still send, and gRPC Python's
+        asyncio client then sometimes reports "Internal error from Core" in place of the target's status
+        (grpc/grpc#36066: about 1 such refusal in 50 here, and most refusals of credentials, which come before
+        any message is read). One Info call with the same credentials, on the target's kept channel (a
+        refusal does not drop it), finds out whether those were the reason; nothing was imported."""
         try:
             async with self._targets.use(target) as channel:
-                return await _lost_refusal_of(channel, metadata, target)
+                await pb_grpc.ChunkAttnStub(channel).Info(pb.InfoRequest(), metadata=metadata, timeout=10)
         except grpc.RpcError as e:
-            return TargetError.from_rpc(e, target)
+            if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                return TargetError.from_rpc(e, target)
+        return TargetError(
+            grpc.StatusCode.UNAVAILABLE,
+            f"the target {target} ended the KV stream before it was sent, refusing the import, and gRPC lost its"
+            " reason (grpc/grpc#36066); nothing was imported: retry, or ask the target (a full pool or an id in"
+            " use are the usual reasons)",
+        )
 
     async def close(self) -> None:
         """Close the channels to transfer targets (at shutdown, after the last call)."""
@@ -336,30 +348,6 @@ class KVService:
         """Count a finished transfer (``code``: what the caller is told)."""
         self._metrics.kv_transfers.labels(direction, code.name).inc()
         self._metrics.kv_transfer_seconds.labels(direction).observe(time.perf_counter() - started)
-
-
-async def _lost_refusal_of(channel: grpc.aio.Channel, metadata: Any, target: str) -> TargetError:
-    """What to say when a target refused an import and gRPC lost its reason. A target that refuses an import
-    (credentials, a full pool, an id in use) ends the stream while we still send, and gRPC Python's asyncio
-    client then sometimes reports "Internal error from Core" in place of the target's status (grpc/grpc#36066:
-    about 1 such refusal in 50 here, and most refusals of credentials, which come before any message is read).
-    One Info call with the same credentials finds out whether those were the reason; nothing was imported."""
-    info = channel.unary_unary(
-        "/chunkattn.v1.ChunkAttn/Info",
-        request_serializer=pb.InfoRequest.SerializeToString,
-        response_deserializer=pb.InfoResponse.FromString,
-    )
-    try:
-        await info(pb.InfoRequest(), metadata=metadata, timeout=10)
-    except grpc.RpcError as e:
-        if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-            return TargetError.from_rpc(e, target)
-    return TargetError(
-        grpc.StatusCode.UNAVAILABLE,
-        f"the target {target} ended the KV stream before it was sent, refusing the import, and gRPC lost its"
-        " reason (grpc/grpc#36066); nothing was imported: retry, or ask the target (a full pool or an id in use"
-        " are the usual reasons)",
-    )
 
 
 def _code(e: BaseException) -> grpc.StatusCode:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import platform
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from prometheus_client import (
@@ -12,9 +12,11 @@ from prometheus_client import (
     Gauge,
     Histogram,
 )
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from chunkattn_server.engine import EngineStats
@@ -125,13 +127,6 @@ class Metrics:
             ["tenant", "rpc", "code"],
             registry=r,
         )
-        self.tenant_kv_blocks = Gauge(
-            "chunkattn_tenant_kv_blocks", "KV blocks held by each tenant's sequences.", ["tenant"], registry=r
-        )
-        self.tenant_sequences = Gauge(
-            "chunkattn_tenant_sequences", "Sequences each tenant holds.", ["tenant"], registry=r
-        )
-        self._tenants: set[str] = set()  # the tenants the two gauges above have series for
         self.bytes_received = Counter("chunkattn_received_bytes_total", "Tensor bytes received (q, k, v).", registry=r)
         self.bytes_sent = Counter("chunkattn_sent_bytes_total", "Tensor bytes sent (outputs).", registry=r)
         self.kv_blocks_total = Gauge("chunkattn_kv_blocks", "KV blocks in the pool.", registry=r)
@@ -182,21 +177,33 @@ class Metrics:
 
         self.build_info.labels(__version__, backend, device, platform.python_version()).set(1)
 
-    def set_tenants(self, names: Iterable[str]) -> None:
-        """The tenants that get per-tenant gauges (the token file's; none without one). A tenant no longer
-        listed loses its gauges; its counters stay (they are history)."""
-        now = set(names)
-        for gone in self._tenants - now:
-            self.tenant_kv_blocks.remove(gone)
-            self.tenant_sequences.remove(gone)
-            for metric in (self.tenant_kv_blocks, self.tenant_sequences):
-                self._children.pop((id(metric), (gone,)), None)
-        self._tenants = now
+    def watch_tenants(self, source: Callable[[], tuple[Iterable[str], EngineStats]]) -> None:
+        """Per-tenant gauges, read at each scrape from ``source()``: the configured tenants (the token file's:
+        label values come from nowhere else) and the engine's latest stats. Read then, not set per step: the
+        per-step path stays as it is whatever the number of tenants, and a tenant that leaves the file leaves
+        the page."""
+        self.registry.register(_TenantGauges(source))
 
     def observe_pool(self, stats: EngineStats) -> None:
-        """Set the KV-in-use and active-sequence gauges from the engine's stats, per tenant too."""
+        """Set the KV-in-use and active-sequence gauges from the engine's stats."""
         self.kv_blocks_used.set(stats.used_blocks)
         self.active_sequences.set(stats.num_sequences)
-        for name in self._tenants:
-            self.of(self.tenant_kv_blocks, name).set(stats.blocks_by_tenant.get(name, 0))
-            self.of(self.tenant_sequences, name).set(stats.sequences_by_tenant.get(name, 0))
+
+
+class _TenantGauges(Collector):
+    """chunkattn_tenant_kv_blocks and chunkattn_tenant_sequences, per configured tenant, at scrape time."""
+
+    def __init__(self, source: Callable[[], tuple[Iterable[str], EngineStats]]) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[Metric]:
+        names, stats = self._source()
+        blocks = GaugeMetricFamily(
+            "chunkattn_tenant_kv_blocks", "KV blocks held by each tenant's sequences.", labels=["tenant"]
+        )
+        sequences = GaugeMetricFamily("chunkattn_tenant_sequences", "Sequences each tenant holds.", labels=["tenant"])
+        for name in names:
+            blocks.add_metric([name], stats.blocks_by_tenant.get(name, 0))
+            sequences.add_metric([name], stats.sequences_by_tenant.get(name, 0))
+        yield blocks
+        yield sequences

@@ -131,11 +131,7 @@ class Admission:
     def _leave(self, nbytes: int, tenant: str) -> None:
         self.calls -= 1
         self.bytes -= nbytes
-        left = self.by_tenant[tenant] - 1
-        if left:
-            self.by_tenant[tenant] = left
-        else:
-            del self.by_tenant[tenant]
+        _drop_one(self.by_tenant, tenant)
         waiting, self._waiting = self._waiting, []
         for room in waiting:  # each looks again
             if not room.done():
@@ -235,6 +231,8 @@ class Rpcs:
         return await asyncio.get_running_loop().run_in_executor(self.parser, parse_now, message, raw, max_fields)
 
     def _rechecker(self, tenant: Tenant, context: Context) -> Callable[[], object]:
+        if not self.auth.enabled:
+            return _nothing
         return lambda: self.auth.current(tenant, context)
 
     @contextlib.asynccontextmanager
@@ -245,15 +243,15 @@ class Rpcs:
         code = grpc.StatusCode.OK
         started = time.perf_counter()
         tenant: Tenant | None = None  # known once authenticated
-        held: str | None = None  # the tenant whose open call this is, once counted
+        held = False  # whether this call counts among its tenant's open calls
         try:
-            named = ANONYMOUS  # without authentication, skip reading the call's metadata and TLS peer
-            if self.auth.enabled:
-                named = self.auth.tenant_of(context.invocation_metadata(), context.auth_context())
-            tenant = named
-            self._open_call(named)
-            held = named.name
-            yield named
+            if self.auth.enabled:  # (else skip reading the call's metadata and TLS peer)
+                tenant = self.auth.tenant_of(context.invocation_metadata(), context.auth_context())
+            else:
+                tenant = ANONYMOUS
+            self._open_call(tenant)
+            held = True
+            yield tenant
         except asyncio.CancelledError:  # the client went away, or its deadline passed: nobody to answer
             remaining = context.time_remaining()
             late = remaining is not None and remaining <= 0
@@ -263,12 +261,8 @@ class Rpcs:
             code = status_code(e)
             await context.abort(code, bounded(str(e)))
         finally:
-            if held is not None:
-                left = self.open_calls[held] - 1
-                if left:
-                    self.open_calls[held] = left
-                else:
-                    del self.open_calls[held]
+            if held and tenant is not None:
+                _drop_one(self.open_calls, tenant.name)
             if count_ok or code != grpc.StatusCode.OK:
                 self._count(rpc, code, time.perf_counter() - started if count_ok else None, tenant)
 
@@ -368,3 +362,15 @@ class Rpcs:
         return grpc.stream_stream_rpc_method_handler(
             behavior, request_deserializer=wire.identity, response_serializer=wire.identity
         )
+
+
+def _nothing() -> None:
+    pass
+
+
+def _drop_one(counts: dict[str, int], key: str) -> None:
+    """One fewer of ``key`` in ``counts``; a key that reaches 0 goes (so the dict holds live tenants only)."""
+    if counts[key] > 1:
+        counts[key] -= 1
+    else:
+        del counts[key]

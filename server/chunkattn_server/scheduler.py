@@ -201,19 +201,14 @@ class Scheduler:
                 self._cond.notify()
                 return
             self._busy = True
-        # This thread's settings only, put back after: no OpenMP team on the loop's thread, no autograd.
-        threads, grad = torch.get_num_threads(), torch.is_grad_enabled()
+        threads = torch.get_num_threads()  # this thread's only, put back after: no OpenMP team on the loop's
         if threads != 1:
             torch.set_num_threads(1)
-        if grad:
-            torch.set_grad_enabled(False)
         try:
             results = self._step(self.engine, step, "event_loop")
         finally:
             if threads != 1:
                 torch.set_num_threads(threads)
-            if grad:
-                torch.set_grad_enabled(True)
             with self._cond:
                 self._busy = False
                 if self._stopping:
@@ -257,10 +252,11 @@ class Scheduler:
                 # Go on with a large next step; a small one is the event loop's, which gets the turn with
                 # these results (the same loop's callbacks run in order).
                 if self._inline and not self._stopping and self._pending():
-                    if self._small(self._peek()):
+                    nxt = self._peek()
+                    if self._small(nxt):
                         self._schedule_drain_after(results)
                         continue
-                    self._handoff = self._take()
+                    self._handoff = self._take(nxt)
                     self._busy = True
             jobs.hand_back(results)
 
@@ -321,11 +317,12 @@ class Scheduler:
         touching no sequence that a job it would overtake touches, and none that an earlier call of the
         step touches."""
         first = self._queue[0]
-        if not (self._batching and isinstance(first, Attend)):
+        ids = first.touches()
+        if not (self._batching and isinstance(first, Attend)) or ids is None:
             return [first]
         step: list[Job] = [first]
         tokens = first.tokens
-        blocked = set(first.touches())
+        blocked = set(ids)
         for i, job in enumerate(self._queue):
             if i == 0:
                 continue
@@ -346,9 +343,10 @@ class Scheduler:
             blocked |= touched
         return step
 
-    def _take(self) -> list[Job]:
-        """The next step (see _peek), taken out of the queue (under _cond, with a job pending)."""
-        step = self._peek()
+    def _take(self, step: list[Job] | None = None) -> list[Job]:
+        """The next step (see _peek; or ``step``, peeked already), taken out of the queue (under _cond, with a
+        job pending)."""
+        step = step or self._peek()
         if len(step) == 1:
             self._queue.popleft()
         else:
@@ -363,8 +361,7 @@ class Scheduler:
         """Serve one step (jobs.serve); a call to run again goes first in the queue. An error outside any
         call's own (a bug) fails every job of the step rather than leaving them unanswered."""
         try:
-            results, retry = jobs.serve(engine, step, self._metrics, runner)
-            self.stats = engine.stats()
+            results, retry, self.stats = jobs.serve(engine, step, self._metrics, runner)
         except Exception as e:
             log.exception("an engine step failed")
             results, retry = [(job, False, e) for job in step], []

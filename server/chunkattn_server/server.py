@@ -58,7 +58,7 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
     # Credentials are read before the pool is allocated: a bad file fails at once, not after a minute.
     auth = Authenticator(config.auth_tokens)
     tls = None if config.tls_cert is None else ServerTLS(config.tls_cert, config.tls_key or "", config.tls_client_ca)
-    config.transfer_credentials()  # the files TransferKV will need, read once now to find mistakes
+    _ = config.transfer_channels  # TransferKV's files, read (once) now: mistakes show before the pool
     metrics = Metrics()
     worker = Scheduler(  # allocates the KV pool: SERVING only after this
         lambda: Engine(engine_config),
@@ -85,7 +85,8 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
         interceptors=[gate] if auth.enabled else [],
     )
     await worker.run("quotas", _quotas(auth))
-    metrics.set_tenants(auth.tenants.by_name)
+    if auth.enabled:
+        metrics.watch_tenants(lambda: (auth.tenants.by_name, worker.stats))
     service = ChunkAttnService(worker, metrics, config, auth)
     service.add_to_server(server)
     health_servicer = health.aio.HealthServicer()
@@ -145,8 +146,6 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
             tls.reload()
         if auth.reload():
             await worker.run("quotas", _quotas(auth))
-            metrics.set_tenants(auth.tenants.by_name)
-            metrics.observe_pool(worker.stats)
 
     def on_sighup() -> None:
         reloading = asyncio.ensure_future(reload())

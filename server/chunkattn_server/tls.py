@@ -12,10 +12,11 @@ from __future__ import annotations
 import logging
 import ssl
 import threading
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import grpc
 
+from chunkattn_client.client import Credentials
 from chunkattn_server.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -33,22 +34,12 @@ def read(path: str, what: str) -> bytes:
     return data
 
 
-@dataclass(frozen=True)
-class _Files:
-    cert: bytes
-    key: bytes
-    client_ca: bytes | None
-
-    def configuration(self) -> grpc.ServerCertificateConfiguration:
-        return grpc.ssl_server_certificate_configuration([(self.key, self.cert)], root_certificates=self.client_ca)
-
-
 class ServerTLS:
     """The server's TLS files; ``credentials()`` for add_secure_port, ``reload()`` on SIGHUP."""
 
     def __init__(self, cert: str, key: str, client_ca: str | None) -> None:
         self._paths = (cert, key, client_ca)
-        self._files = self._read()
+        self._initial = self._read()
         self._lock = threading.Lock()
         self._pending: grpc.ServerCertificateConfiguration | None = None  # for the next handshake
 
@@ -56,15 +47,12 @@ class ServerTLS:
     def mutual(self) -> bool:
         return self._paths[2] is not None
 
-    def _read(self) -> _Files:
+    def _read(self) -> grpc.ServerCertificateConfiguration:
+        """The files, checked: gRPC takes any bytes here and fails at the next handshake (keeping the old
+        certificate, but after a reload logged as done), so Python's ssl checks the pair, and the CA, first."""
         cert, key, client_ca = self._paths
-        files = _Files(
-            read(cert, "--tls-cert"),
-            read(key, "--tls-key"),
-            None if client_ca is None else read(client_ca, "--tls-client-ca"),
-        )
-        # gRPC takes any bytes here and fails at the next handshake (keeping the old certificate, but after a
-        # reload logged as done): Python's ssl checks the pair, and the CA, now.
+        pems = [read(cert, "--tls-cert"), read(key, "--tls-key")]
+        ca = None if client_ca is None else read(client_ca, "--tls-client-ca")
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         try:
             context.load_cert_chain(cert, key)
@@ -75,11 +63,11 @@ class ServerTLS:
                 f"the TLS files cannot be used ({e}): --tls-cert must hold a PEM certificate (chain) whose key is"
                 " --tls-key, and --tls-client-ca PEM CA certificates"
             ) from None
-        return files
+        return grpc.ssl_server_certificate_configuration([(pems[1], pems[0])], root_certificates=ca)
 
     def credentials(self) -> grpc.ServerCredentials:
         return grpc.dynamic_ssl_server_credentials(
-            self._files.configuration(),
+            self._initial,
             self._fetch,  # type: ignore[arg-type]  # None means "keep the current one" (gRPC's docs)
             require_client_authentication=self.mutual,
         )
@@ -88,13 +76,12 @@ class ServerTLS:
         """Read the files again for later handshakes; on an error keep the old ones. Returns whether the new
         ones were taken."""
         try:
-            files = self._read()
+            configuration = self._read()
         except ConfigError as e:
             log.error("TLS files not reloaded, the previous ones stay in force: %s", e)
             return False
         with self._lock:
-            self._files = files
-            self._pending = files.configuration()
+            self._pending = configuration
         log.info("TLS certificate reloaded: new connections get it, open ones keep theirs")
         return True
 
@@ -105,16 +92,20 @@ class ServerTLS:
         return pending
 
 
-def channel_credentials(ca: str | None, cert: str | None, key: str | None, flag: str) -> grpc.ChannelCredentials | None:
-    """Credentials for a client channel: TLS verified against ``ca`` (None: no TLS, unless a client certificate
-    is given, then the system's roots), presenting ``cert`` and ``key`` when both are given. ConfigError
-    naming ``flag`` (e.g. --transfer-tls) for a missing half of a pair or an unreadable file."""
+def transfer_channels(
+    ca: str | None, cert: str | None, key: str | None, trusted: Callable[[str], bool]
+) -> Callable[[str], grpc.ChannelCredentials | None]:
+    """TransferKV's credentials per target (files read once): TLS verified against ``ca`` (None: no TLS, unless
+    a client certificate is given, then the system's roots); the client certificate (``cert``, ``key``) only
+    for ``trusted`` targets, since a tenant names the target of its transfer. ConfigError naming the flag for
+    a missing half of the pair or an unreadable file."""
     if (cert is None) != (key is None):
-        raise ConfigError(f"{flag}-cert and {flag}-key go together: give both, or neither")
-    if ca is None and cert is None:
-        return None
-    return grpc.ssl_channel_credentials(
-        root_certificates=None if ca is None else read(ca, f"{flag}-ca"),
-        private_key=None if key is None else read(key, f"{flag}-key"),
-        certificate_chain=None if cert is None else read(cert, f"{flag}-cert"),
-    )
+        raise ConfigError("--transfer-tls-cert and --transfer-tls-key go together: give both, or neither")
+    ca_pem = None if ca is None else read(ca, "--transfer-tls-ca")
+    own = Credentials(
+        ca_pem,
+        None if cert is None else read(cert, "--transfer-tls-cert"),
+        None if key is None else read(key, "--transfer-tls-key"),
+    ).channel_credentials()
+    anyone = Credentials(ca_pem).channel_credentials() if cert is not None else own
+    return lambda target: own if trusted(target) else anyone
