@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from chunkattn_client import BatchEntry
+from chunkattn_client import BatchEntry, ChunkAttnClient
 from chunkattn_server import CacheConfig, Engine, EngineConfig
 from chunkattn_server.__main__ import main
 from chunkattn_server.auth import ANONYMOUS, Authenticator, Tenants, token_digest
@@ -118,6 +118,10 @@ def test_hash_token_prints_the_digest_the_file_wants(
     monkeypatch.setattr("sys.stdin", io.StringIO("secret-a\n"))
     assert main(["--hash-token"]) == 0
     assert capsys.readouterr().out.strip() == DIGEST
+    monkeypatch.setattr("sys.stdin", io.StringIO("t\u00f6k\u00e9n\n"))  # a token no client could send
+    with pytest.raises(SystemExit):
+        main(["--hash-token"])
+    assert "must be printable ASCII" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -132,6 +136,7 @@ def test_hash_token_prints_the_digest_the_file_wants(
             "--transfer-tls-cert and --transfer-tls-key go",
         ),
         (["--transfer-token", "tok"], "name the targets they may go to with --transfer-targets"),
+        (["--transfer-targets", "no-port"], "--transfer-targets: the target 'no-port' is not an address"),
     ],
 )
 def test_the_server_does_not_start_with_unusable_credentials(
@@ -219,3 +224,11 @@ def test_imports_under_way_count_against_the_sequence_quota() -> None:
     assert engine.stats().sequences_by_tenant == {"t": 1}
     with pytest.raises(QuotaExceeded, match="max_sequences"):
         engine.transfer.begin_import(dataclasses.replace(manifest, seq_id="s2"), "t")
+
+
+def test_a_token_that_cannot_travel_in_a_header_is_refused_by_the_client() -> None:
+    for token in ("", " padded", "t\u00f6k\u00e9n", "line\nbreak", "x" * 4097):
+        with pytest.raises(ValueError, match="travels in a header") as e:
+            ChunkAttnClient("127.0.0.1:1", token=token)
+        assert token not in str(e.value) or not token
+    ChunkAttnClient("127.0.0.1:1", token="x" * 4096).close()

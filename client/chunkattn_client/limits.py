@@ -22,6 +22,8 @@ MAX_BATCH = 8192
 MAX_TOKENS = 2**31 - 1
 # TransferKV's target address.
 MAX_TARGET_BYTES = 512
+# A bearer token's characters (gRPC's headers are at most 8 KiB in all).
+MAX_TOKEN_CHARS = 4096
 
 # How much of a client's string an error message quotes, and how many of its ids.
 QUOTE_CHARS = 64
@@ -54,9 +56,11 @@ def bounded(message: str) -> str:
 
 def token_problem(token: str, what: str = "a token") -> str | None:
     """Why ``token`` cannot be a bearer token (it travels in a header: printable ASCII, no surrounding
-    spaces), or None. Never quotes the token."""
+    spaces, at most MAX_TOKEN_CHARS), or None. Never quotes the token."""
     if not token or not token.isascii() or not token.isprintable() or token != token.strip():
         return f"{what} must be printable ASCII without surrounding spaces (it travels in a header)"
+    if len(token) > MAX_TOKEN_CHARS:
+        return f"{what} has {len(token)} characters; at most {MAX_TOKEN_CHARS} (it travels in a header)"
     return None
 
 

@@ -24,6 +24,7 @@ from typing import Any
 
 from chunkattn_client import hfconfig
 from chunkattn_client.client import MAX_KEEPALIVE_S, MIN_KEEPALIVE_S, check_keepalive
+from chunkattn_client.limits import token_problem
 from chunkattn_server import allocator
 from chunkattn_server.auth import token_digest
 from chunkattn_server.config import (
@@ -318,8 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.hash_token:
         token = sys.stdin.readline().strip()
-        if not token:
-            build_parser().error("--hash-token reads a token on standard input, and got none")
+        problem = token_problem(token, "the token on standard input")
+        if problem:
+            build_parser().error(f"--hash-token: {problem}")
         print(token_digest(token))
         return 0
     check(args)

@@ -15,7 +15,7 @@ from functools import cached_property
 
 import grpc
 
-from chunkattn_client.limits import quote, token_problem
+from chunkattn_client.limits import quote, target_problem, token_problem
 from chunkattn_server.errors import ConfigError, UnknownLayer
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -306,6 +306,10 @@ class ServerConfig:
         problem = self.transfer_token and token_problem(self.transfer_token, "--transfer-token")
         if problem:
             raise ConfigError(problem)
+        for target in self.transfer_targets:
+            problem = target_problem(target)
+            if problem:
+                raise ConfigError(f"--transfer-targets: {problem}")
         if (self.transfer_token or self.transfer_tls_cert) and not self.transfer_targets:
             raise ConfigError(
                 "--transfer-token and --transfer-tls-cert are the server's own credentials: name the targets they"
