@@ -10,12 +10,14 @@ import signal
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
 import grpc
 import numpy as np
 import pytest
+from google.protobuf import descriptor_pb2, descriptor_pool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -125,6 +127,48 @@ def test_standard_health_and_reflection(server: ServerProcess) -> None:
         responses = refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
         names = {s.name for r in responses for s in r.list_services_response.service}
     assert {"chunkattn.v1.ChunkAttn", "grpc.health.v1.Health"} <= names
+
+
+def test_reflection_v1_lists_and_describes_every_service(server: ServerProcess) -> None:
+    """grpc.reflection.v1 (what grpcurl asks first) answers like v1alpha: the file descriptors it returns
+    build, in a fresh pool, the services the server actually serves, v1 reflection itself included."""
+    v1 = "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo"
+    with grpc.insecure_channel(server.target) as channel:
+        call = channel.stream_stream(
+            v1,
+            request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+            response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+        )
+        names = [s.name for r in call(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10)
+                 for s in r.list_services_response.service]  # fmt: skip
+        asks = [reflection_pb2.ServerReflectionRequest(file_containing_symbol=n) for n in names]
+        answers = list(call(iter(asks), timeout=10))
+        missing = list(
+            call(iter([reflection_pb2.ServerReflectionRequest(file_containing_symbol="no.Such")]), timeout=10)
+        )
+    assert {"chunkattn.v1.ChunkAttn", "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
+            "grpc.reflection.v1alpha.ServerReflection"} == set(names)  # fmt: skip
+    pool = descriptor_pool.DescriptorPool()
+    files = [descriptor_pb2.FileDescriptorProto.FromString(b) for a in answers
+             for b in a.file_descriptor_response.file_descriptor_proto]  # fmt: skip
+    added: set[str] = set()
+    while len(added) < len({f.name for f in files}):  # dependencies first
+        for f in files:
+            if f.name not in added and set(f.dependency) <= added | {"google/protobuf/descriptor.proto"}:
+                pool.Add(f)
+                added.add(f.name)
+    assert "Attend" in [m.name for m in pool.FindServiceByName("chunkattn.v1.ChunkAttn").methods]
+    assert pool.FindServiceByName("grpc.reflection.v1.ServerReflection").methods[0].name == "ServerReflectionInfo"
+    assert missing[0].error_response.error_code == grpc.StatusCode.NOT_FOUND.value[0]
+
+
+def test_healthz_and_readyz_on_the_metrics_port(server: ServerProcess) -> None:
+    base = server.metrics_url.removesuffix("/metrics")
+    for path, body in (("/healthz", "ok"), ("/readyz", "ready")):
+        with urllib.request.urlopen(base + path, timeout=10) as r:
+            assert (r.status, r.read().decode().strip()) == (200, body)
+    with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+        assert b"chunkattn_build_info" in r.read()
 
 
 def test_metrics_parse_and_count_what_was_sent(server: ServerProcess, client: ChunkAttnClient) -> None:

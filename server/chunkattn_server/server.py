@@ -16,11 +16,10 @@ from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
-from prometheus_client import start_http_server
 
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_client.client import MIN_KEEPALIVE_S, channel_options
+from chunkattn_server import http, reflection
 from chunkattn_server.auth import Authenticator, Gate
 from chunkattn_server.config import EngineConfig, ServerConfig
 from chunkattn_server.engine import Engine
@@ -91,18 +90,18 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
     service.add_to_server(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
-    )
+    reflection.enable(server, (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name))
     address = f"{config.host}:{config.port}"
     port = server.add_insecure_port(address) if tls is None else server.add_secure_port(address, tls.credentials())
     if port == 0:
         raise OSError(f"cannot listen on {address}")
-    if config.metrics_port:
-        start_http_server(config.metrics_port, addr=config.host, registry=metrics.registry)
+    probe = http.Probe()
+    heartbeat = asyncio.create_task(probe.heartbeat())
+    stop_http = http.start(config.host, config.metrics_port, metrics.registry, probe) if config.metrics_port else None
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    probe.state = "serving"
     stats = engine.stats()
     log.info(
         "serving %s on %s:%d (%s, metrics %s) on %s: %d layers, %d KV blocks of %d tokens (%.1f MiB)",
@@ -110,7 +109,7 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
         config.host,
         port,
         "plaintext" if tls is None else "mutual TLS" if tls.mutual else "TLS",
-        f"http://{config.host}:{config.metrics_port}/metrics" if config.metrics_port else "off",
+        f"http://{config.host}:{config.metrics_port}/metrics, /healthz, /readyz" if config.metrics_port else "off",
         engine.device,
         engine_config.model.num_layers,
         stats.num_blocks,
@@ -159,19 +158,27 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
 
     await stop.wait()
     log.info("draining: NOT_SERVING, refusing new calls, %.1f s for calls in flight", config.grace_s)
+    probe.state = "draining"
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     service.drain()
     if evictor is not None:
-        evictor.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await evictor
+        await _cancel(evictor)
     try:
         await server.stop(config.grace_s)
     finally:
         await service.close()
         worker.stop()
+        await _cancel(heartbeat)  # /healthz stays 200 while the calls in flight finish
+        if stop_http is not None:
+            stop_http()
     log.info("stopped")
+
+
+async def _cancel(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
 
 
 def _quotas(auth: Authenticator) -> Callable[[Engine], None]:
