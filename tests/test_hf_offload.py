@@ -176,17 +176,17 @@ def test_a_forward_that_fails_part_way_stops_the_session_with_a_clear_error(
 ) -> None:
     with OffloadSession(client, model, transport="unary") as session:
         session.forward(prompts)
-        real = client.attend
+        real = session.client.attend  # the session's calls go through its routed view of the client
 
         def failing(layer: int, *args: Any, **kwargs: Any) -> Any:
             if layer == 2:
                 raise ChunkAttnError(grpc.StatusCode.UNAVAILABLE, "injected")
             return real(layer, *args, **kwargs)
 
-        monkeypatch.setattr(client, "attend", failing)
+        monkeypatch.setattr(session.client, "attend", failing)
         with pytest.raises(ChunkAttnError, match="injected"):
             session.forward([[1], [2], [3]])
-        monkeypatch.setattr(client, "attend", real)
+        monkeypatch.setattr(session.client, "attend", real)
         with pytest.raises(SessionError, match="a forward failed part-way"):
             session.forward([[1], [2], [3]])
 

@@ -27,6 +27,7 @@ from chunkattn_client.client import (
     Credentials,
     KVImport,
     KVTransfer,
+    Routed,
     ServerInfo,
     attend_request,
     decode_attend_response,
@@ -37,7 +38,7 @@ from chunkattn_client.client import (
 )
 
 
-class AsyncChunkAttnClient:
+class AsyncChunkAttnClient(Routed):
     """An asyncio client; see ``ChunkAttnClient`` for the arguments and each method's contract."""
 
     def __init__(
@@ -51,9 +52,10 @@ class AsyncChunkAttnClient:
         private_key: bytes | None = None,
         token: str | None = None,
         timeout_s: float | None = None,
+        route: str | None = None,
     ) -> None:
         credentials = Credentials(root_certificates, certificate_chain, private_key, token)
-        self._metadata = credentials.metadata()
+        self._set_metadata(token, route)
         self._channel: grpc.aio.Channel = open_channel(grpc.aio, target, max_message_bytes, keepalive_s, credentials)
         self._stub = pb_grpc.ChunkAttnStub(self._channel)
         self._attend = self._channel.unary_unary(
@@ -70,7 +72,8 @@ class AsyncChunkAttnClient:
         await self.close()
 
     async def close(self) -> None:
-        await self._channel.close()
+        if self._owns_channel:
+            await self._channel.close()
 
     async def info(self) -> ServerInfo:
         with rpc_errors():

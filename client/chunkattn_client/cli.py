@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import signal
@@ -152,6 +153,12 @@ def _connection(c: argparse.ArgumentParser) -> None:
         default=os.environ.get("CHUNKATTN_TOKEN"),
         help="the bearer token that names your tenant (default $CHUNKATTN_TOKEN; a flag shows in ps)",
     )
+    c.add_argument(
+        "--route",
+        metavar="KEY",
+        help="the x-chunkattn-route key Envoy hashes to pick a replica (default: the sequence's id for kv commands"
+        " (a fork: the parent's) and for each bench sequence; a random key otherwise)",
+    )
 
 
 def _credentials(args: argparse.Namespace) -> dict[str, Any]:
@@ -173,8 +180,10 @@ def _credentials(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _client(args: argparse.Namespace) -> ChunkAttnClient:
-    return ChunkAttnClient(args.target, timeout_s=args.timeout, **_credentials(args))
+def _client(args: argparse.Namespace, route: str | None = None) -> ChunkAttnClient:
+    """A client for the flags; its route is --route, else ``route`` (None: a random one)."""
+    route = args.route if args.route is not None else route
+    return ChunkAttnClient(args.target, timeout_s=args.timeout, route=route, **_credentials(args))
 
 
 # -- info, health ---------------------------------------------------------------------------------------
@@ -236,7 +245,7 @@ def _layers(text: str) -> list[int]:
 def _kv_export(args: argparse.Namespace) -> int:
     from chunkattn_client import kvfile
 
-    with _client(args) as c:
+    with _client(args, args.seq_id) as c:
         start = time.perf_counter()
         chunks = c.export_kv(args.seq_id, layers=_layers(args.layers))
         counted = _Counted(chunks)
@@ -273,9 +282,12 @@ def _kv_import(args: argparse.Namespace) -> int:
 
     if not os.path.exists(args.file):
         raise ValueError(f"no such file: {args.file}")
-    with _client(args) as c:
+    chunks = kvfile.read(args.file)
+    first = next(chunks, None)  # the header names the exported sequence: the route of the new one by default
+    route = args.seq_id or (first.header.seq_id if first is not None and first.HasField("header") else None)
+    with _client(args, route) as c:
         start = time.perf_counter()
-        r = c.import_kv(kvfile.read(args.file), seq_id=args.seq_id)
+        r = c.import_kv(itertools.chain([] if first is None else [first], chunks), seq_id=args.seq_id)
     print(
         f"imported {r.seq_id!r}: {r.blocks} blocks allocated, {r.records} received ({r.bytes} bytes of K/V)"
         f" in {time.perf_counter() - start:.2f} s"
@@ -284,7 +296,7 @@ def _kv_import(args: argparse.Namespace) -> int:
 
 
 def _kv_transfer(args: argparse.Namespace) -> int:
-    with _client(args) as c:
+    with _client(args, args.seq_id) as c:
         r = c.transfer_kv(
             args.seq_id,
             args.to,
@@ -302,7 +314,7 @@ def _kv_transfer(args: argparse.Namespace) -> int:
 
 
 def _kv_fork(args: argparse.Namespace) -> int:
-    with _client(args) as c:
+    with _client(args, args.parent) as c:  # the child lives where its parent does
         shared = c.fork(args.parent, args.child)
     print(f"forked {args.parent!r} into {args.child!r}: {shared} blocks shared copy-on-write")
     return EXIT_OK
@@ -338,6 +350,7 @@ def _bench(args: argparse.Namespace) -> int:
         timeout_s=args.timeout,
         max_errors=args.max_errors,
         metrics_url=args.metrics_url,
+        route=args.route,
     )
     param, values = _sweep(args.sweep, open_loop=args.rate is not None) if args.sweep else (None, [None])
     configs = [config if v is None else dataclasses.replace(config, **{param: v}) for v in values]  # type: ignore[arg-type]

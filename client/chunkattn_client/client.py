@@ -9,13 +9,15 @@ Every failure surfaces as ``ChunkAttnError`` carrying the gRPC status code and t
 from __future__ import annotations
 
 import contextlib
+import copy
 import queue
+import secrets
 import threading
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, Self
 
 import grpc
 import numpy.typing as npt
@@ -26,7 +28,7 @@ from chunkattn_client import codec, wire
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2_grpc as pb_grpc
 from chunkattn_client.batch import BatchEntry
-from chunkattn_client.limits import token_problem
+from chunkattn_client.limits import route_problem, token_problem
 
 # Large enough for a 4,096-token prefill of Llama-4-Scout's shape in bf16 (q, k, v: 56 MiB) with room.
 DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
@@ -194,10 +196,6 @@ class Credentials:
     def tls(self) -> bool:
         return self.root_certificates is not None or self.certificate_chain is not None
 
-    def metadata(self) -> tuple[tuple[str, str], ...] | None:
-        """The call metadata that carries the token (None: no token)."""
-        return bearer(self.token)
-
     def channel_credentials(self) -> grpc.ChannelCredentials | None:
         """gRPC's credentials for a TLS channel (None: plaintext)."""
         if not self.tls:
@@ -212,6 +210,39 @@ class Credentials:
 def bearer(token: str | None) -> tuple[tuple[str, str], ...] | None:
     """The call metadata that presents ``token`` (None or empty: none)."""
     return (("authorization", f"Bearer {token}"),) if token else None
+
+
+# Envoy in front of several replicas hashes this header to pick one (deploy/envoy/envoy.yaml): the calls
+# of one session must reach the replica that holds its KV. A direct connection ignores it.
+ROUTE_HEADER = "x-chunkattn-route"
+
+
+class Routed:
+    """What ChunkAttnClient and AsyncChunkAttnClient share: the call metadata (token, routing key).
+
+    route: the ``x-chunkattn-route`` value of every call. None (the default) makes a random key for this
+    client, so that behind Envoy all of its calls reach one replica; "" sends no header (Envoy then picks a
+    replica per call: only for servers that hold no state for you). ``with_route(key)`` gives a client on
+    the same channel with another key: one per session spreads the sessions over the replicas.
+    """
+
+    _metadata: tuple[tuple[str, str], ...] | None
+
+    def _set_metadata(self, token: str | None, route: str | None) -> None:
+        route = secrets.token_hex(8) if route is None else route
+        problem = route_problem(route)
+        if problem:
+            raise ValueError(problem)
+        self._token, self.route = token, route
+        self._metadata = (*(bearer(token) or ()), *(((ROUTE_HEADER, route),) if route else ())) or None
+        self._owns_channel = True
+
+    def with_route(self, route: str) -> Self:
+        """This client, on the same channel (closing it leaves the channel open), with another route."""
+        other = copy.copy(self)
+        other._set_metadata(self._token, route)
+        other._owns_channel = False
+        return other
 
 
 def open_channel(
@@ -297,11 +328,12 @@ ATTEND = "/chunkattn.v1.ChunkAttn/Attend"
 ATTEND_STREAM = "/chunkattn.v1.ChunkAttn/AttendStream"
 
 
-class ChunkAttnClient:
+class ChunkAttnClient(Routed):
     """A blocking client. Thread-safe: gRPC channels may be shared between threads.
 
     target: "host:port". root_certificates, certificate_chain, private_key, token: see ``Credentials``
-    (none of them: plaintext, no token). timeout_s: the deadline of each call (None: none).
+    (none of them: plaintext, no token). timeout_s: the deadline of each call (None: none). route: the
+    routing key for Envoy in front of several replicas (see ``Routed``; default: one random key per client).
     """
 
     def __init__(
@@ -315,9 +347,10 @@ class ChunkAttnClient:
         private_key: bytes | None = None,
         token: str | None = None,
         timeout_s: float | None = None,
+        route: str | None = None,
     ) -> None:
         credentials = Credentials(root_certificates, certificate_chain, private_key, token)
-        self._metadata = credentials.metadata()
+        self._set_metadata(token, route)
         self._channel: grpc.Channel = open_channel(grpc, target, max_message_bytes, keepalive_s, credentials)
         self._stub = pb_grpc.ChunkAttnStub(self._channel)
         # Attend requests are serialized by wire.encode_attend_request (protobuf's serializer is slow on MiBs).
@@ -335,7 +368,8 @@ class ChunkAttnClient:
         self.close()
 
     def close(self) -> None:
-        self._channel.close()
+        if self._owns_channel:
+            self._channel.close()
 
     def info(self) -> ServerInfo:
         with rpc_errors():

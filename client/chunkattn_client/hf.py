@@ -102,18 +102,28 @@ class OffloadSession:
     On open it checks the server's shape against the model's config (a ``hfconfig.HFConfigError`` naming
     the first difference) and switches the model to the "chunkattn" attention implementation; on close
     it releases the session's sequences on the server (also when leaving on an error) and switches the
-    model back. One session serves one batch of rows, from the prefill to the last decode.
+    model back. One session serves one batch of rows, from the prefill to the last decode. ``route``: the
+    routing key of its calls behind Envoy (default: ``prefix``, the session's id, so that a session stays on
+    one replica while sessions spread).
     """
 
     def __init__(
-        self, client: ChunkAttnClient, model: PreTrainedModel, *, transport: Transport = "stream", prefix: str = ""
+        self,
+        client: ChunkAttnClient,
+        model: PreTrainedModel,
+        *,
+        transport: Transport = "stream",
+        prefix: str = "",
+        route: str | None = None,
     ) -> None:
         if transport not in ("unary", "stream"):
             raise ValueError(f"transport must be 'unary' or 'stream', got {transport!r}")
-        self.client = client
         self.model = model
         self.transport = transport
         self.prefix = prefix or f"hf-{uuid.uuid4().hex[:12]}"
+        # Every call of the session carries one routing key (by default its prefix): behind Envoy, they all
+        # reach the replica that holds the session's KV.
+        self.client = client.with_route(self.prefix if route is None else route)
         self.info: ServerInfo = client.info()
         _check_server(self.info, model)
         self.calls = 0

@@ -24,6 +24,8 @@ MAX_TOKENS = 2**31 - 1
 MAX_TARGET_BYTES = 512
 # A bearer token's characters (gRPC's headers are at most 8 KiB in all).
 MAX_TOKEN_CHARS = 4096
+# A routing key's characters (the x-chunkattn-route header that Envoy hashes).
+MAX_ROUTE_CHARS = 256
 
 # How much of a client's string an error message quotes, and how many of its ids.
 QUOTE_CHARS = 64
@@ -61,6 +63,16 @@ def token_problem(token: str, what: str = "a token") -> str | None:
         return f"{what} must be printable ASCII without surrounding spaces (it travels in a header)"
     if len(token) > MAX_TOKEN_CHARS:
         return f"{what} has {len(token)} characters; at most {MAX_TOKEN_CHARS} (it travels in a header)"
+    return None
+
+
+def route_problem(route: str) -> str | None:
+    """Why ``route`` cannot be a routing key (printable ASCII, no surrounding spaces, at most
+    MAX_ROUTE_CHARS), or None."""
+    if not route.isascii() or not route.isprintable() or route != route.strip():
+        return f"a route must be printable ASCII without surrounding spaces (a header); got {quote(route)}"
+    if len(route) > MAX_ROUTE_CHARS:
+        return f"a route has at most {MAX_ROUTE_CHARS} characters (it travels in a header); got {len(route)}"
     return None
 
 

@@ -46,6 +46,7 @@ from chunkattn_client.bench.workload import (
     steps,
 )
 from chunkattn_client.client import ChunkAttnError, ServerInfo
+from chunkattn_client.limits import route_problem
 from chunkattn_client.reference import ReferenceModel, within_tolerance
 
 TRANSPORTS = ("unary", "stream")
@@ -75,6 +76,7 @@ class BenchConfig:
     timeout_s: float = 60.0
     max_errors: int = 100
     metrics_url: str | None = None
+    route: str | None = None  # every sequence's x-chunkattn-route; None: each sequence's id
 
     def check(self) -> None:
         """Raise WorkloadError naming the first option that cannot work."""
@@ -90,6 +92,8 @@ class BenchConfig:
             raise WorkloadError(f"--rate must be > 0 sequences per second, got {self.rate}")
         if self.prefill_chunk < 0:
             raise WorkloadError(f"--prefill-chunk must be >= 0 (0: whole prompt), got {self.prefill_chunk}")
+        if self.route is not None and (problem := route_problem(self.route)):
+            raise WorkloadError(f"--route: {problem}")
         if self.transport not in TRANSPORTS:
             raise WorkloadError(f"--transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if self.warmup_s < 0 or self.verify < 0 or self.timeout_s <= 0 or self.max_errors < 1:
@@ -470,9 +474,11 @@ class Bench:
         rec = self._rec
         self._seq_no += 1
         seq_id = f"bench-{self._run_id}-{self._seq_no}"
+        # Behind Envoy, each sequence's calls reach the replica that holds its KV; sequences spread.
+        client = self.client.with_route(seq_id if self.config.route is None else self.config.route)
         plan = steps(spec, self.config.prefill_chunk)
         check = self._checking.sample(len(plan) * len(self.layers)) if self._checking else None
-        stream = self.client.stream() if self.config.transport == "stream" else None
+        stream = client.stream() if self.config.transport == "stream" else None
         verifying = 0.0  # seconds spent on the reference, left out of every latency
         finished = False  # the last call (end_of_sequence) was answered: nothing is left on the server
         failed = False
@@ -487,7 +493,7 @@ class Bench:
                         rec.sequences_cut += 1
                         return
                     last = i == len(plan) - 1 and j == len(self.layers) - 1
-                    answered.append(await self._call(stream, layer, seq_id, step, last))
+                    answered.append(await self._call(client, stream, layer, seq_id, step, last))
                 rec.steps.append((rec.now(), step.kind, step.num_tokens, time.perf_counter() - t))
                 rec.tokens[step.kind] += step.num_tokens
                 if check is not None:
@@ -511,10 +517,11 @@ class Bench:
             if stream is not None:
                 await _close(stream, failed)
             if not finished:
-                await self._release(seq_id)
+                await self._release(client, seq_id)
 
     async def _call(
         self,
+        client: AsyncChunkAttnClient,
         stream: AsyncAttendStream | None,
         layer: int,
         seq_id: str,
@@ -531,7 +538,7 @@ class Bench:
         kw: dict[str, Any] = {"end_of_sequence": [seq_id] if last else (), "dtype": self.config.dtype}
         call: Awaitable[npt.NDArray[Any]]
         if stream is None:
-            call = self.client.attend(layer, [entry], q, k, v, **kw)  # the client's deadline: --timeout
+            call = client.attend(layer, [entry], q, k, v, **kw)  # the client's deadline: --timeout
         else:
             call = asyncio.wait_for(stream.attend(layer, [entry], q, k, v, **kw), self.config.timeout_s)
         try:
@@ -549,10 +556,10 @@ class Bench:
         rec.bytes_received += received
         return layer, entry, q, k, v, out
 
-    async def _release(self, seq_id: str) -> None:
+    async def _release(self, client: AsyncChunkAttnClient, seq_id: str) -> None:
         """Free a sequence that did not finish (best effort, short deadline); a failure is counted apart."""
         try:
-            await asyncio.wait_for(self.client.release([seq_id], missing_ok=True), min(self.config.timeout_s, 5.0))
+            await asyncio.wait_for(client.release([seq_id], missing_ok=True), min(self.config.timeout_s, 5.0))
         except ChunkAttnError as e:
             self._rec.release_errors[e.code.name] += 1
         except TimeoutError:
