@@ -35,9 +35,17 @@ from google.protobuf.message import DecodeError, Message
 from chunkattn_client import wire
 from chunkattn_client.limits import bounded
 from chunkattn_server.auth import ANONYMOUS, Authenticator, Tenant
-from chunkattn_server.errors import InvalidArgument, Overloaded, StreamStalled, TooManyCalls, status_code
+from chunkattn_server.errors import (
+    InvalidArgument,
+    Overloaded,
+    ShuttingDown,
+    StreamStalled,
+    TooManyCalls,
+    status_code,
+)
 
 Context = grpc.aio.ServicerContext[Any, Any]
+DRAINING = "this server is shutting down (draining); reconnect elsewhere"
 M = TypeVar("M", bound=Message)
 
 # A request of at most this many bytes is small: parsed by protobuf's C parser on the event loop (the worst,
@@ -214,6 +222,7 @@ class Rpcs:
         self.admission = admission
         self.auth = auth
         self.open_calls: dict[str, int] = {}  # per tenant: calls open, idle streams included
+        self.draining = False  # set on SIGTERM: new calls and open streams' next requests get UNAVAILABLE
         # Large requests are parsed here, off the event loop.
         self.parser = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="chunkattn-parse")
 
@@ -249,6 +258,8 @@ class Rpcs:
                 tenant = self.auth.tenant_of(context.invocation_metadata(), context.auth_context())
             else:
                 tenant = ANONYMOUS
+            if self.draining:
+                raise ShuttingDown(DRAINING)
             self._open_call(tenant)
             held = True
             yield tenant

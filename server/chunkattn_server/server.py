@@ -165,7 +165,9 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
     if evictor is not None:
         await _cancel(evictor)
     try:
-        await server.stop(config.grace_s)
+        started = loop.time()
+        await _delivered(service, port, config.grace_s)
+        await server.stop(max(config.grace_s - (loop.time() - started), 0.0))
     finally:
         await service.close()
         worker.stop()
@@ -173,6 +175,32 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
         if stop_http is not None:
             stop_http()
     log.info("stopped")
+
+
+def _unsent(port: int) -> int | None:
+    """Bytes sent on connections accepted on ``port`` that their peers have not acknowledged yet (Linux's
+    /proc/net/tcp send queues; None elsewhere)."""
+    unsent = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = [line.split() for line in list(f)[1:]]
+        except OSError:
+            return None
+        unsent += sum(int(r[4].split(":")[0], 16) for r in rows if int(r[1].rsplit(":", 1)[1], 16) == port)
+    return unsent
+
+
+async def _delivered(service: ChunkAttnService, port: int, timeout_s: float) -> None:
+    """Wait, timeout_s at most, until no call is open in the service and its answers have reached their
+    peers. gRPC closes every connection when it stops, and a close while the peer still sends (window
+    updates, pings) is a reset that loses what the socket still held: a proxy reading a large answer slowly
+    would get it cut."""
+    loop = asyncio.get_running_loop()
+    deadline, quiet = loop.time() + timeout_s, 0
+    while quiet < 3 and loop.time() < deadline:
+        await asyncio.sleep(0.02)
+        quiet = quiet + 1 if service.open_calls() == 0 and not _unsent(port) else 0
 
 
 async def _cancel(task: asyncio.Task[None]) -> None:

@@ -27,7 +27,7 @@ from chunkattn_server.engine import Engine, EngineStats
 from chunkattn_server.errors import InvalidArgument, InvalidBatch, InvalidTensor, ShuttingDown, status_code
 from chunkattn_server.kv_service import KVService
 from chunkattn_server.metrics import Metrics
-from chunkattn_server.rpc import SMALL_REQUEST_BYTES, Admission, Context, Rpcs, Stream
+from chunkattn_server.rpc import DRAINING, SMALL_REQUEST_BYTES, Admission, Context, Rpcs, Stream
 from chunkattn_server.scheduler import Scheduler
 
 T = TypeVar("T")
@@ -106,7 +106,6 @@ class ChunkAttnService:
         self._config = config
         self._auth = auth
         self._engine_info = _static_info(worker.engine, config.max_message_bytes)
-        self._draining = False
         self._rpcs = Rpcs(self._count, Admission(config.max_concurrent_rpcs, config.inflight_bytes), auth)
         self._kv = KVService(self._run, self._rpcs, self._observe_pool, metrics, worker.engine, config)
         metrics.kv_blocks_total.set(worker.engine.stats().num_blocks)
@@ -128,8 +127,12 @@ class ChunkAttnService:
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("chunkattn.v1.ChunkAttn", handlers),))
 
     def drain(self) -> None:
-        """From now on, open streams end (UNAVAILABLE) before their next request."""
-        self._draining = True
+        """From now on, new calls are refused and open streams end before their next request (UNAVAILABLE)."""
+        self._rpcs.draining = True
+
+    def open_calls(self) -> int:
+        """Calls open in the service now (idle streams included; health and reflection are not its)."""
+        return sum(self._rpcs.open_calls.values())
 
     async def close(self) -> None:
         """Release what the service holds besides the engine (after the server stopped)."""
@@ -154,8 +157,8 @@ class ChunkAttnService:
         """One answer per request, in order; a failed request is answered with its status and the stream
         goes on. Each request is admitted on its own; an idle stream holds nothing."""
         while (raw := await stream.read()) is not None:
-            if self._draining:
-                raise ShuttingDown("the server is shutting down; reconnect elsewhere")
+            if self._rpcs.draining:
+                raise ShuttingDown(DRAINING)
             request_id = 0  # stays 0 when the request cannot be read at all
             started = time.perf_counter()
             try:
