@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install browser test test-fast lint format serve bench bench-calls bench-gpu demo proto clean fuzz soak
+.PHONY: install browser prometheus test test-fast lint format serve cluster bench bench-calls bench-gpu demo proto clean fuzz soak
 
 $(STAMP): requirements/dev.txt requirements/constraints.txt client/pyproject.toml server/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -15,9 +15,12 @@ $(STAMP): requirements/dev.txt requirements/constraints.txt client/pyproject.tom
 install: $(STAMP)  ## create .venv if missing and install both packages (editable) with the dev tools
 
 browser:  ## Debian's chromium for the HTML report's browser test (needs root and apt-get; else that test skips)
-	@bash scripts/install-chromium.sh
+	@bash scripts/install-apt.sh chromium chromium "the HTML report's browser test"
 
-test: install browser  ## the whole suite
+prometheus:  ## Debian's prometheus (and promtool) for the dashboard and scrape tests (needs root and apt-get)
+	@bash scripts/install-apt.sh promtool prometheus "the Prometheus and dashboard tests"
+
+test: install browser prometheus  ## the whole suite
 	$(BIN)/python -m pytest
 
 test-fast: install  ## the suite without tests marked slow
@@ -34,6 +37,10 @@ format: install
 
 serve: install  ## run the server in the foreground (a CPU demo model unless told otherwise)
 	$(BIN)/chunkattn-server $(ARGS)
+
+REPLICAS ?= 2
+cluster: install  ## REPLICAS (2) CPU servers behind Envoy on loopback: clients use localhost:50051; Ctrl-C stops all
+	$(BIN)/python -m chunkattn_server.cluster --replicas $(REPLICAS) -- $(ARGS)
 
 bench: install  ## benchmarks/engine.py: ours against the SDPA baselines, on this machine
 	$(BIN)/python benchmarks/engine.py $(ARGS)

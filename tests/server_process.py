@@ -49,6 +49,18 @@ def connections(pid: int, port: int) -> set[int]:
     return ports
 
 
+def metrics_at(port: int) -> Samples:
+    """Every sample on the /metrics page of the server whose metrics port is ``port``, read with
+    prometheus_client's own parser: {(name, sorted labels): value}."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
 class ServerProcess:
     """``with ServerProcess(*flags) as server:`` starts, waits for "serving", and stops it with SIGTERM."""
 
@@ -69,15 +81,7 @@ class ServerProcess:
             time.sleep(0.1)
 
     def metrics(self) -> Samples:
-        """Every sample on the server's /metrics page, read with prometheus_client's own parser:
-        {(name, sorted labels): value}."""
-        with urllib.request.urlopen(self.metrics_url, timeout=10) as r:
-            text = r.read().decode()
-        return {
-            (s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text)
-            for s in family.samples
-        }
+        return metrics_at(self.metrics_port)
 
     def log(self) -> str:
         self._log.flush()

@@ -368,7 +368,7 @@ def test_the_console_script_is_installed(server: ServerProcess) -> None:
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 NO_CHROMIUM = (
     "Debian's chromium is not installed: `make test` installs it when it runs as root with apt-get"
-    " (scripts/install-chromium.sh); elsewhere run `apt-get install chromium`"
+    " (scripts/install-apt.sh); elsewhere run `apt-get install chromium`"
 )
 
 
