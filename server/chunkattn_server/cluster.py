@@ -192,6 +192,50 @@ def _get(url: str, timeout_s: float = 2.0) -> tuple[int, str]:
         return 0, str(e)
 
 
+def healthy(admin_url: str) -> int:
+    """How many replicas Envoy's health checks pass now, as its admin page says (0: Envoy does not answer)."""
+    status, body = _get(f"{admin_url}/clusters?format=json")
+    if status != 200:
+        return 0
+    hosts = [h for c in json.loads(body).get("cluster_statuses", []) for h in c.get("host_statuses", [])]
+    return sum(not h.get("health_status", {}).get("failed_active_health_check", False) for h in hosts)
+
+
+def routable(target: str, admin_url: str, replicas: int, keys: int = 32) -> bool:
+    """Whether Envoy (clients' ``target``, admin at ``admin_url``) has ``replicas`` healthy replicas and its
+    calls reach each of them: health checks through it with ``keys`` routing keys, counted per replica.
+    (Envoy's workers see a replica that passed its health check a moment after its admin page does; until
+    they do, sessions whose keys are the newcomer's would start elsewhere and then move.)"""
+    if healthy(admin_url) != replicas:
+        return False
+    before = _requests(admin_url)
+    with grpc.insecure_channel(target) as channel:
+        check = health_pb2_grpc.HealthStub(channel).Check
+        for i in range(keys):
+            with contextlib.suppress(grpc.RpcError):
+                check(health_pb2.HealthCheckRequest(), timeout=2, metadata=((ROUTE_HEADER, f"probe-{i}"),))
+    after = _requests(admin_url)
+    return len(after) == replicas and all(after[h] > before.get(h, 0) for h in after)
+
+
+def wait_routable(target: str, admin_url: str, replicas: int, timeout_s: float) -> None:
+    """Return once ``routable``; TimeoutError after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while not routable(target, admin_url, replicas):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"Envoy at {target} did not route to {replicas} healthy replicas within {timeout_s:g} s")
+        time.sleep(0.5)
+
+
+def _requests(admin_url: str) -> dict[str, int]:
+    """Envoy's count of requests sent to each replica ("host:port" -> requests)."""
+    status, body = _get(f"{admin_url}/clusters")
+    if status != 200:
+        return {}
+    fields = (line.split("::") for line in body.splitlines())
+    return {f[1]: int(f[3]) for f in fields if len(f) == 4 and f[0] == "chunkattn" and f[2] == "rq_total"}
+
+
 @dataclass
 class Process:
     """A child process with its log file."""
@@ -291,7 +335,7 @@ class Cluster:
             r.start()
         self.envoy.start()
         deadline = time.monotonic() + timeout_s
-        while not (all(r.ready() for r in self.replicas) and self.healthy() == len(self.replicas) and self.spread()):
+        while not (all(r.ready() for r in self.replicas) and routable(self.target, self.admin_url, len(self.replicas))):
             dead = self.dead()
             if dead or time.monotonic() > deadline:
                 self.stop()
@@ -302,31 +346,7 @@ class Cluster:
 
     def healthy(self) -> int:
         """How many replicas Envoy's health checks currently pass (0 when Envoy does not answer)."""
-        status, body = _get(f"{self.admin_url}/clusters?format=json")
-        if status != 200:
-            return 0
-        hosts = [h for c in json.loads(body).get("cluster_statuses", []) for h in c.get("host_statuses", [])]
-        return sum(not h.get("health_status", {}).get("failed_active_health_check", False) for h in hosts)
-
-    def spread(self, keys: int = 32) -> bool:
-        """Whether calls through Envoy with ``keys`` routing keys reach every replica. Envoy's workers see a
-        replica that passed its health check a moment after its admin page does."""
-        before = self._requests()
-        with grpc.insecure_channel(self.target) as channel:
-            check = health_pb2_grpc.HealthStub(channel).Check
-            for i in range(keys):
-                with contextlib.suppress(grpc.RpcError):
-                    check(health_pb2.HealthCheckRequest(), timeout=2, metadata=((ROUTE_HEADER, f"probe-{i}"),))
-        after = self._requests()
-        return len(after) == len(self.replicas) and all(after[h] > before.get(h, 0) for h in after)
-
-    def _requests(self) -> dict[str, int]:
-        """Envoy's count of requests sent to each replica ("host:port" -> requests)."""
-        status, body = _get(f"{self.admin_url}/clusters")
-        if status != 200:
-            return {}
-        fields = (line.split("::") for line in body.splitlines())
-        return {f[1]: int(f[3]) for f in fields if len(f) == 4 and f[0] == "chunkattn" and f[2] == "rq_total"}
+        return healthy(self.admin_url)
 
     def dead(self) -> Process | None:
         """The first process that has exited, if any."""
