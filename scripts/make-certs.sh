@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Certificates for a test setup of TLS and mutual TLS (README: Security), with openssl:
+# Certificates for a test setup of TLS and mutual TLS (docs/security.md), with openssl:
 #   scripts/make-certs.sh DIR [CLIENT_NAME ...]
 # writes DIR/ca.pem (a new CA, valid 30 days), DIR/server.crt and DIR/server.key (for localhost and
 # 127.0.0.1; set SERVER_NAMES="DNS:host,IP:10.0.0.5" for others) and, for each CLIENT_NAME, DIR/NAME.crt and

@@ -172,7 +172,7 @@ def transfer_request(
 
 @dataclass(frozen=True)
 class Credentials:
-    """How a client proves who it is and checks whom it talks to (README: Security).
+    """How a client proves who it is and checks whom it talks to (docs/security.md).
 
     root_certificates: PEM CA(s) the server's certificate must chain to; setting it (or a client
     certificate) turns TLS on. certificate_chain, private_key: PEM, a client certificate for servers that

@@ -2,8 +2,8 @@
 early), and the helpers that keep error messages bounded whatever a client sent.
 
 Requests over a limit get INVALID_ARGUMENT saying which limit and by how much. The server's configurable
-limits (message size, calls at once, bytes in flight, idle streams) are flags; see the README's "Limits and
-errors".
+limits (message size, calls at once, bytes in flight, idle streams) are flags; see docs/server.md, "Limits
+and errors".
 """
 
 from __future__ import annotations

@@ -142,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
         f" long (default {DEFAULT_TRANSFER_KEEPALIVE_S:g}; 0: no pings; else {MIN_KEEPALIVE_S:g} to"
         f" {MAX_KEEPALIVE_S:g})",
     )
-    t = p.add_argument_group("security (README: Security)")
+    t = p.add_argument_group("security (docs/security.md)")
     t.add_argument("--tls-cert", metavar="FILE", help="serve TLS with this PEM certificate (chain); with --tls-key")
     t.add_argument("--tls-key", metavar="FILE", help="the certificate's PEM private key")
     t.add_argument(
@@ -154,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--auth-tokens",
         metavar="FILE",
-        help="tenants, their tokens' SHA-256 and quotas (JSON, see README): every chunkattn RPC then needs a"
+        help="tenants, their tokens' SHA-256 and quotas (JSON, see docs/security.md): every chunkattn RPC then needs a"
         " token or a client certificate that names a tenant; reloaded on SIGHUP with the TLS files",
     )
     t.add_argument(

@@ -258,7 +258,7 @@ def default_inflight_bytes(max_message_bytes: int) -> int:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """Network and limits (the README's "Limits and errors" lists them with their statuses).
+    """Network and limits (docs/server.md, "Limits and errors", lists them with their statuses).
 
     metrics_port 0 disables /metrics; idle_timeout_s 0 disables eviction; max_concurrent_rpcs and max_open_calls
     0 set no limit;
@@ -287,7 +287,7 @@ class ServerConfig:
     max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
     max_batch_delay_us: int = 0
     inline_steps: bool = True
-    # Security (README "Security"): TLS files, the token file, and how TransferKV reaches its targets.
+    # Security (docs/security.md): TLS files, the token file, and how TransferKV reaches its targets.
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_client_ca: str | None = None

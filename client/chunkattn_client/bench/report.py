@@ -17,7 +17,7 @@ LATENCY_KEYS = (*(f"p{p}" for p in PERCENTILES), "max")
 
 
 def summary(result: RunResult) -> dict[str, Any]:
-    """The run as JSON-ready data (see the README for every key)."""
+    """The run as JSON-ready data (docs/bench.md, "Outputs", gives every key)."""
     rec = result.recorder
     duration = max(rec.duration_s, 1e-9)
     tokens = {kind: rec.tokens[kind] for kind in ("prefill", "decode")}
