@@ -1,10 +1,10 @@
 """Fast wire encoding and decoding of the two big messages, AttendRequest and AttendResponse.
 
-protobuf's Python runtime is slow on MiBs of tensor bytes: serializing a 16 MiB AttendRequest took about
-58 ms on the dev machines, and parsing one in the server about 40 ms, against about 4 ms for a gRPC round
-trip's worth of copying. So the tensors' bytes bypass it: ``encode_*`` write the wire format with the small
-fields through protobuf and each tensor's bytes joined in once; ``split`` takes a received message apart
-so the small fields parse through protobuf and each tensor's data stays a view of the received bytes.
+protobuf's Python runtime is slow on MiBs of tensor bytes: serializing or parsing a 16 MiB AttendRequest
+costs ten times a gRPC round trip's worth of copying (docs/results.md). So the tensors' bytes bypass it:
+``encode_*`` write the wire format with the small fields through protobuf and each tensor's bytes joined in
+once; ``split`` takes a received message apart so the small fields parse through protobuf and each
+tensor's data stays a view of the received bytes.
 The bytes are plain protobuf either way (tests/test_wire.py checks both directions against protobuf).
 """
 

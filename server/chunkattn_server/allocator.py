@@ -3,8 +3,8 @@
 gRPC hands every received message to Python as a new bytes object, and a KV export builds one per
 message. With glibc's defaults such blocks soon go back to the kernel (the heap is trimmed once twice
 the largest recently freed block is free at its top), so the next message faults its pages in again and
-the kernel zeroes them first: on the dev machine a 64 MiB KV import took ~9,000 page faults and ~8 ms
-more CPU than with the memory kept (benchmarks/transport.py). The server therefore raises the mmap
+the kernel zeroes them first: thousands of page faults and milliseconds of CPU per 64 MiB imported
+(benchmarks/transport.py; docs/results.md has the numbers). The server therefore raises the mmap
 threshold to glibc's maximum (32 MiB: smaller blocks come from the heap) and the trim threshold to
 64 MiB (up to that much free memory at the top of a heap is kept for the next messages; 512 MiB measured
 no better). The threshold holds per malloc arena (the event loop, the engine thread and gRPC's threads

@@ -230,10 +230,9 @@ def demo_model() -> ModelShape:
 
 # -- the server around the engine --------------------------------------------------------------------------
 
-# The largest message. gRPC Python builds each received message on the event loop, every other call waiting:
-# ~1.5-5 ms per MiB on the dev VMs (a plain grpc.aio echo alike), so this is also the longest pause a client
-# can cause. 16 MiB holds a 1,024-token Llama-4-Scout prefill in bf16 (14 MiB of q, k and v) and keeps that
-# pause within ~50 ms on two cores (32 MiB: up to 140 ms).
+# The largest message. gRPC Python builds each received message on the event loop, every other call waiting,
+# so this also bounds the longest pause one client can cause (docs/results.md, "Message size and pauses").
+# 16 MiB holds a 1,024-token Llama-4-Scout prefill in bf16 (14 MiB of q, k and v).
 DEFAULT_MAX_MESSAGE_MIB = 16
 # Calls open at once, idle streams and calls still being received included (gRPC's own limit, which refuses
 # health checks too): the only bound on what gRPC buffers before the service sees a request, at most this

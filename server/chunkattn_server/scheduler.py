@@ -47,11 +47,9 @@ SCAN_LIMIT = 1024  # queued jobs one step looks through for calls to merge
 
 # A step whose attention work (query-key pairs x heads x head size) is below this runs on one CPU thread.
 # Torch's CPU thread pool (OpenMP) wakes its threads for some ops of even a decode step, and they then
-# spin waiting for more: through the service on the 2-core dev VM, one client's decode calls ran at 687
-# calls/s with the pool and 809 with one thread, the server burning 4.9 s and 2.4 s of CPU for the same
-# 3 s of calls. Two threads win from here on (demo model, through the service, 2026-12-04): a 128-token
-# prefill took 1.82 ms on two threads and 2.10 on one, 8 decodes over 1,000 keys 2.15 and 2.87 ms; a
-# 64-token prefill (~1M) or one decode over 1,000 keys (0.5M) is a tie.
+# spin waiting for more: for decode-sized steps one thread serves more calls per second with half the
+# CPU. From about this much work on (a 64-token prefill, or one decode over 1,000 keys, is a tie) the
+# pool's threads win (docs/results.md, "Other measurements behind design choices").
 SERIAL_WORK = 1 << 20
 
 # A step at most this large (attention work as above, and tokens) may run on the event loop's thread (see
@@ -73,12 +71,12 @@ class Scheduler:
     - on the CPU, the event loop's own thread runs a *small* step (attention work under INLINE_WORK, as a
       batch of decodes) when the engine thread is idle. Handing such a step to another thread and back
       cost more than the step: two wake-ups, and the two threads taking the GIL from each other around
-      every torch op (each releases it), which on the 2-core dev VM doubled the server's CPU per decode
-      call. Small steps run on one torch thread there (no OpenMP team on the loop's thread).
+      every torch op (each releases it), which nearly doubled the server's CPU per decode call on two
+      cores. Small steps run on one torch thread there (no OpenMP team on the loop's thread).
 
     The engine is built on the engine thread, so exactly one thread ever runs torch's parallel CPU
     kernels: when the main thread had built it (and so started an OpenMP team of its own), each call on
-    the worker thread ran about 2x slower on the 2-core dev machines.
+    the worker thread ran about twice as slow, the two teams competing for the cores.
 
     ``batching`` False runs every job in a step of its own; ``max_batch_delay_us`` > 0 lets a step whose
     first job is an Attend call wait that long after that call arrived for more calls to join it (every
