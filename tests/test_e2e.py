@@ -10,6 +10,7 @@ import signal
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
@@ -152,14 +153,42 @@ def test_reflection_v1_lists_and_describes_every_service(server: ServerProcess) 
     files = [descriptor_pb2.FileDescriptorProto.FromString(b) for a in answers
              for b in a.file_descriptor_response.file_descriptor_proto]  # fmt: skip
     added: set[str] = set()
-    while len(added) < len({f.name for f in files}):  # dependencies first
+    for _ in files:  # dependencies first (each pass adds at least one file when none is missing)
         for f in files:
             if f.name not in added and set(f.dependency) <= added | {"google/protobuf/descriptor.proto"}:
                 pool.Add(f)
                 added.add(f.name)
+    assert added == {f.name for f in files}, "a returned file's dependency was not returned"
     assert "Attend" in [m.name for m in pool.FindServiceByName("chunkattn.v1.ChunkAttn").methods]
     assert pool.FindServiceByName("grpc.reflection.v1.ServerReflection").methods[0].name == "ServerReflectionInfo"
     assert missing[0].error_response.error_code == grpc.StatusCode.NOT_FOUND.value[0]
+
+
+def test_a_drain_says_so_on_every_probe_and_refuses_new_calls_until_it_stops() -> None:
+    with ServerProcess(*SMALL, "--drain-delay-s", "3") as s, grpc.insecure_channel(s.target) as channel:
+        base = s.metrics_url.removesuffix("/metrics")
+        with urllib.request.urlopen(base + "/readyz", timeout=10) as r:
+            assert r.status == 200
+        s.proc.send_signal(signal.SIGTERM)
+        health = health_pb2_grpc.HealthStub(channel)
+        deadline = time.monotonic() + 10
+        while (
+            health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+            != health_pb2.HealthCheckResponse.NOT_SERVING
+        ):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(base + "/readyz", timeout=10)
+        assert e.value.code == 503
+        assert e.value.read().decode().startswith("draining")
+        with urllib.request.urlopen(base + "/healthz", timeout=10) as r:
+            assert r.status == 200  # draining is not dead
+        with ChunkAttnClient(s.target, timeout_s=5) as c, pytest.raises(ChunkAttnError) as refused:
+            c.info()
+        assert refused.value.code == grpc.StatusCode.UNAVAILABLE
+        assert "draining" in refused.value.message
+        assert s.proc.wait(30) == 0
 
 
 def test_healthz_and_readyz_on_the_metrics_port(server: ServerProcess) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -39,6 +40,7 @@ def test_readyz_follows_the_server_state() -> None:
 
 def test_healthz_fails_when_the_event_loop_stops_beating() -> None:
     probe = Probe(stall_s=0.05)
+    probe.state = "serving"
     assert _get(probe, "/healthz") == ("200 OK", "ok\n")
 
     async def stall_then_beat() -> None:
@@ -52,8 +54,28 @@ def test_healthz_fails_when_the_event_loop_stops_beating() -> None:
     asyncio.run(stall_then_beat())
 
 
+def test_a_starting_server_is_alive_and_a_stalled_one_is_not_ready() -> None:
+    probe = Probe(stall_s=0.05)
+    time.sleep(0.1)  # no heartbeat while the pool is allocated (the loop may be busy): still alive
+    assert _get(probe, "/healthz") == ("200 OK", "starting\n")
+    probe.state = "serving"
+    assert _get(probe, "/healthz")[0] == "503 Service Unavailable"
+    status, body = _get(probe, "/readyz")
+    assert status == "503 Service Unavailable"
+    assert body.startswith("event loop stalled")
+
+
+@pytest.mark.parametrize("path", ["/readyz/", "/ready", "/READYZ", "/healthz/x", "/metricsx"])
+def test_unknown_paths_are_not_found(path: str) -> None:
+    probe = Probe()
+    probe.state = "serving"
+    status, body = _get(probe, path)
+    assert status == "404 Not Found"
+    assert "/readyz" in body
+
+
 @pytest.mark.parametrize("path", ["/metrics", "/"])
-def test_other_paths_serve_the_metrics(path: str) -> None:
+def test_the_metrics_paths_serve_the_metrics(path: str) -> None:
     status, body = _get(Probe(), path)
     assert status == "200 OK"
     assert "probe_test_total 1.0" in body

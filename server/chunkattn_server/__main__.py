@@ -128,6 +128,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--idle-timeout-s", type=float, default=600.0, help="release sequences idle this long (0: never)")
     g.add_argument("--grace-s", type=float, default=10.0, help="on SIGTERM, time for calls in flight (default 10)")
     g.add_argument(
+        "--drain-delay-s",
+        type=float,
+        default=0.0,
+        help="on SIGTERM, refuse new calls (UNAVAILABLE, NOT_SERVING) for at least this long before stopping, so"
+        " that load balancers see the drain first; behind Envoy: 2 health-check intervals or more (default 0)",
+    )
+    g.add_argument(
         "--kv-import-stall-s",
         type=float,
         default=DEFAULT_IMPORT_STALL_S,
@@ -301,8 +308,9 @@ def cache_config(args: argparse.Namespace) -> CacheConfig:
 
 def check(args: argparse.Namespace) -> None:
     """Exit with a usage error (status 2) naming the first flag out of range."""
-    for flag in ("idle_timeout_s", "grace_s", "max_concurrent_rpcs", "max_message_mib", "kv_import_stall_s",
-                 "stream_idle_s", "max_inflight_mib", "max_open_calls", "max_batch_delay_us"):  # fmt: skip
+    for flag in ("idle_timeout_s", "grace_s", "drain_delay_s", "max_concurrent_rpcs", "max_message_mib",
+                 "kv_import_stall_s", "stream_idle_s", "max_inflight_mib", "max_open_calls",
+                 "max_batch_delay_us"):  # fmt: skip
         value = getattr(args, flag)
         if value is not None and not value >= 0:  # NaN too
             build_parser().error(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
@@ -339,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
             stream_idle_s=args.stream_idle_s,
             idle_timeout_s=args.idle_timeout_s,
             grace_s=args.grace_s,
+            drain_delay_s=args.drain_delay_s,
             kv_import_stall_s=args.kv_import_stall_s,
             transfer_keepalive_s=args.transfer_keepalive_s,
             batching=args.batching,

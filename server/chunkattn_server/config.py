@@ -279,6 +279,7 @@ class ServerConfig:
     max_inflight_bytes: int | None = None
     idle_timeout_s: float = 600.0
     grace_s: float = 10.0
+    drain_delay_s: float = 0.0
     stream_idle_s: float = DEFAULT_STREAM_IDLE_S
     kv_import_stall_s: float = DEFAULT_IMPORT_STALL_S
     transfer_keepalive_s: float = DEFAULT_TRANSFER_KEEPALIVE_S

@@ -3,10 +3,14 @@ orchestrators that do not speak gRPC health (Kubernetes probes, Docker's HEALTHC
 
 - ``/healthz`` (liveness): 200 while the server's event loop turns. The loop stamps a heartbeat every
   ``HEARTBEAT_S``; a loop stuck for ``STALL_S`` (a handler that blocks, a deadlock) answers 503: restart it.
+  While the server starts (the KV pool being allocated, which can take a minute) it answers 200.
 - ``/readyz`` (readiness): 200 while the gRPC health status is SERVING (the pool is allocated, the port
-  listens, no drain has begun); 503 with the reason before and after (starting, draining).
-- Any other path: the metrics, as prometheus_client's own server answers them.
+  listens, no drain has begun) and the loop turns; 503 with the reason otherwise (starting, draining,
+  stalled).
+- ``/metrics`` and ``/``: the metrics, as prometheus_client's own server answers them. Other paths: 404
+  (a probe with a typo fails instead of reading the metrics as a yes).
 
+The server starts before the KV pool is allocated, so the probes answer from the first seconds.
 The answers are plain text, one line. The server runs in daemon threads; answering never touches the engine.
 """
 
@@ -47,6 +51,8 @@ class Probe:
             await asyncio.sleep(period_s)
 
     def live(self) -> tuple[bool, str]:
+        if self.state == "starting":
+            return True, "starting"
         stalled = time.monotonic() - self._beat
         if stalled > self.stall_s:
             return False, f"event loop stalled: no heartbeat for {stalled:.1f} s (limit {self.stall_s:g} s)"
@@ -54,7 +60,8 @@ class Probe:
 
     def ready(self) -> tuple[bool, str]:
         if self.state == "serving":
-            return True, "ready"
+            live, why = self.live()
+            return (True, "ready") if live else (False, why)
         if self.state == "starting":
             return False, "starting: the KV pool is being allocated"
         return False, "draining: this replica refuses new calls and stops when the calls in flight end"
@@ -66,19 +73,26 @@ def app(registry: CollectorRegistry, probe: Probe) -> Callable[[dict[str, Any], 
     checks = {"/healthz": probe.live, "/readyz": probe.ready}
 
     def serve(environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
-        check = checks.get(environ.get("PATH_INFO", ""))
-        if check is None:
+        path = environ.get("PATH_INFO", "")
+        if path in ("/metrics", "/"):
             return metrics(environ, start_response)  # type: ignore[no-any-return]
-        ok, why = check()
+        check = checks.get(path)
+        if check is None:
+            status, why = "404 Not Found", "no such path: the server has /metrics, /healthz and /readyz"
+        else:
+            ok, why = check()
+            status = "200 OK" if ok else "503 Service Unavailable"
         body = (why + "\n").encode()
         headers = [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(body)))]
-        start_response("200 OK" if ok else "503 Service Unavailable", headers)
+        start_response(status, headers)
         return [] if environ.get("REQUEST_METHOD") == "HEAD" else [body]
 
     return serve
 
 
 class _Quiet(WSGIRequestHandler):
+    timeout = 10  # seconds a connection may sit without sending its request (each holds a thread)
+
     def log_message(self, format: str, *args: Any) -> None:
         """Probes every few seconds would flood the log."""
 

@@ -2,8 +2,9 @@
 
 Life cycle: allocate the KV pool (engine) first, then serve with health SERVING; on SIGHUP reload the
 token file and the TLS files (a bad file keeps the old one); on SIGTERM/SIGINT set NOT_SERVING, end open
-streams before their next request (UNAVAILABLE), refuse new calls (UNAVAILABLE), let calls in flight
-finish within the grace period, stop the scheduler and return (exit 0).
+streams before their next request (UNAVAILABLE), refuse new calls (UNAVAILABLE) for at least the drain
+delay, let calls in flight finish and their answers reach their peers within the grace period, stop the
+scheduler and return (exit 0).
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
     tls = None if config.tls_cert is None else ServerTLS(config.tls_cert, config.tls_key or "", config.tls_client_ca)
     _ = config.transfer_channels  # TransferKV's files, read (once) now: mistakes show before the pool
     metrics = Metrics()
+    # The probes answer from the start ("starting" while the pool is allocated, which may take a minute).
+    probe = http.Probe()
+    stop_http = http.start(config.host, config.metrics_port, metrics.registry, probe) if config.metrics_port else None
     worker = Scheduler(  # allocates the KV pool: SERVING only after this
         lambda: Engine(engine_config),
         metrics,
@@ -95,9 +99,7 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
     port = server.add_insecure_port(address) if tls is None else server.add_secure_port(address, tls.credentials())
     if port == 0:
         raise OSError(f"cannot listen on {address}")
-    probe = http.Probe()
     heartbeat = asyncio.create_task(probe.heartbeat())
-    stop_http = http.start(config.host, config.metrics_port, metrics.registry, probe) if config.metrics_port else None
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -165,6 +167,10 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
     if evictor is not None:
         await _cancel(evictor)
     try:
+        # Load balancers learn of the drain from health checks: until they have, they still send calls here,
+        # which the service refuses with UNAVAILABLE (safe to retry elsewhere). Stopping gRPC sooner would
+        # fail them with CANCELLED instead, or cut the connection.
+        await asyncio.sleep(config.drain_delay_s)
         started = loop.time()
         await _delivered(service, port, config.grace_s)
         await server.stop(max(config.grace_s - (loop.time() - started), 0.0))
@@ -179,16 +185,17 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
 
 def _unsent(port: int) -> int | None:
     """Bytes sent on connections accepted on ``port`` that their peers have not acknowledged yet (Linux's
-    /proc/net/tcp send queues; None elsewhere)."""
-    unsent = 0
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+    /proc/net/tcp send queues; None without them)."""
+    unsent, read = 0, False
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):  # (a kernel without IPv6 has no tcp6)
         try:
             with open(table) as f:
                 rows = [line.split() for line in list(f)[1:]]
         except OSError:
-            return None
+            continue
+        read = True
         unsent += sum(int(r[4].split(":")[0], 16) for r in rows if int(r[1].rsplit(":", 1)[1], 16) == port)
-    return unsent
+    return unsent if read else None
 
 
 async def _delivered(service: ChunkAttnService, port: int, timeout_s: float) -> None:
