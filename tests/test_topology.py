@@ -213,3 +213,24 @@ def test_sigterm_takes_a_replica_out_of_the_ring_while_its_call_in_flight_finish
         assert result["done"] > signalled  # in flight when the signal came, and it finished
         assert c.replicas[0].proc is not None
         assert c.replicas[0].proc.wait(30) == 0
+
+
+def test_a_replica_at_its_open_calls_limit_stays_in_the_ring() -> None:
+    """gRPC's cap on open calls (--max-open-calls) refuses health checks too: Envoy checks readiness over
+    HTTP instead, so a replica full of idle streams keeps its sessions."""
+    with (
+        make_cluster(2, *SMALL, "--num-blocks", "512", "--max-open-calls", "4") as c,
+        ChunkAttnClient(c.target, timeout_s=10) as envoy,
+    ):
+        (key,) = keys_on(c, 0, envoy, "full", want=1)
+        streams = [envoy.with_route(key).stream() for _ in range(4)]  # idle: they hold the 4 open calls
+        try:
+            time.sleep(4 * 0.5)  # several health-check intervals
+            assert c.healthy() == 2
+            with ChunkAttnClient(c.replicas[0].target, timeout_s=5) as direct, pytest.raises(ChunkAttnError) as e:
+                direct.health()
+            assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED  # gRPC's own health is refused meanwhile
+        finally:
+            for s in streams:
+                s.close()
+        routed(envoy, key, length=1).step(1, [0])  # the session is still where its KV is

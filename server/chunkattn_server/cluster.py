@@ -3,8 +3,11 @@
 A sequence's KV lives on one replica, so every call of a session must reach the same one. Envoy does that
 with ring-hash load balancing on the ``x-chunkattn-route`` header the clients send (a session's id by
 default): the same key always lands on the same healthy replica, and when a replica leaves the ring only the
-keys it held move. Replicas leave the ring when their gRPC health says NOT_SERVING (a drain after SIGTERM)
-or when they stop answering; nothing is retried (an Attend call is not idempotent: it appends KV).
+keys it held move. Replicas leave the ring when their readiness probe (HTTP /readyz on the metrics port)
+fails, as it does from the start of a drain after SIGTERM, or when they stop answering; nothing is retried
+(an Attend call is not idempotent: it appends KV). The probe is HTTP rather than gRPC health because gRPC's
+own cap on open calls (--max-open-calls) refuses health checks too: a replica busy with idle streams would
+leave the ring, and its sessions with it.
 
 ``envoy_config`` is the one source of the Envoy configuration: ``deploy/envoy/envoy.yaml`` (the compose
 stack's) is its output for the compose service names (``python -m chunkattn_server.cluster --envoy-yaml``),
@@ -38,8 +41,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from chunkattn_client.client import ROUTE_HEADER
-from chunkattn_server.config import DEFAULT_STREAM_IDLE_S
-from chunkattn_server.server import MAX_STREAMS_PER_CONNECTION, SERVICE_NAME
+from chunkattn_server.config import DEFAULT_MAX_OPEN_CALLS, DEFAULT_STREAM_IDLE_S
+from chunkattn_server.server import MAX_STREAMS_PER_CONNECTION
 
 # gRPC's hard limit on a request's metadata (larger headers are refused by the replicas anyway).
 MAX_HEADERS_KIB = 16
@@ -57,7 +60,7 @@ def _seconds(s: float) -> str:
 
 
 def envoy_config(
-    replicas: Sequence[tuple[str, int]],
+    replicas: Sequence[tuple[str, int, int]],
     *,
     listen: tuple[str, int] = ("0.0.0.0", 50051),
     admin: tuple[str, int] = ("0.0.0.0", 9901),
@@ -65,16 +68,19 @@ def envoy_config(
     stream_idle_s: float = DEFAULT_STREAM_IDLE_S,
     health_interval_s: float = 1.0,
 ) -> dict[str, Any]:
-    """Envoy's bootstrap (v3) for ``replicas`` ((host, port) of each chunkattn server).
+    """Envoy's bootstrap (v3) for ``replicas`` ((host, gRPC port, metrics port) of each chunkattn server).
 
     listen: where clients connect (gRPC over HTTP/2 cleartext). admin: Envoy's admin port (its
     /stats/prometheus for Prometheus, /ready, /clusters): keep it off public networks, it can stop Envoy.
     dns: the hosts are names to resolve (compose services) rather than addresses. stream_idle_s: the
     replicas' --stream-idle-s, so that Envoy closes an idle stream no sooner than they would.
-    health_interval_s: how often each replica's gRPC health is checked (a draining replica leaves the
-    ring within about one interval).
+    health_interval_s: how often each replica's readiness is checked (a draining replica leaves the
+    ring within two intervals).
     """
-    endpoints = [{"endpoint": {"address": _address(host, port)}} for host, port in replicas]
+    endpoints = [
+        {"endpoint": {"address": _address(host, port), "health_check_config": {"port_value": metrics_port}}}
+        for host, port, metrics_port in replicas
+    ]
     http2 = {"max_concurrent_streams": MAX_STREAMS_PER_CONNECTION}
     manager = {
         "@type": HCM,
@@ -130,9 +136,20 @@ def envoy_config(
                 "no_traffic_interval": _seconds(health_interval_s),  # else once a minute while idle
                 "unhealthy_threshold": 2,
                 "healthy_threshold": 1,
-                "grpc_health_check": {"service_name": SERVICE_NAME},
+                "http_health_check": {"path": "/readyz"},  # on each replica's metrics port (health_check_config)
             }
         ],
+        # Envoy's default circuit breakers allow 1,024 requests (streams) at once to the whole cluster; each
+        # replica takes --max-open-calls of its own, so the cluster takes as many times as it has replicas.
+        "circuit_breakers": {
+            "thresholds": [
+                {
+                    "max_requests": DEFAULT_MAX_OPEN_CALLS * len(replicas),
+                    "max_pending_requests": DEFAULT_MAX_OPEN_CALLS * len(replicas),
+                    "max_connections": DEFAULT_MAX_OPEN_CALLS * len(replicas),
+                }
+            ]
+        },
         # A replica whose connections fail or that answers UNAVAILABLE / DEADLINE_EXCEEDED / 502 five times
         # in a row is ejected for 10 s (and longer each time). Callers' own errors (INVALID_ARGUMENT,
         # NOT_FOUND, RESOURCE_EXHAUSTED...) never eject a replica.
@@ -192,6 +209,12 @@ def _get(url: str, timeout_s: float = 2.0) -> tuple[int, str]:
         return 0, str(e)
 
 
+def drain_delay_s(health_interval_s: float) -> float:
+    """The --drain-delay-s for replicas behind Envoy: its unhealthy threshold (2) times the health check
+    interval, and a second for its workers to see the change."""
+    return 2 * health_interval_s + 1.0
+
+
 def healthy(admin_url: str) -> int:
     """How many replicas Envoy's health checks pass now, as its admin page says (0: Envoy does not answer)."""
     status, body = _get(f"{admin_url}/clusters?format=json")
@@ -201,9 +224,9 @@ def healthy(admin_url: str) -> int:
     return sum(not h.get("health_status", {}).get("failed_active_health_check", False) for h in hosts)
 
 
-def routable(target: str, admin_url: str, replicas: int, keys: int = 32) -> bool:
+def routable(target: str, admin_url: str, replicas: int) -> bool:
     """Whether Envoy (clients' ``target``, admin at ``admin_url``) has ``replicas`` healthy replicas and its
-    calls reach each of them: health checks through it with ``keys`` routing keys, counted per replica.
+    calls reach each of them: health checks through it with 32 routing keys per replica, counted per replica.
     (Envoy's workers see a replica that passed its health check a moment after its admin page does; until
     they do, sessions whose keys are the newcomer's would start elsewhere and then move.)"""
     if healthy(admin_url) != replicas:
@@ -211,7 +234,7 @@ def routable(target: str, admin_url: str, replicas: int, keys: int = 32) -> bool
     before = _requests(admin_url)
     with grpc.insecure_channel(target) as channel:
         check = health_pb2_grpc.HealthStub(channel).Check
-        for i in range(keys):
+        for i in range(32 * replicas):
             with contextlib.suppress(grpc.RpcError):
                 check(health_pb2.HealthCheckRequest(), timeout=2, metadata=((ROUTE_HEADER, f"probe-{i}"),))
     after = _requests(admin_url)
@@ -306,12 +329,14 @@ class Cluster:
     def __post_init__(self) -> None:
         for i, (port, metrics_port) in enumerate(self.ports):
             argv = [sys.executable, "-m", "chunkattn_server", "--port", str(port), "--metrics-port", str(metrics_port)]
+            # Refuse calls while Envoy's health checks notice the drain (2 intervals) and its workers follow.
+            argv += ["--drain-delay-s", f"{drain_delay_s(self.health_interval_s):g}"]
             log = self.workdir / f"replica-{i}.log"
             self.replicas.append(
                 Replica(f"replica-{i}", [*argv, *self.server_args], log, port=port, metrics_port=metrics_port)
             )
         config = envoy_config(
-            [(r.host, r.port) for r in self.replicas],
+            [(r.host, r.port, r.metrics_port) for r in self.replicas],
             listen=("127.0.0.1", self.envoy_port),
             admin=("127.0.0.1", self.admin_port),
             health_interval_s=self.health_interval_s,
@@ -398,13 +423,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     cluster = Cluster(ports, args.port, args.admin_port, args.server_args)
     stop = False
 
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)  # while starting: stop at once, as Ctrl-C does
+    try:
+        cluster.start()
+    except KeyboardInterrupt:
+        cluster.stop()
+        return 130
+
     def on_signal(*_: object) -> None:
         nonlocal stop
         stop = True
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    cluster.start()
     print(f"envoy: {cluster.target} (admin {cluster.admin_url}); logs in {cluster.workdir}")
     for r in cluster.replicas:
         print(f"{r.name}: {r.target}, metrics http://{r.host}:{r.metrics_port}/metrics")
@@ -418,7 +452,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 # The compose stack (docker-compose.yml): two replicas reached by their service names.
-COMPOSE_REPLICAS = (("server-1", 50051), ("server-2", 50051))
+COMPOSE_REPLICAS = (("server-1", 50051, 9400), ("server-2", 50051, 9400))
 
 
 def compose_envoy_yaml() -> str:
