@@ -8,7 +8,8 @@
 #   5. the compose stack's servers, Envoy and Prometheus (deploy/ci/compose.ci.yml: local images), traffic
 #      through Envoy verified and spread over both replicas, Prometheus scraping all three.
 # A trap stops what it started (by PID) and removes what it made: containers, the engine and its state,
-# docker0 and compose's bridges, the engine's iptables rules (restored as they were), ip_forward as it was.
+# docker0 and compose's bridges, the engine's iptables chains and rules, ip_forward as it was. It refuses to
+# run beside another Docker engine.
 # Where the engine cannot start this fails and says why, unless CHUNKATTN_SKIP_DOCKER=1. Prints build time
 # and image size.
 set -euo pipefail
@@ -30,7 +31,12 @@ D=$(mktemp -d /tmp/chunkattn-ci-docker.XXXXXX)
 DOCKER=/usr/bin/docker
 COMPOSE="docker-compose -p chunkattn-ci -f docker-compose.yml -f deploy/ci/compose.ci.yml"
 DOCKERD_PID="" WHEELS_PID="" FORWARD=$(cat /proc/sys/net/ipv4/ip_forward)
-IPTABLES_BEFORE=$(iptables-save 2>/dev/null || true)
+# What the machine had before, so that the clean-up removes only what this run made.
+pgrep -x dockerd >/dev/null && fail "a Docker engine already runs here: this step starts its own and would share docker0
+and iptables with it; stop it, or set CHUNKATTN_SKIP_DOCKER=1"
+HAD_DOCKER0=$(ip link show docker0 >/dev/null 2>&1 && echo 1 || true)
+BRIDGES_BEFORE=$(ip -o link show type bridge 2>/dev/null | awk -F': ' '{print $2}' || true)
+FORWARD_POLICY=$(iptables -S FORWARD 2>/dev/null | sed -n 's/^-P FORWARD //p')
 
 cleanup() {
     set +e
@@ -43,14 +49,14 @@ cleanup() {
     fi
     [ -n "$WHEELS_PID" ] && kill "$WHEELS_PID" 2>/dev/null
     pkill -f "containerd.*$D" 2>/dev/null
-    ip link delete docker0 2>/dev/null
-    for br in $(ip -o link show type bridge 2>/dev/null | awk -F': ' '{print $2}' | grep '^br-'); do ip link delete "$br"; done
-    # The engine's iptables chains and rules: every table back as it was (a table it made: emptied).
-    for table in $(iptables-save 2>/dev/null | sed -n 's/^\*//p'); do
-        iptables -t "$table" -F && iptables -t "$table" -X
+    [ -z "$HAD_DOCKER0" ] && ip link delete docker0 2>/dev/null
+    for br in $(ip -o link show type bridge 2>/dev/null | awk -F': ' '{print $2}'); do
+        grep -qx "$br" <<<"$BRIDGES_BEFORE" || ip link delete "$br"
     done
-    [ -n "$IPTABLES_BEFORE" ] && iptables-restore <<<"$IPTABLES_BEFORE"
-    iptables -P FORWARD "$(sed -n 's/^:FORWARD \([A-Z]*\).*/\1/p' <<<"$IPTABLES_BEFORE" | head -1 | grep . || echo ACCEPT)"
+    # The engine's iptables chains and rules (named DOCKER*, or on docker0 and compose's br-* bridges) go;
+    # every other rule stays, those added meanwhile too.
+    iptables-save 2>/dev/null | grep -v -E 'DOCKER|docker0|br-[0-9a-f]{12}' | iptables-restore 2>/dev/null
+    [ -n "$FORWARD_POLICY" ] && iptables -P FORWARD "$FORWARD_POLICY"
     echo "$FORWARD" > /proc/sys/net/ipv4/ip_forward
     grep " $D/" /proc/mounts | awk '{print $2}' | sort -r | xargs -r -n1 umount -l 2>/dev/null
     rm -rf "$D"

@@ -84,3 +84,12 @@ def test_the_cli_routes_a_fork_by_its_parent(
     assert seen[1][ROUTE_HEADER] == "mine"
     assert main(["kv", "fork", "--target", target, "--route", "bad key ", "p", "c"]) == 2
     assert "route" in capsys.readouterr().err
+
+
+def test_kv_import_of_a_file_that_is_not_an_export_is_a_usage_error(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "bad.kv"
+    bad.write_bytes(b"\x03\x00\x00\x00\xff\xff\xff")  # one 3-byte message that is no KVChunk
+    assert main(["kv", "import", str(bad), "--target", "127.0.0.1:1"]) == 2
+    assert "not a KV export file" in capsys.readouterr().err

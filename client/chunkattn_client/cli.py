@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from chunkattn_client.aio import AsyncChunkAttnClient
 from chunkattn_client.bench.promtext import MetricsError
@@ -44,6 +45,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ChunkAttnError as e:  # no server to talk to (2), or it refused what was asked (1)
         print(f"chunkattn: {args.target}: {e}", file=sys.stderr)
         return EXIT_USAGE if e.code == grpc.StatusCode.UNAVAILABLE else EXIT_FAILED
+    except DecodeError as e:  # a file that is not what it should be (a KV export)
+        print(f"chunkattn: not a KV export file (unreadable message: {e})", file=sys.stderr)
+        return EXIT_USAGE
     except (ValueError, OSError, MetricsError) as e:  # WorkloadError is a ValueError
         print(f"chunkattn: {e}", file=sys.stderr)
         return EXIT_USAGE
