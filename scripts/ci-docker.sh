@@ -21,6 +21,7 @@ if [ "${CHUNKATTN_SKIP_DOCKER:-0}" = 1 ]; then
 fi
 fail() { echo "ci-docker: FAILED: $*" >&2; exit 1; }
 say() { echo "ci-docker: $*"; }
+free_port() { .venv/bin/python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 [ "$(id -u)" = 0 ] || fail "needs root (to install and start a Docker engine); set CHUNKATTN_SKIP_DOCKER=1 to skip"
 command -v apt-get >/dev/null || fail "needs Debian's apt-get for docker.io and debootstrap; CHUNKATTN_SKIP_DOCKER=1 skips"
 
@@ -97,7 +98,7 @@ say "base image (debootstrap bookworm) in $(($(date +%s) - start)) s"
 mkdir -p "$D/wheels"
 .venv/bin/python -m pip download -q --no-deps --disable-pip-version-check -d "$D/wheels" torch==2.13.0 \
     || fail "pip could not fetch the torch wheel"
-port=$(.venv/bin/python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+port=$(free_port)
 .venv/bin/python -m http.server --bind 127.0.0.1 --directory "$D/wheels" "$port" >/dev/null 2>&1 &
 WHEELS_PID=$!
 start=$(date +%s)
@@ -113,8 +114,8 @@ found=$($DOCKER run --rm --entrypoint sh chunkattn:ci -c 'id -u; command -v gcc 
 /usr/bin/apt-get" ] || [ "$found" = 10001 ] || fail "the image should run as 10001 without compilers or pip; found: $found"
 
 # 4. The image alone: health, Info, a verified bench, SIGTERM.
-grpc_port=$(.venv/bin/python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-metrics_port=$(.venv/bin/python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+grpc_port=$(free_port)
+metrics_port=$(free_port)
 $DOCKER run -d --name chunkattn-ci-alone --network host -e "CHUNKATTN_TARGET=127.0.0.1:$grpc_port" chunkattn:ci \
     --host 127.0.0.1 --port "$grpc_port" --metrics-port "$metrics_port" --num-blocks 512 >/dev/null
 for _ in $(seq 120); do
