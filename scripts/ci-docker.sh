@@ -27,6 +27,18 @@ command -v apt-get >/dev/null || fail "needs Debian's apt-get for docker.io and 
 
 CLI=.venv/bin/chunkattn
 [ -x "$CLI" ] || fail "run make install (or make test) first: $CLI is missing"
+# The tools first: a fresh machine has no iptables, and the snapshot below reads it (a missing command there
+# ended an earlier CI run with exit 127).
+if ! command -v dockerd >/dev/null || ! command -v debootstrap >/dev/null || ! command -v docker-compose >/dev/null \
+    || ! command -v iptables >/dev/null || ! command -v ip >/dev/null || ! command -v curl >/dev/null; then
+    say "installing Debian's docker.io, docker-compose, debootstrap, iptables, iproute2 and curl"
+    log=$(mktemp /tmp/chunkattn-ci-apt.XXXXXX)
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+        docker.io docker-compose debootstrap iptables iproute2 nftables curl; } >"$log" 2>&1 \
+        || fail "apt-get could not install docker.io (see below); CHUNKATTN_SKIP_DOCKER=1 skips this step
+$(tail -20 "$log")"
+    rm -f "$log"
+fi
 export DOCKER_BUILDKIT=0  # the legacy builder: Debian's engine has no buildx
 D=$(mktemp -d /tmp/chunkattn-ci-docker.XXXXXX)
 DOCKER=/usr/bin/docker
@@ -37,7 +49,7 @@ pgrep -x dockerd >/dev/null && fail "a Docker engine already runs here: this ste
 and iptables with it; stop it, or set CHUNKATTN_SKIP_DOCKER=1"
 HAD_DOCKER0=$(ip link show docker0 >/dev/null 2>&1 && echo 1 || true)
 BRIDGES_BEFORE=$(ip -o link show type bridge 2>/dev/null | awk -F': ' '{print $2}' || true)
-FORWARD_POLICY=$(iptables -S FORWARD 2>/dev/null | sed -n 's/^-P FORWARD //p')
+FORWARD_POLICY=$(iptables -S FORWARD 2>/dev/null | sed -n 's/^-P FORWARD //p' || true)
 
 cleanup() {
     set +e
@@ -65,13 +77,6 @@ cleanup() {
 trap cleanup EXIT
 
 # 1. The engine.
-if ! command -v dockerd >/dev/null || ! command -v debootstrap >/dev/null || ! command -v docker-compose >/dev/null; then
-    say "installing Debian's docker.io, docker-compose and debootstrap"
-    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-        docker.io docker-compose debootstrap iproute2 nftables; } >"$D/apt.log" 2>&1 \
-        || fail "apt-get could not install docker.io (see below); CHUNKATTN_SKIP_DOCKER=1 skips this step
-$(tail -20 "$D/apt.log")"
-fi
 dockerd --data-root "$D/data" --exec-root "$D/exec" --pidfile "$D/pid" -H "unix://$D/sock" >"$D/dockerd.log" 2>&1 &
 DOCKERD_PID=$!
 export DOCKER_HOST=unix://$D/sock
