@@ -12,7 +12,12 @@
    target: ours / contiguous <= 1.2). Two block layouts: the allocator's own (the 32 prompts prefilled
    interleaved, in 256-token pieces, as a server sees them), and scattered: a pool where every other
    block is held by someone else, so no two blocks of a sequence touch and every read is a gather.
-3. memory: blocks held by one sequence after 200,000 tokens with C = 4096 and blocks of 16.
+3. fp8: the decode of 2. (allocator's layout) over a float8 KV cache (e4m3 and e5m2, scales calibrated by the
+   first write, as vLLM's calculate_kv_scales) against a bfloat16 cache on the same data, both computing in
+   bfloat16: time per step, KV bytes read per second (a float8 cache has half the bytes), and the error of
+   one step against the float64 reference on the unquantized K/V and on K/V as the cache holds them
+   (first 4 sequences).
+4. memory: blocks held by one sequence after 200,000 tokens with C = 4096 and blocks of 16.
 
 Timings are medians over rounds that run every contender in turn, so drift hits all alike.
 
@@ -30,12 +35,15 @@ from dataclasses import asdict, dataclass
 from datetime import date
 from typing import Any
 
+import numpy as np
 import torch
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 
-from chunkattn_client import BatchEntry
+from chunkattn_client import BatchEntry, dtypes
+from chunkattn_client.reference import as_cached, chunked_attention
 from chunkattn_server import CacheConfig, Engine, EngineConfig, LayerSpec, ModelShape
 from chunkattn_server.attention.backends import AttentionBatch, TorchBackend
+from chunkattn_server.config import KVScales
 
 from baselines import copy_bandwidth, flex_chunked  # benchmarks/baselines.py
 from timing import cpu_name, publish, rounds  # benchmarks/timing.py
@@ -79,10 +87,20 @@ SMOKE = Shapes(
 )
 
 
-def _engine(chunk: int, heads: tuple[int, int], head_size: int, num_blocks: int, dtype: str, block_size: int) -> Engine:
+def _engine(
+    chunk: int,
+    heads: tuple[int, int],
+    head_size: int,
+    num_blocks: int,
+    dtype: str,
+    block_size: int,
+    cache_dtype: str = "auto",
+) -> Engine:
+    """One layer; ``dtype`` computes, ``cache_dtype`` ("auto": the same) is stored (float8: calibrated)."""
     model = ModelShape(num_heads=heads[0], num_kv_heads=heads[1], head_size=head_size, layers=(LayerSpec(chunk),))
-    cache = CacheConfig(block_size=block_size, num_blocks=num_blocks, dtype=dtype)
-    return Engine(EngineConfig(model, cache, device="cpu"))
+    scales = KVScales(calibrate=True) if "fp8" in cache_dtype else None
+    cache = CacheConfig(block_size=block_size, num_blocks=num_blocks, dtype=cache_dtype, scales=scales)
+    return Engine(EngineConfig(model, cache, device="cpu", dtype=dtype))
 
 
 # -- prefill -----------------------------------------------------------------------------------------
@@ -218,6 +236,85 @@ def _fill(engine: Engine, seqs: int, tokens: int, piece: int, heads: tuple[int, 
         engine.backend = backend
 
 
+# -- fp8 -------------------------------------------------------------------------------------------
+
+
+FP8_CACHES = ("bfloat16", "fp8_e4m3", "fp8_e5m2")
+
+
+def bench_fp8(s: Shapes, repeats: int) -> dict[str, dict[str, float]]:
+    """The decode of bench_decode over each cache of FP8_CACHES, computing in bfloat16, on the same K/V."""
+    b, ctx, (h, hkv), d = s.decode_seqs, s.decode_context, s.decode_heads, s.head_size
+    g = torch.Generator().manual_seed(3)
+    k_all = torch.randn(b, ctx, hkv, d, generator=g).to(torch.bfloat16)  # the sent K/V, per sequence
+    v_all = torch.randn(b, ctx, hkv, d, generator=g).to(torch.bfloat16)
+    q1 = torch.randn(b, h, d, generator=g).to(torch.bfloat16)
+    checked = min(b, 4)
+    plain = _decode_reference(q1[:checked], k_all[:checked], v_all[:checked])
+    engines = {}
+    for cache in FP8_CACHES:
+        engine = _engine(2 * ctx, (h, hkv), d, b * (ctx // s.block_size + repeats + 4), "bfloat16", s.block_size, cache)
+        backend = engine.backend
+        engine.backend = _WriteOnly(engine.device)
+        for start in range(0, ctx - 1, s.run_tokens):  # interleaved prefill pieces: the allocator's layout
+            n = min(s.run_tokens, ctx - 1 - start)
+            for i in range(b):
+                rows = slice(start, start + n)
+                q = torch.zeros(n, h, d, dtype=torch.bfloat16)
+                engine.attend(0, [BatchEntry(f"s{i}", start, n)], q, k_all[i, rows], v_all[i, rows])
+        engine.backend = backend
+        engines[cache] = engine
+    out: dict[str, dict[str, float]] = {}
+    last = (k_all[:, -1], v_all[:, -1])
+    for cache, engine in engines.items():
+        # Correctness first: one step against float64, on K/V as sent and as this cache holds them.
+        got = engine.attend(0, [BatchEntry(f"s{i}", ctx - 1, 1) for i in range(b)], q1, *last)
+        engine.release(engine.sequence_ids())
+        scales = engine.kv_scales(0) or (1.0, 1.0)
+        held = _decode_reference(q1[:checked], k_all[:checked], v_all[:checked], cache, scales)
+        ours = got[:checked].double().numpy()
+        out[cache] = {
+            "error_vs_unquantized": float(np.abs(ours - plain).max()),
+            "error_vs_cached": float(np.abs(ours - held).max()),
+            "k_scale": scales[0],
+            "v_scale": scales[1],
+        }
+    times = {}
+    for cache, engine in engines.items():  # the timed steps: each cache prefilled again, decoded in rounds
+        _fill(engine, b, ctx - 1, s.run_tokens, (h, hkv), d, torch.bfloat16)
+        pos = [ctx - 1]
+
+        def step(engine: Engine = engine, pos: list[int] = pos) -> torch.Tensor:
+            entries = [BatchEntry(f"s{i}", pos[0], 1) for i in range(b)]
+            pos[0] += 1
+            return engine.attend(0, entries, q1, *last)
+
+        times[cache] = step
+    medians = rounds(times, repeats)
+    for cache, seconds in medians.items():
+        itemsize = 1 if "fp8" in cache else 2
+        out[cache]["step_s"] = seconds
+        out[cache]["kv_gbps"] = 2 * b * ctx * hkv * d * itemsize / seconds / 1e9
+        out[cache]["time_vs_bf16"] = seconds / medians["bfloat16"]
+    return out
+
+
+def _decode_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: str = "float32", scales: tuple[float, float] = (1, 1)
+) -> np.ndarray:
+    """float64 decode outputs [B, H, D] of q [B, H, D] over k, v [B, ctx, Hkv, D] as a cache of ``cache`` (over
+    ``scales``) holds them (float32: as they are); the query is the last position, whose K/V are the last
+    rows."""
+    b, ctx = k.shape[:2]
+    outs = []
+    for i in range(b):
+        ki, vi = (
+            as_cached(x[i].double().numpy(), dtypes.lookup(cache).name, s) for x, s in ((k, scales[0]), (v, scales[1]))
+        )
+        outs.append(chunked_attention(q[i : i + 1].double().numpy(), ki, vi, [ctx - 1], chunk_size=0))
+    return np.stack(outs)[:, 0]
+
+
 # -- memory ------------------------------------------------------------------------------------------
 
 
@@ -282,6 +379,19 @@ def report(result: dict[str, Any]) -> str:
             f" {_verdict(ratio <= 1.2):>6} {d['kv_gbps']:>8.1f} {d['copy_gbps']:>10.1f}"
             f" {d['kv_gbps'] / d['copy_gbps']:>7.0%} {d['ours_scattered_s'] / d['sdpa_contiguous_s']:>9.2f}x"
         )
+    if result.get("fp8"):
+        lines += [
+            "",
+            "fp8 KV cache: the decode above (allocator's layout), computing in bfloat16, same K/V",
+            f"{'cache':<9} {'step':>8} {'vs bf16':>8} {'KV GB/s':>8} {'err vs fp64':>12} {'vs fp64 (held)':>15}"
+            f" {'k/v scale':>18}",
+        ]
+        for cache, f in result["fp8"].items():
+            lines.append(
+                f"{cache:<9} {f['step_s'] * 1e3:>6.1f}ms {f['time_vs_bf16']:>7.2f}x {f['kv_gbps']:>8.1f}"
+                f" {f['error_vs_unquantized']:>12.2e} {f['error_vs_cached']:>15.2e}"
+                f" {f['k_scale']:>8.4f}/{f['v_scale']:<8.4f}"
+            )
     lines += [
         "",
         f"memory: one sequence of {shapes['memory_tokens']} tokens, C = {shapes['memory_chunk']}, blocks of"
@@ -298,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated (default float32,bfloat16)")
     parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention (its compile takes ~30 s)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes: checks the code paths in seconds")
+    parser.add_argument("--no-fp8", action="store_true", help="skip the float8 cache rows")
     args = parser.parse_args(argv)
     shapes = SMOKE if args.smoke else Shapes()
     dtypes = args.dtypes.split(",")
@@ -313,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
         "shapes": asdict(shapes),
         "prefill": {dt: bench_prefill(dt, shapes, args.repeats, flex=not args.no_flex) for dt in dtypes},
         "decode": {dt: bench_decode(dt, shapes, args.repeats) for dt in dtypes},
+        "fp8": None if args.no_fp8 else bench_fp8(shapes, args.repeats),
         "memory": bench_memory(shapes),
     }
     result["duration_s"] = time.perf_counter() - started

@@ -12,7 +12,10 @@ on an H200.
    bf16, blocks of 16 scattered over the pool: the triton kernels (metadata prepared once, as a graph
    replay has it; the host-side prepare is timed apart), the same step replayed from a CUDA graph, the
    torch backend, and SDPA over a contiguous cache. KV GB/s (K and V bytes read) against the device's copy
-   bandwidth measured in this run (read + write). Target: triton >= 80% of copy.
+   bandwidth measured in this run (read + write). Target: triton >= 80% of copy. The same pages stored as a
+   float8 e4m3 cache (scales amax / 448, as vLLM calibrates them) are checked against SDPA in float32 on
+   their dequantized values, then timed beside the bf16 cache (``triton_fp8_e4m3``: half the KV bytes).
+   Skipped before sm_89 (no e4m3 in Triton there).
 4. the CUDA graph's replay against the eager result.
 
     python benchmarks/gpu.py [--json PATH] [--repeats N] [--dry-run]
@@ -41,7 +44,7 @@ from torch.nn.functional import scaled_dot_product_attention as sdpa
 
 from chunkattn_client import BatchEntry, ReferenceModel
 from chunkattn_client.reference import within_tolerance
-from chunkattn_server import CacheConfig, Engine, EngineConfig, LayerSpec, ModelShape
+from chunkattn_server import CacheConfig, Engine, EngineConfig, LayerSpec, ModelShape, torchtypes
 from chunkattn_server.attention.backends import AttentionBatch, TorchBackend
 from chunkattn_server.attention.backends.triton_backend import TritonBackend
 
@@ -49,6 +52,8 @@ from baselines import copy_bandwidth, flex_chunked  # benchmarks/baselines.py
 from timing import cpu_name, rounds  # benchmarks/timing.py
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+FP8 = torch.float8_e4m3fn  # the float8 cache of the decode benchmark
+FP8_MAX = torchtypes.OF_TORCH[FP8].max  # 448
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,10 @@ class Device:
         self.dev = torch.device("cpu" if dry_run else "cuda")
         self.cuda = self.dev.type == "cuda"
         self.name = torch.cuda.get_device_name(self.dev) if self.cuda else f"{cpu_name()} (dry run: interpreter)"
+
+    def has_e4m3(self) -> bool:
+        """Whether the triton kernels can read an e4m3 cache here (Triton's fp8e4nv needs sm_89+)."""
+        return not self.cuda or torch.cuda.get_device_capability(self.dev) >= (8, 9)
 
     def sync(self) -> None:
         if self.cuda:
@@ -249,6 +258,10 @@ def bench_decode(dev: Device, s: Shapes, repeats: int) -> dict[str, Any]:
         "torch": lambda: torch_backend.attend(batch, out),
         "sdpa_contiguous": lambda: sdpa(q_grouped, k_flat, v_flat),
     }
+    fp8: dict[str, Any] | None = None
+    if dev.has_e4m3():
+        fp8, run_fp8 = _fp8_decode(dev, s, triton_backend, batch, k_pages, v_pages, index, last)
+        fns["triton_fp8_e4m3"] = run_fp8
     graph: dict[str, Any] = {"captured": False, "matches_eager": None}
     if dev.cuda:
         cuda_graph = torch.cuda.CUDAGraph()
@@ -263,16 +276,68 @@ def bench_decode(dev: Device, s: Shapes, repeats: int) -> dict[str, Any]:
         fns["triton_graph"] = cuda_graph.replay
     times = dev.timed(fns, repeats)
     kv_bytes = 2 * b * hkv * ctx * d * dt.itemsize
+    fp8_bytes = 2 * b * hkv * ctx * d * FP8.itemsize
+    if fp8 is not None:
+        fp8["speedup"] = times["triton"] / times["triton_fp8_e4m3"]  # over the compute-dtype cache
     copy = copy_bandwidth(s.copy_bytes, dev.dev, lambda fns: dev.timed(fns, 10))
     return {
         "shape": f"{b} sequences x {ctx} keys, {h}/{hkv} heads of {d}, {s.dtype}, blocks of {bs} scattered",
         "seconds": times,
-        "kv_gbps": {name: kv_bytes / t / 1e9 for name, t in times.items()},
+        "kv_gbps": {name: (fp8_bytes if "fp8" in name else kv_bytes) / t / 1e9 for name, t in times.items()},
         "copy_gbps": copy,
         "triton_of_copy": kv_bytes / times["triton"] / 1e9 / copy,
         "max_error_vs_sdpa": err,
         "graph": graph,
+        "fp8_e4m3": fp8,
     }
+
+
+def _fp8_decode(
+    dev: Device,
+    s: Shapes,
+    backend: TritonBackend,
+    batch: AttentionBatch,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    index: torch.Tensor,
+    last: torch.Tensor,
+) -> tuple[dict[str, Any], Callable[[], object]]:
+    """The decode step over the same pages [Hkv, num_blocks, bs, D] stored as an e4m3 cache: checked against
+    SDPA in float32 on the dequantized contiguous cache (index [B, blocks per sequence] gathers it, last [B]
+    are the new tokens' slots); returns the check's numbers and the prepared launch to time."""
+    b, ctx, (h, hkv), d = s.decode_seqs, s.decode_context, s.heads, s.head_size
+    dt = DTYPES[s.dtype]
+    k_scale = float(k_pages.abs().amax()) / FP8_MAX
+    v_scale = float(v_pages.abs().amax()) / FP8_MAX
+    k8, v8 = torchtypes.store(k_pages, k_scale, FP8), torchtypes.store(v_pages, v_scale, FP8)
+
+    def rows(pages: torch.Tensor, scale: float) -> torch.Tensor:
+        """The new tokens' own keys/values [B, Hkv, D], read back in the compute dtype, as the engine passes them
+        (float8 gathered as bytes: not every device indexes float8)."""
+        stored = pages.view(torch.uint8).flatten(1, 2)[:, last].transpose(0, 1).contiguous().view(FP8)
+        return torchtypes.load(stored, scale, dt)
+
+    batch8 = AttentionBatch(
+        batch.q, rows(k8, k_scale), rows(v8, v_scale), k8, v8, batch.spans, batch.tables, batch.chunk_size,
+        batch.block_size, batch.scale, None, k_scale, v_scale,
+    )  # fmt: skip
+    out8 = torch.empty_like(batch.q)
+    launch8 = backend.prepare(batch8, out8)
+    backend.run(launch8)
+    dev.sync()
+
+    def dequantized(pages: torch.Tensor, scale: float) -> torch.Tensor:
+        flat = pages.view(torch.uint8)[:, index].permute(1, 0, 2, 3, 4).reshape(b, hkv, ctx, d).view(FP8)
+        return torchtypes.load(flat, scale, torch.float32)
+
+    q32 = batch.q.float().view(b, hkv, h // hkv, d)
+    ideal = sdpa(q32, dequantized(k8, k_scale), dequantized(v8, v_scale)).reshape(b, h, d)
+    ok, err = within_tolerance(out8.double().cpu().numpy(), ideal.double().cpu().numpy(), s.dtype)
+    if not ok:
+        raise SystemExit(f"MISMATCH: e4m3 decode against SDPA on its dequantized cache: error {err:.3g}")
+    del ideal, q32
+    info = {"k_scale": k_scale, "v_scale": v_scale, "max_error_vs_dequantized": err}
+    return info, lambda: backend.run(launch8)
 
 
 # -- the table ------------------------------------------------------------------------------------------------
@@ -300,6 +365,15 @@ def report(r: dict[str, Any]) -> str:
         f" (target >= 80%: {verdict(of_copy >= 0.8)})",
         f"  CUDA graph: captured {dcd['graph']['captured']}, replay matches eager: {dcd['graph']['matches_eager']}",
     ]
+    fp8 = dcd["fp8_e4m3"]
+    if fp8 is None:
+        lines.append("  float8 e4m3 cache: not run (Triton reads e4m3 from sm_89 on)")
+    else:
+        lines.append(
+            f"  float8 e4m3 cache (k_scale {fp8['k_scale']:.3g}, v_scale {fp8['v_scale']:.3g}): max error"
+            f" {fp8['max_error_vs_dequantized']:.2e} against its dequantized values; {fp8['speedup']:.2f}x as fast"
+            f" as the {r['shapes']['dtype']} cache"
+        )
     return "\n".join(lines)
 
 

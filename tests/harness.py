@@ -10,11 +10,13 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from chunkattn_client import BatchEntry, ReferenceModel
+from chunkattn_client import BatchEntry, ReferenceModel, dtypes
 from chunkattn_client.reference import within_tolerance
-from chunkattn_server import CacheConfig, Engine, EngineConfig, LayerSpec, ModelShape
+from chunkattn_server import CacheConfig, Engine, EngineConfig, LayerSpec, ModelShape, torchtypes
 from chunkattn_server.attention.backends import AttentionBatch, Backend, TorchBackend
 from chunkattn_server.attention.backends.triton_backend import TritonBackend
+from chunkattn_server.config import KVScales
+from chunkattn_server.kv.manager import Truncation
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -48,13 +50,18 @@ MODELS: dict[str, ModelShape] = {
 
 @dataclass
 class Harness:
-    """Runs calls on an engine and on the reference, with reproducible random q/k/v."""
+    """Runs calls on an engine and on the reference, with reproducible random q/k/v.
+
+    dtype: what q/k/v travel in; the engine computes in its compute dtype and stores in its cache dtype
+    (float8: over per-layer scales), and the reference sees the inputs as the engine holds them: q in the
+    compute dtype, k/v as the cache gives them back (``expected_kv``)."""
 
     engine: Engine
     reference: ReferenceModel
     dtype: str
     cache_dtype: str
     seed: int = 0
+    spread: float = 1.0  # the standard deviation of random k/v (large values test float8 saturation)
 
     @classmethod
     def build(
@@ -63,6 +70,9 @@ class Harness:
         *,
         dtype: str = "float32",
         cache_dtype: str | None = None,
+        compute_dtype: str = "auto",
+        kv_scales: KVScales | None = None,
+        spec_window: int = 0,
         num_blocks: int = 512,
         block_size: int = 4,
         impl: str = "auto",
@@ -73,8 +83,10 @@ class Harness:
         """impl: the torch backend's "auto" or "math" path, or "triton" (the kernels under the interpreter,
         with ``splits`` decode splits and 16 keys per inner step, so short contexts take several)."""
         cache_dtype = cache_dtype or dtype
-        cache = CacheConfig(block_size=block_size, num_blocks=num_blocks, dtype=cache_dtype)
-        config = EngineConfig(model, cache, device="cpu")
+        cache = CacheConfig(
+            block_size=block_size, num_blocks=num_blocks, dtype=cache_dtype, scales=kv_scales, spec_window=spec_window
+        )
+        config = EngineConfig(model, cache, device="cpu", dtype=compute_dtype)
         backend: Backend
         if impl == "triton":
             backend = TritonBackend(torch.device("cpu"), block_n=16, num_splits=splits)
@@ -86,7 +98,7 @@ class Harness:
             scales=[s.scale for s in model.layers],
             alibi_slopes=[s.alibi_slopes for s in model.layers],
         )
-        return cls(Engine(config, backend=backend), reference, dtype, cache_dtype)
+        return cls(Engine(config, backend=backend), reference, dtype, dtypes.lookup(cache_dtype).name)
 
     @property
     def model(self) -> ModelShape:
@@ -101,8 +113,8 @@ class Harness:
         q = torch.randn(tokens, m.num_heads, m.head_size, generator=g).to(dt)
         if m.layers[layer].kv_source is not None:
             return q, None, None
-        k = torch.randn(tokens, m.num_kv_heads, m.head_size, generator=g).to(dt)
-        v = torch.randn(tokens, m.num_kv_heads, m.head_size, generator=g).to(dt)
+        k = (torch.randn(tokens, m.num_kv_heads, m.head_size, generator=g) * self.spread).to(dt)
+        v = (torch.randn(tokens, m.num_kv_heads, m.head_size, generator=g) * self.spread).to(dt)
         return q, k, v
 
     def call(self, layer: int, entries: Sequence[BatchEntry]) -> torch.Tensor:
@@ -111,21 +123,55 @@ class Harness:
         out = self.engine.attend(layer, entries, q, k, v)
         assert out.dtype == q.dtype
         assert out.shape == q.shape
-        # The engine computes in the cache's dtype: the reference sees the inputs rounded to it.
-        kr, vr = (None, None) if k is None or v is None else (self._rounded(k), self._rounded(v))
-        expected = self.reference.attend(layer, entries, self._rounded(q), kr, vr)
-        worst = self.dtype if self.cache_dtype == "float32" else self.cache_dtype
-        ok, err = within_tolerance(out.double().numpy(), expected, worst)
-        assert ok, f"layer {layer}, entries {list(entries)}: error {err:.3g} ({self.dtype})"
+        kr, vr = (None, None) if k is None or v is None else self.expected_kv(layer, k, v)
+        expected = self.reference.attend(layer, entries, self._computed(q), kr, vr)
+        ok, err = within_tolerance(out.double().numpy(), expected, self.tolerance)
+        assert ok, f"layer {layer}, entries {list(entries)}: error {err:.3g} ({self.dtype}, cache {self.cache_dtype})"
         return out
 
-    def _rounded(self, t: torch.Tensor) -> npt.NDArray[np.float64]:
-        return t.to(DTYPES[self.cache_dtype]).double().numpy()
+    @property
+    def compute_dtype(self) -> str:
+        return torchtypes.OF_TORCH[self.engine.dtype].name
+
+    @property
+    def tolerance(self) -> str:
+        """The dtype whose tolerance applies: the coarsest the values went through (a float8 cache's error is
+        in ``expected_kv``, not in the tolerance)."""
+        seen = [self.dtype, self.compute_dtype] + ([] if dtypes.lookup(self.cache_dtype).fp8 else [self.cache_dtype])
+        return max(seen, key=["float32", "float16", "bfloat16"].index)
+
+    def _computed(self, t: torch.Tensor) -> npt.NDArray[np.float64]:
+        return t.to(self.engine.dtype).double().numpy()
+
+    def expected_kv(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+        """k, v as the layer's cache gives them back, float64, computed with numpy (not the engine's torch
+        code): in the compute dtype, then divided by the layer's scale in float32, rounded to float8 (ties to
+        even, saturated) and multiplied back; or rounded to a float cache dtype."""
+        d = dtypes.lookup(self.cache_dtype)
+        k_c, v_c = self._computed(k), self._computed(v)
+        if not d.fp8:
+            return k.to(DTYPES[d.name]).double().numpy(), v.to(DTYPES[d.name]).double().numpy()
+        scales = self.engine.kv_scales(layer)
+        assert scales is not None, "the call has calibrated the layer"
+
+        def cached(x: npt.NDArray[np.float64], scale: float) -> npt.NDArray[np.float64]:
+            stored = x.astype(np.float32) / np.float32(scale)  # float32, as the engine divides
+            return dtypes.fp8_round(stored, d.name) * np.float64(np.float32(scale))
+
+        return cached(k_c, scales[0]), cached(v_c, scales[1])
 
     def step(self, entries: Sequence[BatchEntry]) -> None:
         """The same batch through every layer in order, as a model runner does."""
         for layer in range(self.model.num_layers):
             self.call(layer, entries)
+
+    def truncate(self, seq_id: str, length: int) -> Truncation:
+        """Truncate on both."""
+        done = self.engine.truncate(seq_id, length)
+        self.reference.truncate(seq_id, length)
+        return done
 
     def release(self, *seq_ids: str) -> None:
         self.engine.release(seq_ids)
@@ -137,7 +183,7 @@ def snapshot(engine: Engine) -> Any:
     """Everything a request could change: lengths and block tables of every sequence, the pool."""
     seqs = {s: engine.sequence(s) for s in engine.sequence_ids()}
     return (
-        {s: (i.lengths, i.tables) for s, i in seqs.items()},
+        {s: (i.lengths, i.tables, i.kept_from) for s, i in seqs.items()},
         engine.stats(),
         sorted(b for b in range(engine.pool.num_blocks) if engine.pool.is_free(b)),
     )

@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 
 SERVICE = "/chunkattn.v1.ChunkAttn/"
-UNARY = ("Info", "Attend", "Release", "Fork", "TransferKV")
+UNARY = ("Info", "Attend", "Release", "Fork", "Truncate", "TransferKV")
 BIG = [("grpc.max_send_message_length", 512 << 20), ("grpc.max_receive_message_length", 512 << 20)]
 
 

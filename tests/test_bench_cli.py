@@ -318,6 +318,33 @@ def test_ctrl_c_stops_the_run_and_still_reports(server: ServerProcess, tmp_path:
         assert c.info().active_sequences == 0
 
 
+def test_speculative_decoding_verifies_and_truncates_against_a_real_server(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Verify calls of 3 drafts + 1 across chunk boundaries (C = 16), their rejected drafts truncated, every
+    checked output equal to the reference of the kept tokens."""
+    with ServerProcess(*SMALL, "--spec-window", "3") as s:
+        before = s.metrics()
+        rc, out = bench(
+            capsys, s, tmp_path, "--spec-tokens", "3", "--accept-rate", "0.5", "--verify", "80", "--sequences", "4",
+            "--concurrency", "2", "--prompt-len", "10:30", "--output-len", "24", "--metrics-url", s.metrics_url,
+        )  # fmt: skip
+        after = s.metrics()
+    assert rc == 0
+    assert (out["sequences"], out["errors"], out["verify"]["mismatches"], out["verify"]["checked"]) == (4, {}, 0, 80)
+    assert out["tokens"]["decode"] == 4 * 24  # kept tokens: each verify step's chosen one and accepted drafts
+    spec = out["speculation"]
+    steps = out["latency_ms"]["decode"]["count"]
+    assert spec["drafts"] == 3 * steps
+    assert 0 < spec["accepted"] < spec["drafts"]
+    assert spec["accepted"] + steps == 4 * 24
+    assert spec["truncations"] == steps - 4  # every verify step but a sequence's last (which releases it)
+    assert spec["truncations"] == counter(after, "chunkattn_sequences_truncated_total") - counter(
+        before, "chunkattn_sequences_truncated_total"
+    )
+    assert out["server"]["kv_blocks_used_after"] == 0
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
@@ -329,6 +356,8 @@ def test_ctrl_c_stops_the_run_and_still_reports(server: ServerProcess, tmp_path:
         (["--sequences", "1", "--metrics-url", "http://127.0.0.1:9/metrics"], "could not scrape"),
         (["--sequences", "1", "--rate", "5", "--sweep", "concurrency=1,2"], "sweep rate instead"),
         (["--sequences", "1", "--html", "/nonexistent/dir/r.html"], "cannot write /nonexistent/dir/r.html"),
+        (["--sequences", "1", "--spec-tokens", "2", "--accept-rate", "1.5"], "--accept-rate in [0, 1], got 2 and 1.5"),
+        (["--sequences", "1", "--spec-tokens", "3"], "keeps 0 before a chunked layer's current chunk"),
     ],
 )
 def test_bad_arguments_exit_2_with_a_clear_message(

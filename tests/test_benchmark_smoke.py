@@ -37,3 +37,10 @@ def test_engine_benchmark_smoke_run_writes_the_documented_json(tmp_path: Path) -
         assert set(data["decode"][dtype]) >= {"ours_s", "sdpa_contiguous_s", "kv_gbps", "copy_gbps"}
         assert all(v is None or v > 0 for v in data["prefill"][dtype].values())
     assert data["memory"]["blocks_held"] <= data["memory"]["bound"]
+    assert "fp8 KV cache" in result.stdout
+    for cache in ("bfloat16", "fp8_e4m3", "fp8_e5m2"):
+        row = data["fp8"][cache]
+        assert row["step_s"] > 0
+        assert row["error_vs_cached"] <= 2e-2 * 4  # bfloat16 compute, against K/V as the cache holds them
+    # Quantization shows against the unquantized K/V, more for e5m2's 2 mantissa bits than e4m3's 3.
+    assert data["fp8"]["fp8_e5m2"]["error_vs_unquantized"] > data["fp8"]["fp8_e4m3"]["error_vs_unquantized"]

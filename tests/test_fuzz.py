@@ -61,6 +61,7 @@ def seeds(source: str, export: list[bytes]) -> dict[str, list[list[bytes]]]:
         "AttendStream": [[attend_request("new", 0, 2, request_id=7), attend_request("new", 2, 1, request_id=8)]],
         "Release": [[pb.ReleaseRequest(seq_ids=[source, "ghost"], missing_ok=True).SerializeToString()]],
         "Fork": [[pb.ForkRequest(parent=source, child="child").SerializeToString()]],
+        "Truncate": [[pb.TruncateRequest(seq_id=source, length=2).SerializeToString()]],
         "ExportKV": [[pb.ExportKVRequest(seq_id=source, layers=[0, 3], max_message_bytes=4096).SerializeToString()]],
         "TransferKV": [
             [pb.TransferKVRequest(seq_id=source, target="127.0.0.1:1", new_seq_id="far").SerializeToString()]
@@ -143,6 +144,7 @@ KINDS: dict[str, type[Message]] = {
     "AttendStream": pb.AttendRequest,
     "Release": pb.ReleaseRequest,
     "Fork": pb.ForkRequest,
+    "Truncate": pb.TruncateRequest,
     "ExportKV": pb.ExportKVRequest,
     "TransferKV": pb.TransferKVRequest,
     "ImportKV": pb.KVChunk,

@@ -120,6 +120,40 @@ def test_a_prefill_larger_than_a_message_goes_in_several_calls(
     assert max_logit_difference(result, local) <= 1e-4
 
 
+def test_a_verify_forward_and_a_truncate_equal_the_local_model_on_the_kept_tokens(
+    model: Any, prompts: list[list[int]], local: Generation, tmp_path: Path
+) -> None:
+    """Speculative decoding through the session: one forward of each row's right tokens followed by wrong
+    drafts, the drafts truncated (row 1's verify crosses the chunk boundary at 16 and goes back over it: the
+    server keeps 8 tokens before the chunk), then the right tokens: logits as the local model's."""
+    assert local.logits is not None
+    accepted = [3, 4, 2]  # right tokens per row, then wrong ones
+    wrong = [2, 7, 4]
+    with _server_for(model.config, tmp_path, "--spec-window", "8") as s, ChunkAttnClient(s.target) as c:
+        with OffloadSession(c, model, transport="stream") as session:
+            session.forward(prompts)
+            vocab = model.config.vocab_size
+            drafts = [
+                local.tokens[r][: accepted[r]]
+                + [(t + 1) % vocab for t in local.tokens[r][accepted[r] : accepted[r] + wrong[r]]]
+                for r in range(len(PROMPTS))
+            ]
+            verified = session.forward(drafts)
+            for r in range(len(PROMPTS)):  # the accepted prefix is what the local model computed
+                for j in range(accepted[r]):
+                    assert torch.allclose(verified[r][j], local.logits[r][j + 1], atol=1e-4), (r, j)
+            with pytest.raises(ValueError, match=r"row 0 holds 25 tokens; it can be truncated to 0\.\.25, not 26"):
+                session.truncate([26, 0, 0])
+            kept = [p + a for p, a in zip(PROMPTS, accepted, strict=True)]
+            session.truncate(kept)
+            assert c.info().active_sequences == len(PROMPTS)
+            logits = session.forward([local.tokens[r][accepted[r] : accepted[r] + 3] for r in range(len(PROMPTS))])
+            for r in range(len(PROMPTS)):
+                for j in range(3):
+                    assert torch.allclose(logits[r][j], local.logits[r][accepted[r] + j + 1], atol=1e-4), (r, j)
+        assert c.info().active_sequences == 0
+
+
 def test_generate_starts_from_a_fresh_session(model: Any, prompts: list[list[int]], client: ChunkAttnClient) -> None:
     with OffloadSession(client, model) as session:
         session.forward(prompts)
@@ -150,7 +184,7 @@ def test_half_precision_models_offload_to_a_server_of_their_dtype(
             result = session.generate(prompts, NEW, keep_logits=True)
         assert result.tokens == local.tokens
         assert max_logit_difference(result, local) <= tolerance
-        with pytest.raises(HFConfigError, match=f"in float32 and the server's cache and attention in {name}"):
+        with pytest.raises(HFConfigError, match=f"in float32 and the server's attention in {name}"):
             OffloadSession(c, build_model(seed=0))
 
 

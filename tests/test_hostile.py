@@ -77,13 +77,14 @@ MALFORMED = {
 BAD_UTF8 = {  # (RPC, field number, field name)
     "Release": (1, "seq_ids"),
     "Fork": (2, "child"),
+    "Truncate": (1, "seq_id"),
     "TransferKV": (2, "target"),
     "ExportKV": (1, "seq_id"),
     "Attend": (2, "entries"),  # a SequenceEntry whose seq_id is not UTF-8
 }
 
 
-@pytest.mark.parametrize("method", ["Info", "Release", "Fork", "ExportKV", "TransferKV", "Attend"])
+@pytest.mark.parametrize("method", ["Info", "Release", "Fork", "Truncate", "ExportKV", "TransferKV", "Attend"])
 @pytest.mark.parametrize("case", sorted(MALFORMED))
 def test_1_malformed_bytes_are_invalid_argument_on_every_rpc(raw: Raw, method: str, case: str) -> None:
     data, words = MALFORMED[case]
@@ -147,6 +148,7 @@ TOO_LONG_ID = "too long: at most 256 bytes of UTF-8, got 16384"
         ("Release", pb.ReleaseRequest(seq_ids=[LONG]).SerializeToString(), TOO_LONG_ID),
         ("Fork", pb.ForkRequest(parent=LONG, child="c").SerializeToString(), TOO_LONG_ID),
         ("Fork", pb.ForkRequest(parent="p", child=LONG).SerializeToString(), TOO_LONG_ID),
+        ("Truncate", pb.TruncateRequest(seq_id=LONG).SerializeToString(), TOO_LONG_ID),
         ("Attend", attend_bytes([(LONG, 0, 1)]), TOO_LONG_ID),
         ("ExportKV", pb.ExportKVRequest(seq_id=LONG).SerializeToString(), TOO_LONG_ID),
         (

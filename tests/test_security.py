@@ -172,6 +172,7 @@ def every_rpc(c: ChunkAttnClient, target: str) -> dict[str, Callable[[], Any]]:
         "AttendStream": stream,
         "Release": lambda: c.release(["x"], missing_ok=True),
         "Fork": lambda: c.fork("x", "y"),
+        "Truncate": lambda: c.truncate("x", 0),
         "ExportKV": lambda: list(c.export_kv("x")),
         "ImportKV": lambda: c.import_kv(iter([header])),
         "TransferKV": lambda: c.transfer_kv("x", target),
@@ -244,6 +245,7 @@ def isolation_run(server: ServerProcess, pki: PKI, a: str, b: str, attempts: boo
             b_tries(lambda: stream.attend(0, [BatchEntry("s2", 5, 1)], q1, k1, v1))
         b_tries(lambda: cb.release(["s2"]))
         b_tries(lambda: cb.fork("s2", "mine"))
+        b_tries(lambda: cb.truncate("s2", 4))
         b_tries(lambda: list(cb.export_kv("s2")))
         b_tries(lambda: cb.transfer_kv("s2", server.target, new_seq_id="stolen", target_token=TOKENS[b]))
         if attempts:
@@ -265,7 +267,7 @@ def test_a_tenant_cannot_name_another_tenants_sequences_in_any_rpc(server: Serve
     attacked, codes = isolation_run(server, pki, "a1", "b1", attempts=True)
     assert [code for code, _ in codes] == [grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION] + [
         grpc.StatusCode.NOT_FOUND
-    ] * 5
+    ] * 6
     assert "has 3 tokens in layer 0" in codes[1][1]  # b's own s1, nothing of a's
     assert attacked == clean  # a's outputs bit for bit as without b's attempts
 

@@ -235,6 +235,11 @@ FORGED: dict[str, tuple[dict[str, object], str]] = {
     "a layer whose KV is not sent": ({"layers": (0, 1, 2, 3)}, "layer 4 has 21 tokens but its KV is not in the stream"),
     "an empty id": ({"seq_id": ""}, "non-empty"),
     "an id too long": ({"seq_id": "x" * 300}, "too long: at most 256 bytes of UTF-8, got 300"),
+    # kept_from (the first position each layer holds, 16 for the chunked layers at 21 tokens) must cover
+    # what every layer reads again, or an import would hand a layer keys nobody sent.
+    "a kept_from past a layer's chunk": ({"kept_from": (20, 16, 0, 16, 16, 0)}, "reads layer 0's positions from 16"),
+    "a global layer's kept_from": ({"kept_from": (16, 16, 4, 16, 16, 0)}, "reads layer 2's positions from 0"),
+    "kept_from of the wrong count": ({"kept_from": (16,) * 5}, "kept_from has 5 values for 6 layers"),
 }
 
 
@@ -246,6 +251,8 @@ def test_forged_manifests_are_refused_before_anything_is_reserved(case: str) -> 
         first = manifest.blocks[0]
         more = first[0] if change["blocks"] == "repeat" else max(first) + 1
         change = {"blocks": ((*first, more), *manifest.blocks[1:])}
+    if "lengths" in change:  # forged lengths come without kept_from (each layer's current chunk, then)
+        change = {**change, "kept_from": ()}
     with pytest.raises((IncompatibleKV, InvalidBatch), match=message):
         dst.transfer.begin_import(dataclasses.replace(manifest, **change))  # type: ignore[arg-type]
     _unchanged(dst)

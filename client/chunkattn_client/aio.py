@@ -29,6 +29,7 @@ from chunkattn_client.client import (
     KVTransfer,
     Routed,
     ServerInfo,
+    Truncated,
     attend_request,
     decode_attend_response,
     open_channel,
@@ -116,6 +117,14 @@ class AsyncChunkAttnClient(Routed):
                 pb.ForkRequest(parent=parent, child=child), timeout=self.timeout_s, metadata=self._metadata
             )
         return int(r.shared_blocks)
+
+    async def truncate(self, seq_id: str, length: int) -> Truncated:
+        """ChunkAttnClient.truncate: take a sequence back to its first ``length`` tokens in every layer."""
+        with rpc_errors():
+            r = await self._stub.Truncate(
+                pb.TruncateRequest(seq_id=seq_id, length=length), timeout=self.timeout_s, metadata=self._metadata
+            )
+        return Truncated.from_pb(r)
 
     async def export_kv(
         self, seq_id: str, *, layers: Sequence[int] = (), max_message_bytes: int = 0

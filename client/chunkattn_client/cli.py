@@ -29,6 +29,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
+from chunkattn_client import dtypes
 from chunkattn_client.aio import AsyncChunkAttnClient
 from chunkattn_client.bench.promtext import MetricsError
 from chunkattn_client.client import ChunkAttnClient, ChunkAttnError, ServerInfo
@@ -118,8 +119,23 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--trace", metavar="JSONL", help='lengths from a file of {"prompt_len", "output_len"} lines')
     w.add_argument("--layers", default="all", help="layers each step calls: all, or e.g. 0,1,3")
     w.add_argument("--prefill-chunk", type=int, default=0, metavar="N", help="prefill in pieces of N (0: whole)")
+    w.add_argument(
+        "--spec-tokens",
+        type=int,
+        default=0,
+        metavar="K",
+        help="speculative decoding: each decode step is a verify call of K drafts + 1 token, whose rejected drafts"
+        " are then truncated (the server needs --spec-window K or more; default 0: one-token decode steps)",
+    )
+    w.add_argument(
+        "--accept-rate",
+        type=float,
+        default=0.7,
+        metavar="P",
+        help="with --spec-tokens: each draft is accepted with probability P while the earlier ones were (default 0.7)",
+    )
     w.add_argument("--transport", choices=("unary", "stream"), default="unary")
-    w.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
+    w.add_argument("--dtype", choices=[d.name for d in dtypes.WIRE], default="float32")
     w.add_argument("--seed", type=int, default=0)
     r = c.add_argument_group("run")
     r.add_argument("--duration", type=float, metavar="S", help="measure for S seconds")
@@ -215,8 +231,10 @@ def describe(info: ServerInfo) -> str:
             f"model: {len(info.layers)} layers ({kinds}{f', {sharing} share KV' if sharing else ''}),"
             f" {info.num_heads} heads, {info.num_kv_heads} KV heads, head size {info.head_size}",
             f"KV cache: {info.cache_dtype}, {info.num_blocks} blocks of {info.block_size} tokens"
-            f" ({info.bytes_per_block} bytes each), {used} in use; {info.active_sequences} active sequences",
-            f"dtypes on the wire: {', '.join(info.dtypes)}; max message {info.max_message_bytes >> 20} MiB",
+            f" ({info.bytes_per_block} bytes each), {used} in use; {info.active_sequences} active sequences"
+            + (f"; spec window {info.spec_window} tokens" if info.spec_window else ""),
+            f"dtypes on the wire: {', '.join(info.dtypes)}; attention computes in"
+            f" {info.compute_dtype or info.cache_dtype}; max message {info.max_message_bytes >> 20} MiB",
         ]
     )
 
@@ -355,6 +373,8 @@ def _bench(args: argparse.Namespace) -> int:
         max_errors=args.max_errors,
         metrics_url=args.metrics_url,
         route=args.route,
+        spec_tokens=args.spec_tokens,
+        accept_rate=args.accept_rate,
     )
     param, values = _sweep(args.sweep, open_loop=args.rate is not None) if args.sweep else (None, [None])
     configs = [config if v is None else dataclasses.replace(config, **{param: v}) for v in values]  # type: ignore[arg-type]

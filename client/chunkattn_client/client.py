@@ -24,7 +24,7 @@ import numpy.typing as npt
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from chunkattn_client import codec, wire
+from chunkattn_client import codec, dtypes, wire
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2_grpc as pb_grpc
 from chunkattn_client.batch import BatchEntry
@@ -68,6 +68,10 @@ class LayerInfo:
     scale: float
     alibi: bool
     alibi_slopes: tuple[float, ...] = ()  # one per query head when alibi
+    # A float8 cache holds K / k_scale and V / v_scale (1 for other cache dtypes; 0 while the server
+    # calibrates them and the layer has had no write).
+    k_scale: float = 1.0
+    v_scale: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,10 @@ class ServerInfo:
     dtypes: tuple[str, ...]
     active_sequences: int
     max_message_bytes: int
+    compute_dtype: str = ""  # "" from a server older than the field
+    # Tokens a chunked layer keeps before its current chunk: how far Truncate may go back across a chunk
+    # boundary (chunkattn-server --spec-window; 0 from a server older than the field).
+    spec_window: int = 0
 
     @classmethod
     def from_pb(cls, r: pb.InfoResponse) -> ServerInfo:
@@ -108,6 +116,8 @@ class ServerInfo:
                     scale=x.scale,
                     alibi=x.alibi,
                     alibi_slopes=tuple(x.alibi_slopes),
+                    k_scale=x.k_scale,
+                    v_scale=x.v_scale,
                 )
                 for x in r.layers
             ),
@@ -119,7 +129,23 @@ class ServerInfo:
             dtypes=tuple(_dtype_name(d) for d in r.dtypes),
             active_sequences=r.active_sequences,
             max_message_bytes=r.max_message_bytes,
+            compute_dtype=_dtype_name(r.compute_dtype) if r.compute_dtype else "",
+            spec_window=r.spec_window,
         )
+
+
+@dataclass(frozen=True)
+class Truncated:
+    """What Truncate did: the blocks the sequence no longer holds (a block still shared with a fork stays
+    with it), and how far back it may now be truncated: any length from ``min_length`` on (and a chunk
+    boundary of every chunked layer, where none reads older keys)."""
+
+    released_blocks: int
+    min_length: int
+
+    @classmethod
+    def from_pb(cls, r: pb.TruncateResponse) -> Truncated:
+        return cls(int(r.released_blocks), int(r.min_length))
 
 
 @dataclass(frozen=True)
@@ -422,6 +448,17 @@ class ChunkAttnClient(Routed):
             )
         return int(r.shared_blocks)
 
+    def truncate(self, seq_id: str, length: int) -> Truncated:
+        """Take a sequence back to its first ``length`` tokens in every layer, as if the later ones had never
+        been sent (speculative decoding: drop the drafts a verify call rejected). FAILED_PRECONDITION when
+        ``length`` is past the sequence's length or further back than the server holds (its message names
+        min_length); NOT_FOUND for an unknown sequence; nothing changes then."""
+        with rpc_errors():
+            r = self._stub.Truncate(
+                pb.TruncateRequest(seq_id=seq_id, length=length), timeout=self.timeout_s, metadata=self._metadata
+            )
+        return Truncated.from_pb(r)
+
     def export_kv(self, seq_id: str, *, layers: Sequence[int] = (), max_message_bytes: int = 0) -> Iterator[pb.KVChunk]:
         """A sequence's live KV as KVChunk messages (header, blocks, trailer), e.g. for ``kvfile.write``."""
         request = pb.ExportKVRequest(seq_id=seq_id, layers=list(layers), max_message_bytes=max_message_bytes)
@@ -618,10 +655,8 @@ _SMALL_RESPONSE_BYTES = 64 << 10
 
 def _dtype_name(dtype: int) -> str:
     """A dtype's name; a newer server's dtype this client does not know is reported, not fatal."""
-    try:
-        return codec.dtype_name(dtype)
-    except codec.CodecError:
-        return f"unknown({dtype})"
+    d = dtypes.BY_WIRE.get(dtype)
+    return f"unknown({dtype})" if d is None else d.name
 
 
 _STATUS_BY_VALUE = {c.value[0]: c for c in grpc.StatusCode}

@@ -1,6 +1,7 @@
 """Tensors <-> ``chunkattn.v1.Tensor`` messages: raw little-endian C-order bytes, no per-element work.
 
-numpy has no bfloat16, so bfloat16 travels (and decodes) as raw uint16 words; ``bf16_to_float32`` and
+The dtypes that travel (float32, float16, bfloat16) are those of ``dtypes.WIRE``. numpy has no bfloat16,
+so bfloat16 travels (and decodes) as raw uint16 words; ``bf16_to_float32`` and
 ``float32_to_bf16`` convert. torch tensors are accepted too when torch happens to be installed (this
 module never imports it unless handed one).
 """
@@ -14,6 +15,7 @@ import numpy as np
 import numpy.typing as npt
 from google.protobuf.message import DecodeError
 
+from chunkattn_client import dtypes
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_client.wire import Buffer, RawTensor
 
@@ -33,18 +35,13 @@ __all__ = [
 ]
 
 # Wire dtype -> the little-endian numpy dtype its bytes decode to.
-_NUMPY: dict[int, np.dtype[Any]] = {
-    pb.DTYPE_FLOAT32: np.dtype("<f4"),
-    pb.DTYPE_FLOAT16: np.dtype("<f2"),
-    pb.DTYPE_BFLOAT16: np.dtype("<u2"),
-}
-# Dtype name -> wire dtype, for every dtype the protocol carries.
-WIRE_DTYPES: dict[str, pb.DType] = {
-    "float32": pb.DTYPE_FLOAT32,
-    "float16": pb.DTYPE_FLOAT16,
-    "bfloat16": pb.DTYPE_BFLOAT16,
-}
-_NAMES: dict[int, str] = {v: k for k, v in WIRE_DTYPES.items()}
+_NUMPY: dict[int, np.dtype[Any]] = {d.wire: d.numpy for d in dtypes.WIRE}
+# Dtype name -> wire dtype, for every dtype tensors travel in.
+WIRE_DTYPES: dict[str, pb.DType] = {d.name: d.wire for d in dtypes.WIRE}  # type: ignore[misc]
+_NAMES: dict[int, str] = {d.wire: d.name for d in dtypes.WIRE}
+_EXPECTED = dtypes.names(dtypes.WIRE)
+# numpy arrays whose dtype names their wire dtype (bfloat16's uint16 words must say dtype="bfloat16").
+_OF_NUMPY = {d.numpy.newbyteorder("="): d.name for d in dtypes.WIRE if d.numpy.kind == "f"}
 
 
 class CodecError(ValueError):
@@ -52,11 +49,13 @@ class CodecError(ValueError):
 
 
 def dtype_name(dtype: int) -> str:
-    """ "float32", "float16" or "bfloat16" for a wire dtype; CodecError otherwise."""
-    try:
-        return _NAMES[dtype]
-    except KeyError:
-        raise CodecError(f"unknown tensor dtype {dtype}; expected float32, float16 or bfloat16") from None
+    """ "float32", "float16" or "bfloat16" for a wire dtype; CodecError otherwise (a cache-only dtype too)."""
+    d = dtypes.BY_WIRE.get(dtype)
+    if d is None:
+        raise CodecError(f"unknown tensor dtype {dtype}; expected {_EXPECTED}")
+    if not d.on_wire:
+        raise CodecError(f"tensor dtype {dtype} ({d.name}) is a KV cache dtype only; tensors travel in {_EXPECTED}")
+    return d.name
 
 
 def numpy_dtype(name: str) -> np.dtype[Any]:
@@ -72,7 +71,7 @@ def to_raw(x: Any, dtype: str | None = None) -> RawTensor:
         return _torch_raw(x)
     arr = np.asarray(x)
     if dtype is None:
-        dtype = {np.dtype("float32"): "float32", np.dtype("float16"): "float16"}.get(arr.dtype.newbyteorder("="))
+        dtype = _OF_NUMPY.get(arr.dtype.newbyteorder("="))
         if dtype is None:
             raise CodecError(
                 f"cannot send a {arr.dtype} array: use float32 or float16, or uint16 bfloat16 words with"
@@ -80,7 +79,7 @@ def to_raw(x: Any, dtype: str | None = None) -> RawTensor:
             )
     wire = WIRE_DTYPES.get(dtype)
     if wire is None:
-        raise CodecError(f"unknown dtype {dtype!r}; expected float32, float16 or bfloat16")
+        raise CodecError(f"dtype {dtype!r} cannot be sent; expected one of {_EXPECTED}")
     if dtype == "bfloat16" and arr.dtype.newbyteorder("=") != np.dtype("uint16"):
         raise CodecError(f"bfloat16 is sent as uint16 words, got a {arr.dtype} array (see float32_to_bf16)")
     data = np.ascontiguousarray(arr, dtype=_NUMPY[wire])
@@ -92,7 +91,7 @@ def _torch_raw(t: Any) -> RawTensor:
 
     name = _TORCH_NAMES.get(str(t.dtype))
     if name is None:
-        raise CodecError(f"cannot send a {t.dtype} tensor: use float32, float16 or bfloat16")
+        raise CodecError(f"cannot send a {t.dtype} tensor: use one of {_EXPECTED}")
     if t.is_cpu and not t.requires_grad and t.is_contiguous():  # the server's outputs: no torch op but a view
         raw = (t.view(torch.int16) if name == "bfloat16" else t).numpy().reshape(-1).view(np.uint8)
     else:
@@ -100,7 +99,7 @@ def _torch_raw(t: Any) -> RawTensor:
     return RawTensor(WIRE_DTYPES[name], tuple(t.shape), raw.data)
 
 
-_TORCH_NAMES = {"torch.float32": "float32", "torch.float16": "float16", "torch.bfloat16": "bfloat16"}
+_TORCH_NAMES = {f"torch.{d.torch}": d.name for d in dtypes.WIRE}
 
 
 def encode(x: Any, dtype: str | None = None) -> pb.Tensor:
@@ -153,9 +152,9 @@ MAX_DIMS = 8
 def check(dtype: int, shape: tuple[int, ...], nbytes: int) -> None:
     """CodecError unless dtype is known, the shape has at most MAX_DIMS dimensions, none negative, and
     nbytes = product(shape) * itemsize."""
-    dt = _NUMPY.get(dtype)
-    if dt is None:
-        raise CodecError(f"unknown tensor dtype {dtype}; expected float32, float16 or bfloat16")
+    if dtype not in _NUMPY:
+        dtype_name(dtype)  # raises, saying why
+    dt = _NUMPY[dtype]
     if len(shape) > MAX_DIMS:
         raise CodecError(f"tensor shape has {len(shape)} dimensions; at most {MAX_DIMS}")
     if any(d < 0 for d in shape):

@@ -37,7 +37,7 @@ from transformers import AttentionInterface, PreTrainedModel
 
 from chunkattn_client import hfconfig
 from chunkattn_client.batch import BatchEntry
-from chunkattn_client.client import AttendStream, ChunkAttnClient, ServerInfo
+from chunkattn_client.client import AttendStream, ChunkAttnClient, ServerInfo, Truncated
 
 NAME = "chunkattn"
 UNSUPPORTED = ("sliding_window", "softcap", "s_aux")  # attention variants some models pass; none served here
@@ -225,6 +225,30 @@ class OffloadSession:
         if last_only:
             return [out.logits[r, :1].float() if n else torch.empty((0, vocab)) for r, n in enumerate(lengths)]
         return [out.logits[r, :n].float() for r, n in enumerate(lengths)]
+
+    def truncate(self, lengths: int | Sequence[int]) -> list[Truncated]:
+        """Take each row's sequence back to its first ``lengths[r]`` tokens (an int: every row's), on the server
+        and here, as if the later tokens had never been forwarded: speculative decoding, after a forward of
+        the last chosen token and its drafts, drops the drafts the model rejected. A row already that short
+        is left as it is. Returns each row's Truncated (its blocks released, how far back it may go next).
+
+        ValueError, with nothing sent, for a length past a row's or below 0; a server refusal (a length
+        further back than it holds across a chunk boundary: start it with --spec-window) raises
+        ChunkAttnError, the rows before it truncated and the rest unchanged."""
+        if self._token is None:
+            raise SessionError("the session is not open; use it as a context manager")
+        self._check_in_step()
+        wanted = [lengths] * len(self._ids) if isinstance(lengths, int) else list(lengths)
+        if len(wanted) != len(self._ids):
+            raise ValueError(f"this session's batch has {len(self._ids)} rows; got {len(wanted)} lengths")
+        for r, (n, held) in enumerate(zip(wanted, self._lengths, strict=True)):
+            if not 0 <= n <= held[0]:
+                raise ValueError(f"row {r} holds {held[0]} tokens; it can be truncated to 0..{held[0]}, not {n}")
+        done = []
+        for r, n in enumerate(wanted):
+            done.append(self.client.truncate(self._ids[r], n))
+            self._lengths[r] = [min(x, n) for x in self._lengths[r]]
+        return done
 
     def generate(
         self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, keep_logits: bool = False
@@ -414,10 +438,11 @@ def _check_server(info: ServerInfo, model: PreTrainedModel) -> None:
             " Start it with: chunkattn-server --hf-config <the model's config.json>"
         )
     dtype = str(model.dtype).removeprefix("torch.")
-    if dtype != info.cache_dtype:
+    computes = info.compute_dtype or info.cache_dtype  # an older server computes in its cache dtype
+    if dtype != computes:
         raise hfconfig.HFConfigError(
-            f"the model computes in {dtype} and the server's cache and attention in {info.cache_dtype}:"
-            f" start the server with --dtype {dtype}"
+            f"the model computes in {dtype} and the server's attention in {computes}: start the server with"
+            f" --dtype {dtype} (a float8 KV cache, --kv-cache-dtype fp8, computes in that dtype too)"
         )
 
 

@@ -14,10 +14,11 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
+from chunkattn_client import dtypes
 from chunkattn_client.batch import BatchEntry
 from chunkattn_client.client import ServerInfo
 
-__all__ = ["ReferenceModel", "chunked_attention", "visible", "within_tolerance"]
+__all__ = ["ReferenceModel", "as_cached", "chunked_attention", "visible", "within_tolerance"]
 
 FloatArray = npt.NDArray[np.float64]
 
@@ -82,6 +83,22 @@ def chunked_attention(
     weights /= weights.sum(axis=-1, keepdims=True)
     out: FloatArray = np.einsum("hns,shd->nhd", weights, vh)
     return out
+
+
+def as_cached(x: npt.ArrayLike, cache_dtype: str, scale: float) -> FloatArray:
+    """K or V values (float64 of float32 or narrower values, as sent) as a server's cache of ``cache_dtype``
+    gives them back: a float8 cache holds x / scale (divided in float32, rounded to nearest even, saturated)
+    and reads stored * scale; any other cache as the values were sent (the client sends the compute dtype).
+
+    ``scale``: the layer's k_scale or v_scale from Info (``LayerInfo``)."""
+    values = np.asarray(x, dtype=np.float64)
+    d = dtypes.BY_NAME.get(cache_dtype)
+    if d is None or not d.fp8:
+        return values
+    if not scale > 0:
+        raise ValueError(f"a float8 cache's scale must be positive, got {scale} (0: not calibrated yet)")
+    s = np.float32(scale)
+    return dtypes.fp8_round(values.astype(np.float32) / s, d.name) * np.float64(s)
 
 
 def within_tolerance(out: npt.ArrayLike, expected: npt.ArrayLike, dtype: str) -> tuple[bool, float]:
@@ -189,6 +206,15 @@ class ReferenceModel:
         for (seq_id, layer), kv in list(self._kv.items()):
             if seq_id == parent:
                 self._kv[(child, layer)] = kv  # arrays are never modified in place: sharing them is safe
+
+    def truncate(self, seq_id: str, length: int) -> None:
+        """Keep the sequence's first ``length`` tokens in every layer (the server's Truncate; the reference
+        holds every position, so it has no window to refuse)."""
+        if length < 0:
+            raise ValueError(f"length must be >= 0, got {length}")
+        for key, (k, v) in list(self._kv.items()):
+            if key[0] == seq_id:
+                self._kv[key] = (k[:length], v[:length])  # views: the arrays are never modified in place
 
     def release(self, seq_id: str) -> None:
         """Forget a sequence in every layer."""

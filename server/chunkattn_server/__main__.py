@@ -36,6 +36,7 @@ from chunkattn_server.config import (
     DEFAULT_TRANSFER_KEEPALIVE_S,
     CacheConfig,
     EngineConfig,
+    KVScales,
     LayerSpec,
     ModelShape,
     ServerConfig,
@@ -206,7 +207,33 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     c.add_argument("--kv-memory-mib", type=int, default=1024, help="KV pool budget in MiB (default 1024)")
     c.add_argument("--num-blocks", type=int, help="KV pool size in blocks (overrides --kv-memory-mib)")
-    c.add_argument("--dtype", default="auto", help="cache dtype: auto (bf16 on CUDA, fp32 on CPU), float32, ...")
+    c.add_argument(
+        "--spec-window",
+        type=int,
+        default=0,
+        metavar="K",
+        help="tokens a chunked layer keeps before its current chunk, so that Truncate can roll a sequence back"
+        " K tokens across a chunk boundary (speculative decoding); up to ceil((C + K) / block size) blocks per"
+        " sequence and chunked KV group (default 0: the current chunk only)",
+    )
+    c.add_argument(
+        "--dtype",
+        default="auto",
+        help="compute dtype, and the cache's unless --kv-cache-dtype: auto (bfloat16 on CUDA, float32 on the CPU),"
+        " float32, float16 or bfloat16",
+    )
+    c.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="what the KV cache stores: auto (the compute dtype), float32, float16, bfloat16, or float8 over"
+        " per-layer scales: fp8 (= fp8_e4m3) or fp8_e5m2, as vLLM's kv_cache_dtype",
+    )
+    c.add_argument(
+        "--kv-scales",
+        metavar="FILE",
+        help='a float8 cache\'s per-layer scales: JSON {"k_scale": S or [S per layer], "v_scale": ...}, as a'
+        " checkpoint gives them (default 1.0); or the word calibrate: a layer's first K/V written sets them",
+    )
     c.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
     c.add_argument(
         "--backend", default="auto", help="attention kernels: auto (triton on CUDA, torch on the CPU), torch, triton"
@@ -265,7 +292,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         given = [f"--{f.replace('_', '-')}" for f in SHAPE_FLAGS if getattr(args, f) is not None]
         if given:
             raise ConfigError(f"--hf-config sets the model's shape; drop {', '.join(given)} or drop --hf-config")
-        return EngineConfig(hf_model(args.hf_config), cache_config(args), device=args.device, backend=args.backend)
+        return EngineConfig(
+            hf_model(args.hf_config), cache_config(args), device=args.device, backend=args.backend, dtype=args.dtype
+        )
     shape = dict(PRESETS[args.preset])
     for key in ("chunk_size", "global_every", "heads", "kv_heads", "head_size"):
         if getattr(args, key) is not None:
@@ -294,7 +323,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             num_kv_heads=shape["kv_heads"],
             head_size=shape["head_size"],
         )
-    return EngineConfig(model, cache_config(args), device=args.device, backend=args.backend)
+    return EngineConfig(model, cache_config(args), device=args.device, backend=args.backend, dtype=args.dtype)
 
 
 def cache_config(args: argparse.Namespace) -> CacheConfig:
@@ -302,7 +331,9 @@ def cache_config(args: argparse.Namespace) -> CacheConfig:
         block_size=args.block_size,
         num_blocks=args.num_blocks,
         memory_bytes=None if args.num_blocks else args.kv_memory_mib << 20,
-        dtype=args.dtype,
+        dtype=args.kv_cache_dtype,
+        scales=KVScales.read(args.kv_scales) if args.kv_scales else None,
+        spec_window=args.spec_window,
     )
 
 

@@ -8,14 +8,15 @@ from collections.abc import Sequence
 
 import torch
 
+from chunkattn_client import dtypes
 from chunkattn_client.batch import BatchEntry
 from chunkattn_client.limits import MAX_BATCH, MAX_TOKENS, id_problem, quote
+from chunkattn_server import torchtypes
 from chunkattn_server.config import LayerSpec, ModelShape
 from chunkattn_server.errors import InvalidBatch, InvalidTensor, PositionMismatch, UnknownSequence
 from chunkattn_server.kv.sequences import SequenceState
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-_DTYPE_SET = frozenset(DTYPES.values())
+_EXPECTED = dtypes.names(dtypes.WIRE)
 
 
 def check_entries(entries: Sequence[BatchEntry]) -> int:
@@ -57,8 +58,8 @@ def check_entries(entries: Sequence[BatchEntry]) -> int:
 def check_tensor(name: str, t: object, shape: tuple[int, ...], meaning: str, dtype: torch.dtype | None) -> None:
     if not isinstance(t, torch.Tensor):
         raise InvalidTensor(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in _DTYPE_SET:
-        raise InvalidTensor(f"{name} has dtype {t.dtype}; expected float32, float16 or bfloat16")
+    if t.dtype not in torchtypes.WIRE_TORCH:
+        raise InvalidTensor(f"{name} has dtype {t.dtype}; expected {_EXPECTED}")
     if dtype is not None and t.dtype != dtype:
         raise InvalidTensor(f"{name} has dtype {t.dtype}; expected q's dtype {dtype}")
     if t.shape != shape:

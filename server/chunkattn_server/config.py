@@ -7,18 +7,20 @@ expected; the engine then trusts it. No torch here: the config is plain data.
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 
 import grpc
 
+from chunkattn_client import dtypes
 from chunkattn_client.limits import quote, target_problem, token_problem
 from chunkattn_server.errors import ConfigError, UnknownLayer
 
-DTYPES = ("float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "torch", "triton")
 
@@ -138,17 +140,108 @@ class ModelShape:
         return self.layers[layer]
 
 
+def float32(x: float) -> float:
+    """``x`` rounded to float32, as the kernels and the protocol's float fields hold it."""
+    value: float = struct.unpack("<f", struct.pack("<f", x))[0]
+    return value
+
+
+@dataclass(frozen=True)
+class KVScales:
+    """The scales of each layer's K and V in a float8 cache: the cache holds x / scale, read back as
+    stored * scale (vLLM's k_scale and v_scale).
+
+    k, v: one per layer (a KV-sharing layer's equal to its source's, or None for "its source's"); empty:
+    every scale 1. calibrate: a layer with no scale given takes its scales from the first K/V written to it
+    (the first prefill or import), as vLLM's calculate_kv_scales: max |k| / K_RANGE and max |v| / V_RANGE.
+    """
+
+    k: tuple[float | None, ...] = ()
+    v: tuple[float | None, ...] = ()
+    calibrate: bool = False
+
+    # vLLM's K_SCALE_CONSTANT and V_SCALE_CONSTANT: a calibrated layer's largest |k| is stored as 200 (of
+    # e4m3's 448), leaving room for larger values later.
+    K_RANGE = 200.0
+    V_RANGE = 100.0
+
+    @classmethod
+    def read(cls, path: str) -> KVScales:
+        """A scales file: JSON {"k_scale": S or [S per layer], "v_scale": ...} (null for a KV-sharing layer: its
+        source's); or the word "calibrate" instead of a file. ConfigError when unreadable or malformed."""
+        if path == "calibrate":
+            return cls(calibrate=True)
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"--kv-scales {path}: {e}") from None
+        if not isinstance(data, dict) or not {"k_scale", "v_scale"} <= data.keys():
+            raise ConfigError(
+                f'--kv-scales {path}: expected a JSON object {{"k_scale": ..., "v_scale": ...}}, each a number or a'
+                " list of one per layer"
+            )
+
+        def scales(name: str) -> tuple[float | None, ...]:
+            value = data[name]
+            ok = (int, float)
+            if isinstance(value, ok) and not isinstance(value, bool):
+                return (float(value),)
+            if isinstance(value, list) and all(
+                x is None or (isinstance(x, ok) and not isinstance(x, bool)) for x in value
+            ):
+                return tuple(None if x is None else float(x) for x in value)
+            raise ConfigError(f"--kv-scales {path}: {name} must be a number or a list of numbers (or null)")
+
+        return cls(scales("k_scale"), scales("v_scale"), bool(data.get("calibrate", False)))
+
+    def per_layer(self, model: ModelShape) -> list[tuple[float, float] | None]:
+        """Each layer's (k scale, v scale), float32-rounded; None where none is given (1, or calibrated); a
+        KV-sharing layer's are its source's. ConfigError for a wrong count, a scale that is not a positive
+        finite number, or a sharer's scale that differs from its source's."""
+        n = model.num_layers
+        out: list[tuple[float, float] | None] = []
+        for name, given in (("k_scale", self.k), ("v_scale", self.v)):
+            if len(given) not in (0, 1, n):
+                raise ConfigError(f"{name}: give one scale, or one per layer ({n}); got {len(given)}")
+            for x in given:
+                if x is not None and not (math.isfinite(x) and x > 0):
+                    raise ConfigError(f"{name}: scales must be positive finite numbers, got {x}")
+        k = self.k * n if len(self.k) == 1 else self.k
+        v = self.v * n if len(self.v) == 1 else self.v
+        for i, spec in enumerate(model.layers):
+            ki, vi = (k[i] if k else None), (v[i] if v else None)
+            if (ki is None) != (vi is None) and spec.kv_source is None:
+                raise ConfigError(f"layer {i}: give both its k_scale and its v_scale, or neither")
+            out.append(None if ki is None or vi is None else (float32(ki), float32(vi)))
+        for i, spec in enumerate(model.layers):
+            src = spec.kv_source
+            if src is None:
+                continue
+            if out[i] is not None and out[i] != out[src]:
+                raise ConfigError(
+                    f"layer {i} reads layer {src}'s cache, so its scales are layer {src}'s ({out[src]}); got {out[i]}"
+                )
+            out[i] = out[src]
+        return out
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """The KV pool: fixed-size blocks, sized by a block count or a memory budget (bytes of K and V pages).
 
-    dtype "auto" is bfloat16 on CUDA and float32 on the CPU.
+    dtype: what the cache stores (``dtypes.CACHE``: a float dtype, or float8 "fp8" / "fp8_e4m3" /
+        "fp8_e5m2" over per-layer ``scales``); "auto" is the engine's compute dtype.
+    spec_window: tokens a chunked layer keeps before its current chunk, so that a sequence can be
+        truncated that far back across a chunk boundary (speculative decoding's rejected drafts).
     """
 
     block_size: int = 16
     num_blocks: int | None = None
     memory_bytes: int | None = 1 << 30
     dtype: str = "auto"
+    scales: KVScales | None = None
+    spec_window: int = 0
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -157,8 +250,19 @@ class CacheConfig:
             raise ConfigError(f"num_blocks must be positive, got {self.num_blocks}")
         if self.num_blocks is None and (self.memory_bytes is None or self.memory_bytes <= 0):
             raise ConfigError(f"give num_blocks or a positive memory_bytes, got {self.memory_bytes!r}")
-        if self.dtype not in ("auto", *DTYPES):
-            raise ConfigError(f"cache dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
+        if self.dtype != "auto":
+            try:
+                dtypes.lookup(self.dtype, dtypes.CACHE, "the KV cache dtype")
+            except dtypes.DTypeError as e:
+                raise ConfigError(f"{e} (or auto: the compute dtype)") from None
+        if self.scales is not None and not self.fp8:
+            raise ConfigError("KV scales apply to a float8 cache only: give --kv-cache-dtype fp8 (or fp8_e5m2) too")
+        if isinstance(self.spec_window, bool) or not isinstance(self.spec_window, int) or self.spec_window < 0:
+            raise ConfigError(f"spec_window must be an integer >= 0, got {self.spec_window!r}")
+
+    @property
+    def fp8(self) -> bool:
+        return self.dtype != "auto" and dtypes.BY_NAME[self.dtype].fp8
 
 
 @dataclass(frozen=True)
@@ -167,14 +271,24 @@ class EngineConfig:
 
     device: "auto" (CUDA when available, else CPU), "cpu" or "cuda[:N]".
     backend: "auto" (triton on CUDA, torch on the CPU), "torch" or "triton".
+    dtype: the compute dtype (``dtypes.COMPUTE``): queries, and K/V read from the cache, are converted to
+        it; "auto" is bfloat16 on CUDA and float32 on the CPU.
     """
 
     model: ModelShape
     cache: CacheConfig = field(default_factory=CacheConfig)
     device: str = "auto"
     backend: str = "auto"
+    dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.dtype != "auto":
+            try:
+                dtypes.lookup(self.dtype, dtypes.COMPUTE, "the compute dtype")
+            except dtypes.DTypeError as e:
+                raise ConfigError(f"{e} (or auto: bfloat16 on CUDA, float32 on the CPU)") from None
+        if self.cache.scales is not None:
+            self.cache.scales.per_layer(self.model)  # checked now
         bs = self.cache.block_size
         for i, spec in enumerate(self.model.layers):
             if spec.chunk_size % bs:
@@ -187,6 +301,22 @@ class EngineConfig:
             raise ConfigError(f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}")
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}; got {self.backend!r}")
+
+    def dtypes_on(self, device_type: str) -> tuple[str, str]:
+        """(compute, cache) dtype names, canonical, on a device of this type ("cpu", "cuda").
+
+        The compute dtype "auto" is the cache's when the cache may be computed in (``--dtype float16``
+        alone sets both), else bfloat16 on CUDA and float32 on the CPU; the cache dtype "auto" is the
+        compute dtype."""
+        cache = self.cache.dtype
+        compute = self.dtype
+        if compute == "auto":
+            if cache != "auto" and dtypes.BY_NAME[cache].compute:
+                compute = cache
+            else:
+                compute = "bfloat16" if device_type == "cuda" else "float32"
+        compute = dtypes.BY_NAME[compute].name
+        return compute, compute if cache == "auto" else dtypes.BY_NAME[cache].name
 
     @cached_property
     def kv_groups(self) -> tuple[KVGroup, ...]:

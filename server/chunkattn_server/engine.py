@@ -26,18 +26,18 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from chunkattn_client import dtypes
 from chunkattn_client.batch import BatchEntry
-from chunkattn_server import checks
+from chunkattn_server import checks, torchtypes
 from chunkattn_server.attention.backends import AttentionBatch, Backend, TorchBackend
-from chunkattn_server.checks import DTYPES
-from chunkattn_server.config import EngineConfig, LayerSpec
+from chunkattn_server.config import EngineConfig, KVScales, LayerSpec, float32
 from chunkattn_server.errors import (
     ConfigError,
     EngineError,
     OutOfBlocks,
 )
 from chunkattn_server.kv.cache import KVCache
-from chunkattn_server.kv.manager import KVManager, Reservation, SequenceInfo, Write
+from chunkattn_server.kv.manager import KVManager, Reservation, SequenceInfo, Truncation, Write
 from chunkattn_server.kv.sequences import SequenceState
 from chunkattn_server.kv.transfer import KVTransfer, ModelFingerprint
 
@@ -105,10 +105,17 @@ class Engine:
         self.config = config
         model = config.model
         self.device = resolve_device(config.device)
-        dtype_name = config.cache.dtype
-        if dtype_name == "auto":
-            dtype_name = "bfloat16" if self.device.type == "cuda" else "float32"
-        self.dtype = DTYPES[dtype_name]
+        compute, cache = config.dtypes_on(self.device.type)
+        self.dtype = torchtypes.of(compute)  # attention computes in it; outputs come back in q's dtype
+        self.cache_dtype = torchtypes.of(cache)
+        self._converts = self.cache_dtype != self.dtype  # K/V go through torchtypes.store / load
+        # Per layer, the (k, v) scales of its cache (a KV-sharing layer's are its source's): 1 but for a float8
+        # cache, where they come from --kv-scales, or (None) are calibrated by the layer's first write.
+        fp8 = dtypes.BY_NAME[cache].fp8
+        scales = config.cache.scales
+        given = scales.per_layer(model) if scales is not None else [None] * model.num_layers
+        unscaled = None if scales is not None and scales.calibrate else (1.0, 1.0)
+        self._kv_scales: list[tuple[float, float] | None] = [(g or unscaled) if fp8 else (1.0, 1.0) for g in given]
         self.block_size = config.cache.block_size
         self.groups = config.kv_groups
         self.bytes_per_block = KVCache.bytes_per_block(
@@ -116,7 +123,7 @@ class Engine:
             block_size=self.block_size,
             num_kv_heads=model.num_kv_heads,
             head_size=model.head_size,
-            itemsize=self.dtype.itemsize,
+            itemsize=self.cache_dtype.itemsize,
         )
         num_blocks = config.cache.num_blocks
         if num_blocks is None:
@@ -133,7 +140,7 @@ class Engine:
             block_size=self.block_size,
             num_kv_heads=model.num_kv_heads,
             head_size=model.head_size,
-            dtype=self.dtype,
+            dtype=self.cache_dtype,
             device=self.device,
         )
         self.kv = KVManager(config, num_blocks, self.cache.copy_block)
@@ -143,7 +150,9 @@ class Engine:
             self.kv.group_of[i].layers.index(i if spec.kv_source is None else spec.kv_source)
             for i, spec in enumerate(model.layers)
         ]
-        self.transfer = KVTransfer(self.kv, self.cache, self._slot_of, self.fingerprint())
+        self.transfer = KVTransfer(
+            self.kv, self.cache, self._slot_of, self.fingerprint(), self._kv_scales if fp8 else None
+        )
         self._on_cpu = self.device.type == "cpu"
         self.backend: Backend = backend if backend is not None else make_backend(config.backend, self.device)
         self._scales = [spec.scale or 1.0 / math.sqrt(model.head_size) for spec in model.layers]
@@ -271,7 +280,7 @@ class Engine:
         )
 
     def _here(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` on the engine's device in the cache dtype (itself when it is already: ``to`` is not free)."""
+        """``t`` on the engine's device in the compute dtype (itself when it is already: ``to`` is not free)."""
         if self._on_cpu and t.dtype == self.dtype and t.is_cpu:
             return t
         return t.to(device=self.device, dtype=self.dtype)
@@ -287,17 +296,25 @@ class Engine:
         k: torch.Tensor | None,
         v: torch.Tensor | None,
     ) -> torch.Tensor:
-        """Write the call's K/V into the cache and run the backend; returns [T, H, D] in the cache dtype."""
+        """Write the call's K/V into the cache and run the backend; returns [T, H, D] in the compute dtype."""
         group, slot, bs = self.kv.group_of[layer], self._slot_of[layer], self.block_size
         tables = [s.tables[group.index] for s in states]
+        source = layer if spec.kv_source is None else spec.kv_source
         if k is None or v is None:
             # KV sharing: the new tokens' K/V come back from the source's cache.
             slots = _concat(
                 [_slots(t, e.position, e.position + e.num_tokens, bs) for t, e in zip(tables, entries, strict=True)]
             )
             kc, vc = self.cache.read(slot, self._index(slots))
+            k_scale, v_scale = self._scales_of(source)
+            kc, vc = torchtypes.load(kc, k_scale, self.dtype), torchtypes.load(vc, v_scale, self.dtype)
         else:
             kc, vc = self._here(k), self._here(v)
+            if self._converts:
+                # The cache's values: what is stored, and (for attention now) what later calls will read.
+                k_scale, v_scale = self._scales_of(source, kc, vc)
+                kc = torchtypes.store(kc, k_scale, self.cache_dtype)
+                vc = torchtypes.store(vc, v_scale, self.cache_dtype)
             # The rows of k/v to store and their cache slots; usually every row (a decode, a short prefill).
             rows: list[tuple[int, int]] = []
             slot_parts: list[np.ndarray] = []
@@ -316,6 +333,9 @@ class Engine:
                     index = self._index(_concat([np.arange(a, b) for a, b in rows]))
                     k_rows, v_rows = kc.index_select(0, index), vc.index_select(0, index)
                 self.backend.write(self.cache.k[slot], self.cache.v[slot], slots_t, k_rows, v_rows)
+            if self._converts:
+                kc, vc = torchtypes.load(kc, k_scale, self.dtype), torchtypes.load(vc, v_scale, self.dtype)
+        k_scale, v_scale = self._scales_of(source)
         spans, row = [], 0
         for e in entries:
             spans.append((row, e.position, e.num_tokens))
@@ -332,10 +352,43 @@ class Engine:
             block_size=bs,
             scale=self._scales[layer],
             alibi_slopes=self._slopes[layer],
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
         out = torch.empty(q.shape, dtype=self.dtype, device=self.device)
         self.backend.attend(batch, out)
         return out
+
+    def _scales_of(
+        self, layer: int, k: torch.Tensor | None = None, v: torch.Tensor | None = None
+    ) -> tuple[float, float]:
+        """A writing layer's cache scales (k, v). A layer still to calibrate takes them from its first K/V
+        written (``k``, ``v`` [T, Hkv, D]): max |x| / KVScales.K_RANGE (V_RANGE), as vLLM's
+        calculate_kv_scales; 1 where that maximum is 0 or not finite."""
+        scales = self._kv_scales[layer]
+        if scales is not None:
+            return scales
+        assert k is not None, "a layer is calibrated by its first write"
+        assert v is not None
+
+        def scale(x: torch.Tensor, target: float) -> float:
+            top = float(x.abs().amax()) if x.numel() else 0.0
+            return float32(top / target) if math.isfinite(top) and top > 0 else 1.0
+
+        scales = scale(k, KVScales.K_RANGE), scale(v, KVScales.V_RANGE)
+        self._kv_scales[layer] = scales
+        return scales
+
+    def kv_scales(self, layer: int) -> tuple[float, float] | None:
+        """The (k, v) scales of the layer's cache (its source's for a KV-sharing layer): 1 but in a float8
+        cache; None while a calibrating layer has had no write."""
+        spec = self.config.model.spec(layer)
+        return self._kv_scales[layer if spec.kv_source is None else spec.kv_source]
+
+    def set_kv_scales(self, layer: int, scales: tuple[float, float]) -> None:
+        """Give a calibrating layer (a writing one, with none yet) its scales: an import's."""
+        assert self._kv_scales[layer] is None
+        self._kv_scales[layer] = scales
 
     def _index(self, values: np.ndarray) -> torch.Tensor:
         """An int64 index tensor on the engine's device."""
@@ -347,6 +400,10 @@ class Engine:
     def fork(self, parent: str, child: str, *, tenant: str = "") -> int:
         """KVManager.fork: ``child`` shares ``parent``'s blocks copy-on-write; returns how many."""
         return self.kv.fork(parent, child, tenant)
+
+    def truncate(self, seq_id: str, length: int, *, tenant: str = "") -> Truncation:
+        """KVManager.truncate: take a sequence back to its first ``length`` tokens in every layer."""
+        return self.kv.truncate(seq_id, length, tenant)
 
     def release(self, seq_ids: Sequence[str], *, missing_ok: bool = False, tenant: str = "") -> int:
         """KVManager.release: drop sequences and return their blocks; returns how many existed."""
@@ -374,7 +431,7 @@ class Engine:
             block_size=self.block_size,
             chunk_sizes=tuple(x.chunk_size for x in model.layers),
             kv_sources=tuple(x.kv_source for x in model.layers),
-            cache_dtype=str(self.dtype).removeprefix("torch."),
+            cache_dtype=torchtypes.OF_TORCH[self.cache_dtype].name,
         )
 
     def stats(self) -> EngineStats:

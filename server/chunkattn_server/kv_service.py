@@ -1,4 +1,4 @@
-"""The KV RPCs: Fork, ExportKV, ImportKV and TransferKV (server-to-server), over the engine worker.
+"""The KV RPCs: Fork, Truncate, ExportKV, ImportKV and TransferKV (server-to-server), over the engine worker.
 
 As in service.py, each reads as parse -> run on the engine worker -> encode, with ``rpc.py`` around it.
 An export reads the sequence in batches (one engine job each, so calls to other sequences interleave) and
@@ -81,6 +81,7 @@ class KVService:
         r, c, small = self._rpcs, self._config, SMALL_REQUEST_BYTES  # a few ids, a target, layers
         return {
             "Fork": r.unary("Fork", self.Fork, pb.ForkRequest, small),
+            "Truncate": r.unary("Truncate", self.Truncate, pb.TruncateRequest, small),
             # KV chunks travel as bytes built and read by kvwire (no copies of the K/V through protobuf).
             "ExportKV": r.server_stream(
                 "ExportKV", self.ExportKV, pb.ExportKVRequest, small, c.stream_idle_s, "--stream-idle-s"
@@ -95,6 +96,14 @@ class KVService:
         self._metrics.forked.inc()
         self._observe_pool(stats)
         return pb.ForkResponse(shared_blocks=shared)
+
+    async def Truncate(self, request: pb.TruncateRequest, context: Context, tenant: Tenant) -> pb.TruncateResponse:  # noqa: N802
+        seq_id, length, name = request.seq_id, request.length, tenant.name
+        done, stats = await self._run("Truncate", lambda e: (e.truncate(seq_id, length, tenant=name), e.stats()))
+        self._metrics.truncated.inc()
+        self._metrics.truncated_tokens.inc(done.dropped_tokens)
+        self._observe_pool(stats)
+        return pb.TruncateResponse(released_blocks=done.released_blocks, min_length=done.min_length)
 
     async def ExportKV(  # noqa: N802
         self, request: pb.ExportKVRequest, context: Context, tenant: Tenant

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from google.protobuf.message import DecodeError
 
-from chunkattn_client import codec, wire
+from chunkattn_client import dtypes, wire
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_server.errors import IncompatibleKV
 from chunkattn_server.kv.transfer import BlockRecord, BlockView, KVManifest, ModelFingerprint, record_bytes
@@ -27,22 +27,30 @@ def manifest_to_pb(m: KVManifest) -> pb.KVHeader:
             block_size=f.block_size,
             chunk_sizes=f.chunk_sizes,
             kv_sources=[-1 if s is None else s for s in f.kv_sources],
-            cache_dtype=codec.WIRE_DTYPES[f.cache_dtype],
+            cache_dtype=dtypes.BY_NAME[f.cache_dtype].wire,  # type: ignore[arg-type]
+            k_scales=[k for k, _ in m.scales],
+            v_scales=[v for _, v in m.scales],
         ),
         lengths=m.lengths,
         layers=m.layers,
         groups=[pb.KVGroupBlocks(logical=b) for b in m.blocks],
         group_of=m.group_of,
         num_records=m.num_records(),
+        kept_from=m.kept_from,
     )
 
 
 def manifest_from_pb(h: pb.KVHeader) -> KVManifest:
     """The manifest of a header; IncompatibleKV when it cannot be read (a dtype this server does not know)."""
     try:
-        dtype = codec.dtype_name(h.model.cache_dtype)
-    except codec.CodecError:
-        raise IncompatibleKV(f"the KV stream's cache dtype {h.model.cache_dtype} is unknown here") from None
+        dtype = dtypes.of_wire(h.model.cache_dtype, dtypes.CACHE, "cache dtype").name
+    except dtypes.DTypeError as e:
+        raise IncompatibleKV(f"the KV stream's {e}") from None
+    if len(h.model.k_scales) != len(h.model.v_scales):
+        raise IncompatibleKV(
+            f"the KV stream has {len(h.model.k_scales)} k scales and {len(h.model.v_scales)} v scales;"
+            " expected one of each per layer"
+        )
     model = ModelFingerprint(
         num_heads=h.model.num_heads,
         num_kv_heads=h.model.num_kv_heads,
@@ -59,6 +67,8 @@ def manifest_from_pb(h: pb.KVHeader) -> KVManifest:
         layers=tuple(h.layers),
         blocks=tuple(tuple(g.logical) for g in h.groups),
         group_of=tuple(h.group_of),
+        kept_from=tuple(h.kept_from),
+        scales=tuple(zip(h.model.k_scales, h.model.v_scales, strict=True)),
     )
     if any(not 0 <= g < len(manifest.blocks) for g in manifest.group_of) or any(
         not 0 <= x < len(manifest.group_of) for x in manifest.layers

@@ -139,6 +139,16 @@ class Metrics:
             "chunkattn_sequences_released_total", "Sequences released by Release or end_of_sequence.", registry=r
         )
         self.forked = Counter("chunkattn_sequences_forked_total", "Sequences created by Fork.", registry=r)
+        self.truncated = Counter(
+            "chunkattn_sequences_truncated_total",
+            "Truncations done by Truncate (speculative decoding's rollbacks of rejected drafts; no-ops included).",
+            registry=r,
+        )
+        self.truncated_tokens = Counter(
+            "chunkattn_truncated_tokens_total",
+            "Tokens dropped by Truncate, counted once per sequence (of its longest layer), not per layer.",
+            registry=r,
+        )
         self.kv_transfers = Counter(
             "chunkattn_kv_transfers_total",
             "KV transfers by direction (out: ExportKV and TransferKV; in: ImportKV) and gRPC status code.",

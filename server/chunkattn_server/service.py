@@ -16,12 +16,11 @@ import grpc
 import torch
 from google.protobuf.message import DecodeError
 
-from chunkattn_client import codec, wire
+from chunkattn_client import codec, dtypes, wire
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_client.limits import MAX_BATCH, MAX_ID_BYTES, bounded
-from chunkattn_server import __version__
+from chunkattn_server import __version__, torchtypes
 from chunkattn_server.auth import Authenticator, Tenant
-from chunkattn_server.checks import DTYPES
 from chunkattn_server.config import ServerConfig
 from chunkattn_server.engine import Engine, EngineStats
 from chunkattn_server.errors import InvalidArgument, InvalidBatch, InvalidTensor, ShuttingDown, status_code
@@ -32,8 +31,6 @@ from chunkattn_server.scheduler import Scheduler
 
 T = TypeVar("T")
 
-_TORCH: dict[int, torch.dtype] = {wire_dtype: DTYPES[name] for name, wire_dtype in codec.WIRE_DTYPES.items()}
-_WIRE = {DTYPES[name]: wire_dtype for name, wire_dtype in codec.WIRE_DTYPES.items()}
 
 # A ReleaseRequest of MAX_BATCH ids of MAX_ID_BYTES, with room for their keys and lengths.
 MAX_RELEASE_BYTES = MAX_BATCH * (MAX_ID_BYTES + 4) + 64
@@ -45,7 +42,7 @@ def tensor(name: str, dtype: int, shape: tuple[int, ...], data: wire.Buffer) -> 
         # Through numpy: half the cost of torch.frombuffer + view, which adds up on decode-sized calls.
         arr = codec.view(dtype, shape, data)
         if not len(data):
-            return torch.empty(shape, dtype=_TORCH[dtype])
+            return torch.empty(shape, dtype=torchtypes.WIRE[dtype])
         t = torch.from_numpy(arr)
         return t.view(torch.bfloat16) if dtype == pb.DTYPE_BFLOAT16 else t
     except (codec.CodecError, RuntimeError, ValueError) as e:  # a shape torch (or numpy) cannot hold
@@ -106,6 +103,7 @@ class ChunkAttnService:
         self._config = config
         self._auth = auth
         self._engine_info = _static_info(worker.engine, config.max_message_bytes)
+        self._calibrating = any(x.k_scale == 0 for x in self._engine_info.layers)
         self._rpcs = Rpcs(self._count, Admission(config.max_concurrent_rpcs, config.inflight_bytes), auth)
         self._kv = KVService(self._run, self._rpcs, self._observe_pool, metrics, worker.engine, config)
         metrics.kv_blocks_total.set(worker.engine.stats().num_blocks)
@@ -148,6 +146,9 @@ class ChunkAttnService:
         response.CopyFrom(self._engine_info)
         response.free_blocks = stats.free_blocks
         response.active_sequences = stats.sequences_by_tenant.get(tenant.name, 0)
+        if self._calibrating:  # a float8 layer's scales are set by its first write: as of now
+            for layer in response.layers:
+                layer.k_scale, layer.v_scale = self._worker.engine.kv_scales(layer.index) or (0.0, 0.0)
         return response
 
     async def Attend(self, raw: bytes, context: Context, tenant: Tenant) -> bytes:  # noqa: N802
@@ -238,15 +239,19 @@ def _static_info(engine: Engine, max_message_bytes: int) -> pb.InfoResponse:
                 scale=engine.scale(i),
                 alibi=spec.alibi_slopes is not None,
                 alibi_slopes=spec.alibi_slopes or (),
+                k_scale=(engine.kv_scales(i) or (0.0, 0.0))[0],
+                v_scale=(engine.kv_scales(i) or (0.0, 0.0))[1],
             )
             for i, spec in enumerate(model.layers)
         ],
         block_size=stats.block_size,
         num_blocks=stats.num_blocks,
         bytes_per_block=stats.bytes_per_block,
-        cache_dtype=_WIRE[engine.dtype],
-        dtypes=[_WIRE[d] for d in DTYPES.values()],
+        cache_dtype=torchtypes.OF_TORCH[engine.cache_dtype].wire,  # type: ignore[arg-type]
+        compute_dtype=torchtypes.OF_TORCH[engine.dtype].wire,  # type: ignore[arg-type]
+        dtypes=[d.wire for d in dtypes.WIRE],  # type: ignore[misc]
         max_message_bytes=max_message_bytes,
+        spec_window=engine.config.cache.spec_window,
     )
 
 

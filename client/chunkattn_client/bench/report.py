@@ -37,6 +37,7 @@ def summary(result: RunResult) -> dict[str, Any]:
             "backend": result.info.backend,
             "device": result.info.device,
             "cache_dtype": result.info.cache_dtype,
+            "compute_dtype": result.info.compute_dtype,
         },
         "duration_s": rec.duration_s,
         "sequences": rec.sequences,
@@ -66,8 +67,25 @@ def summary(result: RunResult) -> dict[str, Any]:
             "arrival_wait_ms": _ms_summary(rec.arrival_wait),
         },
         "verify": result.verify,
+        "speculation": speculation(result),
         "server": server_summary(result.server, len(result.layers)),
         "timeline": timeline(result),
+    }
+
+
+def speculation(result: RunResult) -> dict[str, Any] | None:
+    """Speculative decoding's counts (None without --spec-tokens): drafts sent in verify calls, drafts
+    accepted (the step's kept tokens but its chosen one), their ratio, and Truncate calls made."""
+    if not result.config.spec_tokens:
+        return None
+    rec = result.recorder
+    return {
+        "spec_tokens": result.config.spec_tokens,
+        "accept_rate": result.config.accept_rate,
+        "drafts": rec.drafts,
+        "accepted": rec.accepted,
+        "acceptance": rec.accepted / rec.drafts if rec.drafts else None,
+        "truncations": rec.truncations,
     }
 
 
@@ -222,6 +240,13 @@ def table(s: dict[str, Any]) -> str:
         )
     if s["aborted"]:
         lines.append(f"ABORTED: {s['aborted']}")
+    spec = s.get("speculation")
+    if spec:
+        share = "" if spec["acceptance"] is None else f" ({100 * spec['acceptance']:.0f}%)"
+        lines.append(
+            f"speculative decoding: {spec['spec_tokens']} drafts per verify step, {spec['accepted']} of"
+            f" {spec['drafts']} accepted{share}; {spec['truncations']} truncations"
+        )
     v = s["verify"]
     if v is not None:
         verdict = (

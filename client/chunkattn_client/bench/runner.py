@@ -39,6 +39,7 @@ from chunkattn_client.bench.workload import (
     LengthSource,
     RandomTensors,
     SequenceSpec,
+    Speculation,
     Step,
     WorkloadError,
     call_bytes,
@@ -47,7 +48,7 @@ from chunkattn_client.bench.workload import (
 )
 from chunkattn_client.client import ChunkAttnError, ServerInfo
 from chunkattn_client.limits import route_problem
-from chunkattn_client.reference import ReferenceModel, within_tolerance
+from chunkattn_client.reference import ReferenceModel, as_cached, within_tolerance
 
 TRANSPORTS = ("unary", "stream")
 
@@ -77,6 +78,8 @@ class BenchConfig:
     max_errors: int = 100
     metrics_url: str | None = None
     route: str | None = None  # every sequence's x-chunkattn-route; None: each sequence's id
+    spec_tokens: int = 0  # speculative decoding: drafts per verify call (0: plain one-token decode steps)
+    accept_rate: float = 0.7  # the probability that each draft is accepted (while every earlier one was)
 
     def check(self) -> None:
         """Raise WorkloadError naming the first option that cannot work."""
@@ -96,6 +99,10 @@ class BenchConfig:
             raise WorkloadError(f"--route: {problem}")
         if self.transport not in TRANSPORTS:
             raise WorkloadError(f"--transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if self.spec_tokens < 0 or not 0 <= self.accept_rate <= 1:
+            raise WorkloadError(
+                f"--spec-tokens must be >= 0 and --accept-rate in [0, 1], got {self.spec_tokens} and {self.accept_rate}"
+            )
         if self.warmup_s < 0 or self.verify < 0 or self.timeout_s <= 0 or self.max_errors < 1:
             raise WorkloadError("--warmup and --verify must be >= 0, --timeout > 0 and --max-errors >= 1")
 
@@ -126,6 +133,8 @@ class BenchConfig:
             "seed": self.seed,
             "verify": self.verify,
             "timeout_s": self.timeout_s,
+            "spec_tokens": self.spec_tokens,
+            "accept_rate": self.accept_rate if self.spec_tokens else None,
         }
 
 
@@ -148,6 +157,9 @@ class Recorder:
     errors: Counter[str] = field(default_factory=Counter)  # failed Attend calls, by status code
     error_examples: dict[str, str] = field(default_factory=dict)
     release_errors: Counter[str] = field(default_factory=Counter)  # failed clean-ups of unfinished sequences
+    drafts: int = 0  # speculative decoding: drafts sent in verify calls, drafts accepted, Truncate calls made
+    accepted: int = 0
+    truncations: int = 0
     steps: list[tuple[float, str, int, float]] = field(default_factory=list)  # (end time, kind, tokens, s)
     sequence_latency: list[float] = field(default_factory=list)
     arrival_wait: list[float] = field(default_factory=list)  # open loop: arrival to start (no free slot)
@@ -193,14 +205,31 @@ class Verifier:
     ReferenceModel. A sampled sequence that is cut or fails hands its unchecked calls back.
     """
 
-    def __init__(self, info: ServerInfo, dtype: str, budget: int, seed: int) -> None:
+    def __init__(
+        self,
+        info: ServerInfo,
+        dtype: str,
+        budget: int,
+        seed: int,
+        refresh: Callable[[], Awaitable[ServerInfo]] | None = None,
+    ) -> None:
         self.info, self.dtype = info, dtype
+        self._refresh = refresh
         self.requested = budget
         self._unreserved = budget
         self._rng = random.Random(seed)
         self.checked = 0
         self.max_error = 0.0
         self.mismatches: list[dict[str, Any]] = []
+
+    async def scales(self, layer: int) -> tuple[float, float]:
+        """The layer's float8 cache scales (k, v); a server that calibrates them reports 0 until the layer's
+        first write, so Info is read again then (``refresh``)."""
+        x = self.info.layers[layer]
+        if x.k_scale == 0 and self._refresh is not None:
+            self.info = await self._refresh()
+            x = self.info.layers[layer]
+        return x.k_scale, x.v_scale
 
     def sample(self, num_calls: int) -> SequenceCheck | None:
         if self._unreserved <= 0 or self._rng.random() >= 0.5:
@@ -238,6 +267,10 @@ class SequenceCheck:
         dtype = self._v.dtype
         q64, k64, v64 = (None if x is None else codec.to_float64(x, dtype) for x in (q, k, v))
         assert q64 is not None
+        if k64 is not None and v64 is not None:  # what the server's cache gives back (float8: quantized)
+            k_scale, v_scale = await self._v.scales(layer)
+            k64 = as_cached(k64, self._v.info.cache_dtype, k_scale)
+            v64 = as_cached(v64, self._v.info.cache_dtype, v_scale)
         want = await asyncio.to_thread(self._ref.attend, layer, [entry], q64, k64, v64)
         ok, err = within_tolerance(codec.to_float64(out, dtype), want, dtype)
         self._v.checked += 1
@@ -247,6 +280,10 @@ class SequenceCheck:
                 {"seq_id": entry.seq_id, "layer": layer, "position": entry.position, "tokens": entry.num_tokens}
                 | {"error": err}
             )
+
+    def truncate(self, seq_id: str, length: int) -> None:
+        """The sequence was truncated on the server: the reference follows."""
+        self._ref.truncate(seq_id, length)
 
     def finish(self) -> None:
         """The sequence ended: calls it reserved but did not check go back to the budget."""
@@ -341,6 +378,16 @@ class Bench:
         if config.dtype not in info.dtypes:
             raise WorkloadError(f"--dtype {config.dtype}: the server takes {', '.join(info.dtypes)}")
         biggest = min(config.prefill_chunk or self._lengths.max_prompt, self._lengths.max_prompt)
+        biggest = max(biggest, config.spec_tokens + 1)  # a verify call's tokens
+        self._speculation = Speculation(config.spec_tokens, config.accept_rate) if config.spec_tokens else None
+        self._drafts = random.Random(config.seed + 2)
+        chunked = [i for i in self.layers if info.layers[i].chunk_size]
+        if config.spec_tokens > info.spec_window and chunked:
+            raise WorkloadError(
+                f"--spec-tokens {config.spec_tokens}: a verify call may roll back {config.spec_tokens} tokens, and the"
+                f" server keeps {info.spec_window} before a chunked layer's current chunk, so a verify call across"
+                f" a chunk boundary could not be truncated: start it with --spec-window {config.spec_tokens} or more"
+            )
         sent, _ = call_bytes(info, config.dtype, biggest, writes_kv=True)
         limit = min(info.max_message_bytes, client.max_message_bytes)
         if sent + (1 << 16) > limit:
@@ -350,7 +397,9 @@ class Bench:
                 " --prefill-chunk"
             )
         self._data = RandomTensors(info, config.dtype, biggest, config.seed)
-        self._verifier = Verifier(info, config.dtype, config.verify, config.seed) if config.verify else None
+        self._verifier = (
+            Verifier(info, config.dtype, config.verify, config.seed, client.info) if config.verify else None
+        )
         self._run_id = uuid.uuid4().hex[:8]
         self._arrivals = random.Random(config.seed + 1)
         self._seq_no = 0
@@ -476,7 +525,7 @@ class Bench:
         seq_id = f"bench-{self._run_id}-{self._seq_no}"
         # Behind Envoy, each sequence's calls reach the replica that holds its KV; sequences spread.
         client = self.client.with_route(seq_id if self.config.route is None else self.config.route)
-        plan = steps(spec, self.config.prefill_chunk)
+        plan = steps(spec, self.config.prefill_chunk, self._speculation, self._drafts)
         check = self._checking.sample(len(plan) * len(self.layers)) if self._checking else None
         stream = client.stream() if self.config.transport == "stream" else None
         verifying = 0.0  # seconds spent on the reference, left out of every latency
@@ -494,12 +543,20 @@ class Bench:
                         return
                     last = i == len(plan) - 1 and j == len(self.layers) - 1
                     answered.append(await self._call(client, stream, layer, seq_id, step, last))
-                rec.steps.append((rec.now(), step.kind, step.num_tokens, time.perf_counter() - t))
-                rec.tokens[step.kind] += step.num_tokens
+                truncated = step.keep is not None and i < len(plan) - 1  # the last step ends the sequence
+                if truncated:
+                    await self._truncate(client, seq_id, step)
+                rec.steps.append((rec.now(), step.kind, step.tokens, time.perf_counter() - t))
+                rec.tokens[step.kind] += step.tokens
+                if step.keep is not None:
+                    rec.drafts += step.num_tokens - 1
+                    rec.accepted += step.keep - 1
                 if check is not None:
                     t = time.perf_counter()
                     for call in answered:
                         await check.check(*call)
+                    if truncated:
+                        check.truncate(seq_id, step.position + step.tokens)
                     verifying += time.perf_counter() - t
             finished = True
             rec.sequences += 1
@@ -555,6 +612,13 @@ class Bench:
         rec.bytes_sent += sent
         rec.bytes_received += received
         return layer, entry, q, k, v, out
+
+    async def _truncate(self, client: AsyncChunkAttnClient, seq_id: str, step: Step) -> None:
+        """Drop a verify step's rejected drafts (Truncate: part of the step's latency)."""
+        await client.truncate(seq_id, step.position + step.tokens)
+        rec = self._rec
+        rec.last_answer = rec.now()
+        rec.truncations += 1
 
     async def _release(self, client: AsyncChunkAttnClient, seq_id: str) -> None:
         """Free a sequence that did not finish (best effort, short deadline); a failure is counted apart."""

@@ -3,6 +3,13 @@
 A sequence is a prompt of ``prompt_len`` tokens prefilled in pieces of at most ``prefill_chunk`` tokens
 (0: the whole prompt in one piece), then ``output_len`` decode steps of one token. Every step calls each
 chosen layer once, in layer order, as a model's forward pass does.
+
+With speculative decoding (``Speculation``: K drafts, each accepted with probability P until the first
+rejection, as EAGLE or a draft model's verification goes), a decode step is a verify call of K + 1 tokens:
+the last chosen token and K drafts. The sequence keeps the chosen token and the a drafts accepted, and
+truncates the K - a rejected ones (Truncate); the step yields a + 1 new tokens (the accepted drafts and the
+target model's own next token, which the next verify call sends first), so ``output_len`` tokens take fewer
+steps.
 """
 
 from __future__ import annotations
@@ -33,11 +40,35 @@ class SequenceSpec:
 
 @dataclass(frozen=True)
 class Step:
-    """One forward pass of one sequence: ``num_tokens`` tokens from ``position``."""
+    """One forward pass of one sequence: ``num_tokens`` tokens from ``position``, of which the sequence
+    keeps the first ``keep`` (None: all; a verify call keeps its chosen token and accepted drafts, and the
+    rest is truncated after it)."""
 
-    kind: str  # "prefill" or "decode"
+    kind: str  # "prefill" or "decode" (a verify call is a decode step)
     position: int
     num_tokens: int
+    keep: int | None = None
+
+    @property
+    def tokens(self) -> int:
+        """The model tokens it adds to the sequence."""
+        return self.num_tokens if self.keep is None else self.keep
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """Speculative decoding: ``drafts`` draft tokens per verify call, each accepted with probability
+    ``accept_rate`` while every earlier one was."""
+
+    drafts: int
+    accept_rate: float
+
+    def accepted(self, rng: random.Random) -> int:
+        """Drafts accepted in one verify call: the length of the accepted prefix, 0..drafts."""
+        n = 0
+        while n < self.drafts and rng.random() < self.accept_rate:
+            n += 1
+        return n
 
 
 @dataclass(frozen=True)
@@ -112,11 +143,22 @@ class LengthSource:
         return max(s.prompt_len for s in self.trace) if self.trace else self.prompt.high
 
 
-def steps(spec: SequenceSpec, prefill_chunk: int) -> list[Step]:
-    """The sequence's forward passes: prefill pieces, then one decode step per output token."""
+def steps(
+    spec: SequenceSpec, prefill_chunk: int, speculation: Speculation | None = None, rng: random.Random | None = None
+) -> list[Step]:
+    """The sequence's forward passes: prefill pieces, then one decode step per output token, or with
+    ``speculation`` verify steps of drafts + 1 tokens, each keeping 1 + its accepted drafts (drawn from
+    ``rng``), until ``output_len`` tokens are kept (the last step keeps no more than that)."""
     piece = prefill_chunk or spec.prompt_len
     out = [Step("prefill", p, min(piece, spec.prompt_len - p)) for p in range(0, spec.prompt_len, piece)]
-    out += [Step("decode", spec.prompt_len + i, 1) for i in range(spec.output_len)]
+    if speculation is None or not speculation.drafts:
+        return out + [Step("decode", spec.prompt_len + i, 1) for i in range(spec.output_len)]
+    rng = rng or random.Random(0)
+    position, left = spec.prompt_len, spec.output_len
+    while left > 0:
+        keep = min(1 + speculation.accepted(rng), left)
+        out.append(Step("decode", position, speculation.drafts + 1, keep))
+        position, left = position + keep, left - keep
     return out
 
 

@@ -6,8 +6,8 @@ the call's or none), and after the step's compute either ``commit`` (lengths gro
 layer's chunk go back to the pool) or ``rollback`` (as if the call had never come). Several calls may hold
 reservations at once (one engine step); they touch disjoint sequences.
 
-The control plane lives here too: fork (copy-on-write sharing), release, idle eviction, and the read-only
-views the info RPC and the tests use.
+The control plane lives here too: fork (copy-on-write sharing), truncate (speculative decoding's rollback),
+release, idle eviction, and the read-only views the info RPC and the tests use.
 
 Every sequence belongs to a *tenant* (a string; "" when the server has no authentication) and is named by
 (tenant, seq_id): two tenants' "s1" are two sequences, and nothing here lets one tenant's call name
@@ -22,21 +22,30 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from chunkattn_client.batch import BatchEntry
-from chunkattn_client.limits import MAX_BATCH, id_problem, quote, some
+from chunkattn_client.limits import MAX_BATCH, MAX_TOKENS, id_problem, quote, some
 from chunkattn_server.config import EngineConfig, KVGroup, LayerSpec
-from chunkattn_server.errors import InvalidBatch, OutOfBlocks, QuotaExceeded, SequenceExists, UnknownSequence
+from chunkattn_server.errors import (
+    InvalidBatch,
+    OutOfBlocks,
+    PositionMismatch,
+    QuotaExceeded,
+    SequenceExists,
+    UnknownSequence,
+)
 from chunkattn_server.kv.block_pool import BlockPool
-from chunkattn_server.kv.sequences import Retention, SequenceState, chunk_start
+from chunkattn_server.kv.sequences import Refusal, Retention, SequenceState
 
 
 @dataclass(frozen=True)
 class SequenceInfo:
-    """A copy of one sequence's state: tokens per layer and, per KV group, {logical block: physical block}."""
+    """A copy of one sequence's state: tokens per layer, per KV group {logical block: physical block}, and per
+    layer the first position its cache holds (0 for a KV-sharing layer)."""
 
     seq_id: str
     lengths: tuple[int, ...]
     tables: tuple[dict[int, int], ...]
     last_used: float
+    kept_from: tuple[int, ...] = ()
 
     @property
     def num_blocks(self) -> int:
@@ -49,6 +58,17 @@ class Quota:
 
     max_blocks: int | None = None
     max_sequences: int | None = None
+
+
+@dataclass(frozen=True)
+class Truncation:
+    """What a truncation did: blocks the sequence no longer holds (a block still shared with a fork stays
+    with it), tokens it dropped (of its longest layer), and how far back it may be truncated now
+    (``Retention.min_length``)."""
+
+    released_blocks: int
+    dropped_tokens: int
+    min_length: int
 
 
 @dataclass(frozen=True)
@@ -195,13 +215,17 @@ class KVManager:
         """The call's K/V is written: its sequences grow, and blocks no layer needs any more are freed."""
         for _, _, shared_block in r.copied:  # the copies are in use: drop this call's owners of the originals
             self.pool.free([shared_block])
-        chunk = self.config.model.layers[r.layer].chunk_size
+        source = self.config.model.layers[r.layer].kv_source
+        owner = r.layer if source is None else source  # the layer whose cache the call wrote or read
         group = self.group_of[r.layer]
-        for e, state in zip(r.entries, r.states, strict=True):
-            old = state.lengths[r.layer]
+        for e, state, w in zip(r.entries, r.states, r.writes, strict=True):
             state.lengths[r.layer] = e.position + e.num_tokens
             state.last_used = now
-            if chunk_start(old, chunk) != chunk_start(state.lengths[r.layer], chunk):
+            before = state.kept_from[owner]
+            if source is None and w.start > e.position:  # a long prefill stored its last chunk(s) only
+                state.kept_from[owner] = w.start
+            self.retention.settle(state, owner)
+            if state.kept_from[owner] != before:
                 table = state.tables[group.index]
                 self.pool.free([table.pop(b) for b in self.retention.unneeded(state, group)])
 
@@ -285,8 +309,60 @@ class KVManager:
         self.check_quota(tenant, 0, 1)
         blocks = state.blocks()
         self.pool.share(blocks)
-        self._insert(SequenceState(child, list(state.lengths), [dict(t) for t in state.tables], tenant=tenant))
+        tables = [dict(t) for t in state.tables]
+        self._insert(SequenceState(child, list(state.lengths), tables, tenant=tenant, kept_from=list(state.kept_from)))
         return len(blocks)
+
+    def truncate(self, seq_id: str, length: int, tenant: str = "") -> Truncation:
+        """Take ``tenant``'s sequence back to its first ``length`` tokens in every layer, as if the later ones
+        had never been sent (speculative decoding drops the drafts a verify call rejected): each layer holds
+        min(its length, ``length``) tokens, and the blocks no layer needs any more go back to the pool (a
+        block shared with a fork loses this sequence as an owner only; later writes into it copy it first).
+
+        Allowed where every layer still holds the keys it would read again (``Retention.refusal``): from
+        ``min_length`` on, and at a chunk boundary of every chunked layer. Raises InvalidBatch (a bad id or
+        length), UnknownSequence, or PositionMismatch (past the sequence's length, or further back than its
+        layers hold); nothing has changed then.
+        """
+        problem = id_problem(seq_id)
+        if problem:
+            raise InvalidBatch(problem)
+        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= MAX_TOKENS:
+            raise InvalidBatch(f"length must be an integer from 0 to {MAX_TOKENS}, got {quote(length)}")
+        state = self._seqs.get((tenant, seq_id))
+        if state is None:
+            raise UnknownSequence(f"cannot truncate sequence {quote(seq_id)}: it does not exist")
+        total = max(state.lengths)
+        if length > total:
+            raise PositionMismatch(
+                f"cannot truncate sequence {quote(seq_id)} to {length} tokens: it has {total}; truncation only"
+                " drops tokens"
+            )
+        refusal = self.retention.refusal(state.lengths, state.kept_from, length)
+        if refusal is not None:
+            raise PositionMismatch(self._refusal_text(seq_id, length, refusal, state))
+        released = 0
+        if length < total:
+            self.retention.truncate(state, length)
+            state.last_used = time.monotonic()
+            for group in self.groups:
+                table = state.tables[group.index]
+                gone = [table.pop(b) for b in self.retention.unneeded(state, group)]
+                self.pool.free(gone)
+                released += len(gone)
+        return Truncation(released, total - length, self.retention.min_length(state.lengths, state.kept_from))
+
+    def _refusal_text(self, seq_id: str, length: int, refusal: Refusal, state: SequenceState) -> str:
+        r = refusal
+        whose = "its own" if r.reader == r.layer else f"layer {r.layer}'s"
+        return (
+            f"cannot truncate sequence {quote(seq_id)} to {length} tokens: layer {r.reader} (chunk size"
+            f" {r.chunk_size}) would read positions from {r.reads_from} on again, and {whose} cache holds them from"
+            f" {r.kept_from} on only (a chunked layer keeps its current chunk and --spec-window"
+            f" {self.retention.window} tokens before it). It may go back to"
+            f" min_length={self.retention.min_length(state.lengths, state.kept_from)} tokens or more, or to a chunk"
+            f" boundary of every chunked layer ({self.retention.boundary(length)} is the nearest)"
+        )
 
     def add(self, state: SequenceState) -> None:
         """Make a sequence whose blocks are already allocated visible (a committed import). SequenceExists
@@ -367,4 +443,5 @@ class KVManager:
             lengths=tuple(state.lengths),
             tables=tuple(dict(sorted(t.items())) for t in state.tables),
             last_used=state.last_used,
+            kept_from=tuple(state.kept_from),
         )

@@ -5,8 +5,8 @@ group the logical blocks it holds) followed by one record per (exported writing 
 that layer's K and V pages of the block, as raw bytes, with an XXH3-64 checksum over the layer, the block
 index and the bytes. The exporter reads records as ``BlockView``s (views of the pages), the importer
 receives them as ``BlockRecord``s (views of the received message). Only live blocks exist to be sent: a
-chunked group holds its current chunk, a global group everything, so a 128K-token prompt with C = 8192
-sends at most 8K tokens' worth for each chunked layer.
+chunked group holds its current chunk (and --spec-window tokens before it), a global group everything,
+so a 128K-token prompt with C = 8192 sends at most 8K tokens' worth for each chunked layer.
 
 An import is a session (``KVTransfer``): ``begin_import`` checks the manifest against this engine (model, free id, free
 blocks) and reserves every block; ``import_records`` checks each record (expected, not seen, checksum) and writes it;
@@ -17,12 +17,14 @@ blocks) and reserves every block; ``import_records`` checks each record (expecte
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import xxhash
 
+from chunkattn_client import dtypes
 from chunkattn_client.limits import MAX_TOKENS, QUOTE_IDS, id_problem, quote, some
 from chunkattn_server.errors import (
     DataLoss,
@@ -44,7 +46,8 @@ Buffer = bytes | memoryview
 
 @dataclass(frozen=True)
 class ModelFingerprint:
-    """What two engines must agree on for KV to move between them."""
+    """What two engines must agree on for KV to move between them (a float8 cache's scales too: see
+    KVManifest.scales)."""
 
     num_heads: int
     num_kv_heads: int
@@ -70,6 +73,11 @@ class KVManifest:
     lengths: tokens per layer (0 for a layer that is not exported).
     layers: the exported writing layers, whose blocks follow.
     blocks: per KV group, the logical blocks the exported layers need there (sorted).
+    kept_from: per layer, the first position its cache holds (0 for a layer not exported or without a
+        cache of its own): its records carry positions [kept_from, length). Empty (a stream from an
+        exporter that does not send it): each layer's current chunk (``Retention.current_chunks``).
+    scales: per layer, the (k, v) scales its float8 cache holds K/V over (a KV-sharing layer's are its
+        source's; (0, 0): none yet, a calibrating layer with no write); empty for any other cache dtype.
     """
 
     seq_id: str
@@ -78,7 +86,12 @@ class KVManifest:
     layers: tuple[int, ...]
     blocks: tuple[tuple[int, ...], ...]
     group_of: tuple[int, ...]  # per layer: its KV group
+    scales: tuple[tuple[float, float], ...] = ()
     tenant: str = ""  # whose sequence was exported (this server's business: not on the wire)
+    kept_from: tuple[int, ...] = ()
+    # The sequence's truncation count at export (not on the wire either): a truncation and new calls can
+    # bring the lengths back to what they were, with other K/V, so the lengths alone do not say "unchanged".
+    truncations: int = 0
 
     def num_records(self) -> int:
         """len(expected()), without listing them."""
@@ -154,12 +167,10 @@ def masked(pieces: Sequence[Buffer], heads: int, block_size: int, first: int, en
     return bytes(data)
 
 
-ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
-
-
 def record_bytes(model: ModelFingerprint) -> int:
     """Bytes of K plus V in one record."""
-    return 2 * model.num_kv_heads * model.block_size * model.head_size * ITEMSIZE[model.cache_dtype]
+    itemsize = dtypes.BY_NAME[model.cache_dtype].itemsize
+    return 2 * model.num_kv_heads * model.block_size * model.head_size * itemsize
 
 
 def batches(items: Sequence[tuple[int, int]], per_batch: int) -> list[Sequence[tuple[int, int]]]:
@@ -185,16 +196,27 @@ class ImportSession:
 
 class KVTransfer:
     """Exports and imports of one engine's sequences: ``kv`` holds their state, ``cache`` their pages;
-    ``slot_of[layer]`` is the layer's storage slot in its KV group, ``fingerprint`` the engine's model.
+    ``slot_of[layer]`` is the layer's storage slot in its KV group, ``fingerprint`` the engine's model;
+    ``scales`` (a float8 cache only, else None) the engine's per-writing-layer (k, v) scales, None while a
+    calibrating layer has had no write: this list is the engine's own, and an import into such a layer
+    gives it the stream's scales (as its first write would have).
 
     Runs on the engine's thread, like everything that touches the KV."""
 
-    def __init__(self, kv: KVManager, cache: KVCache, slot_of: Sequence[int], fingerprint: ModelFingerprint) -> None:
+    def __init__(
+        self,
+        kv: KVManager,
+        cache: KVCache,
+        slot_of: Sequence[int],
+        fingerprint: ModelFingerprint,
+        scales: list[tuple[float, float] | None] | None = None,
+    ) -> None:
         self._kv = kv
         self._cache = cache
         self._slot_of = slot_of
         self._model = kv.config.model
         self.fingerprint = fingerprint
+        self._scales = scales
 
     def export_manifest(self, seq_id: str, layers: Sequence[int] | None = None, tenant: str = "") -> KVManifest:
         """What an export of ``tenant``'s ``seq_id`` (every layer, or ``layers``) sends. Raises UnknownSequence,
@@ -223,9 +245,10 @@ class KVTransfer:
         if state is None:
             raise UnknownSequence(f"cannot export sequence {quote(seq_id)}: it does not exist")
         lengths = tuple(state.lengths[x] if x in listed else 0 for x in range(model.num_layers))
+        kept_from = tuple(state.kept_from[x] if x in listed else 0 for x in range(model.num_layers))
         blocks = []
         for group, table in zip(self._kv.groups, state.tables, strict=True):
-            spans = self._kv.retention.needed_blocks(lengths, group)
+            spans = self._kv.retention.needed_blocks(lengths, kept_from, group)
             blocks.append(tuple(b for b in sorted(table) if any(lo <= b < hi for lo, hi in spans)))
         return KVManifest(
             seq_id=seq_id,
@@ -234,12 +257,48 @@ class KVTransfer:
             layers=tuple(x for x in listed if model.layers[x].kv_source is None),
             blocks=tuple(blocks),
             group_of=tuple(g.index for g in self._kv.group_of),
+            scales=self._scales_now(),
             tenant=tenant,
+            kept_from=kept_from,
+            truncations=state.truncations,
         )
+
+    def _scales_now(self) -> tuple[tuple[float, float], ...]:
+        """Per layer, its cache's (k, v) scales as a manifest carries them (see KVManifest.scales)."""
+        if self._scales is None:
+            return ()
+        sources = [x if s.kv_source is None else s.kv_source for x, s in enumerate(self._model.layers)]
+        return tuple(self._scales[s] or (0.0, 0.0) for s in sources)
+
+    def _check_scales(self, manifest: KVManifest) -> list[int]:
+        """IncompatibleKV unless every layer the stream carries KV of has the scales this engine holds its
+        cache over; returns the layers that take the stream's (calibrating ones with none yet)."""
+        if self._scales is None:
+            return []  # not a float8 cache: the fingerprint's cache dtype has said all
+        if len(manifest.scales) != self._model.num_layers:
+            raise IncompatibleKV(
+                f"the KV stream carries {len(manifest.scales)} layers' float8 scales; this model has"
+                f" {self._model.num_layers} layers"
+            )
+        adopt = []
+        for x in manifest.layers:
+            theirs, ours = manifest.scales[x], self._scales[x]
+            if manifest.lengths[x] == 0:
+                continue  # no KV of it in the stream (its sharers read no more than it holds)
+            if not all(math.isfinite(s) and s > 0 for s in theirs):
+                raise IncompatibleKV(f"layer {x}'s float8 scales in the KV stream are {theirs}: not positive numbers")
+            if ours is None:
+                adopt.append(x)
+            elif theirs != ours:
+                raise IncompatibleKV(
+                    f"layer {x}'s float8 KV is held over scales (k, v) = {ours} here, {theirs} in the stream:"
+                    " give both servers the same --kv-scales"
+                )
+        return adopt
 
     def export_views(self, manifest: KVManifest, items: Sequence[tuple[int, int]]) -> list[BlockView]:
         """The records (layer, logical block) of an export with their checksums. A record carries only the
-        positions its layer wrote and keeps ([Retention.held_from, length)); the rest of the block is zeros,
+        positions its layer wrote and keeps ([kept_from, length)); the rest of the block is zeros,
         never what an earlier holder of the block left there. Full blocks are views of the pages on the CPU
         (see BlockView: encode them before this engine runs anything else).
 
@@ -256,7 +315,7 @@ class KVTransfer:
             logicals = [b for x, b in items if x == layer]
             table = state.tables[self._kv.group_of[layer].index]
             pieces = self._cache.block_views(self._slot_of[layer], [table[b] for b in logicals])
-            lo, hi = self._kv.retention.held_from(manifest.lengths, layer), manifest.lengths[layer]
+            lo, hi = manifest.kept_from[layer], manifest.lengths[layer]
             for b, (k, v) in zip(logicals, pieces, strict=True):
                 first, end = min(max(lo - b * bs, 0), bs), min(max(hi - b * bs, 0), bs)
                 if (first, end) == (0, bs):  # the whole block is the layer's: views, no copy
@@ -276,7 +335,8 @@ class KVTransfer:
 
         Raises IncompatibleKV, InvalidBatch (a bad id), SequenceExists or OutOfBlocks (QuotaExceeded), having
         reserved nothing."""
-        self._check_manifest(manifest)
+        manifest = self._check_manifest(manifest)
+        self._check_scales(manifest)
         problem = id_problem(manifest.seq_id)
         if problem:
             raise InvalidBatch(f"the imported sequence's {problem}")
@@ -295,8 +355,9 @@ class KVTransfer:
         self._kv.expect(tenant, 1)  # its sequence counts against the quota from now on
         return ImportSession(manifest, tables, set(manifest.expected()), tenant=tenant)
 
-    def _check_manifest(self, manifest: KVManifest) -> None:
-        """IncompatibleKV unless the manifest fits this model and describes a state this engine could hold."""
+    def _check_manifest(self, manifest: KVManifest) -> KVManifest:
+        """IncompatibleKV unless the manifest fits this model and describes a state this engine could hold.
+        Returns it with its kept_from filled in (empty: each layer's current chunk)."""
         diffs = self.fingerprint.differences(manifest.model)
         if diffs:
             raise IncompatibleKV("the KV comes from another model shape: " + "; ".join(diffs))
@@ -323,6 +384,11 @@ class KVTransfer:
             source = model.layers[x].kv_source
             if n and (x if source is None else source) not in manifest.layers:
                 raise IncompatibleKV(f"layer {x} has {n} tokens but its KV is not in the stream")
+        retention = self._kv.retention
+        kept_from = manifest.kept_from or tuple(retention.current_chunks(manifest.lengths))
+        problem = retention.kept_from_problem(manifest.lengths, kept_from)
+        if problem:
+            raise IncompatibleKV(f"the KV manifest's kept_from does not fit its lengths: {problem}")
         for group in self._kv.groups:
             held = manifest.blocks[group.index]
             if len(held) > self._kv.pool.num_blocks:
@@ -330,13 +396,14 @@ class KVTransfer:
                     f"the import needs {len(held)} KV blocks for KV group {group.index} alone, and this server's"
                     f" pool has {self._kv.pool.num_blocks} in all"
                 )
-            needed = _merged(self._kv.retention.needed_blocks(manifest.lengths, group))
+            needed = _merged(retention.needed_blocks(manifest.lengths, kept_from, group))
             size = sum(hi - lo for lo, hi in needed)
             if size != len(held) or len(set(held)) != len(held) or not all(_within(needed, b) for b in held):
                 raise IncompatibleKV(
                     f"the KV manifest lists {len(held)} blocks for KV group {group.index}, but its lengths need"
                     f" exactly the {size} blocks {_spans_text(needed)}"
                 )
+        return replace(manifest, kept_from=kept_from)
 
     def import_records(self, session: ImportSession, records: Sequence[BlockRecord]) -> None:
         """Check and write records of an import. Raises IncompatibleKV (unexpected, repeated or misshapen
@@ -363,7 +430,13 @@ class KVTransfer:
                 f"the KV stream ended with {missing} of {len(session.expected)} records missing: it was cut short"
             )
         seq_id = session.manifest.seq_id
-        self._kv.add(SequenceState(seq_id, list(session.manifest.lengths), session.tables, tenant=session.tenant))
+        adopt = self._check_scales(session.manifest)  # again: a call may have calibrated a layer meanwhile
+        m = session.manifest
+        kept_from = list(m.kept_from)
+        self._kv.add(SequenceState(seq_id, list(m.lengths), session.tables, tenant=session.tenant, kept_from=kept_from))
+        if self._scales is not None:
+            for x in adopt:
+                self._scales[x] = session.manifest.scales[x]
         session.committed = True
         self._kv.expect(session.tenant, -1)  # it is held now, no longer to come
         return sum(len(t) for t in session.tables)

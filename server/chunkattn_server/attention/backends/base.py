@@ -15,18 +15,22 @@ from chunkattn_server.attention.plan import Piece
 
 @dataclass(frozen=True)
 class AttentionBatch:
-    """One call's attention work, on the engine's device, in the cache's dtype.
+    """One call's attention work, on the engine's device.
 
-    q: [T, num_heads, head_size] the call's queries, packed in entry order.
-    k, v: [T, num_kv_heads, head_size] the call's new keys/values (for a KV-sharing layer: read back from
-        its source's cache). A sequence's keys from its first new position on are these rows; earlier
-        keys of the current chunk are in the paged cache.
-    k_pages, v_pages: [num_kv_heads, num_blocks, block_size, head_size] the layer's paged cache.
+    q: [T, num_heads, head_size] the call's queries, packed in entry order, in the compute dtype.
+    k, v: [T, num_kv_heads, head_size] the call's new keys/values in the compute dtype, as the cache gives
+        them back (for a float8 cache: stored then read, so that they equal what later calls will read; for a
+        KV-sharing layer: read back from its source's cache). A sequence's keys from its first new position
+        on are these rows; earlier keys of the current chunk are in the paged cache.
+    k_pages, v_pages: [num_kv_heads, num_blocks, block_size, head_size] the layer's paged cache, in the cache
+        dtype: the compute dtype, or a float8 dtype whose values are read as ``stored * k_scale`` (K) and
+        ``stored * v_scale`` (V) (see torchtypes.load).
     spans: per entry (first row, position of the first new token, number of new tokens).
     tables: per entry, {logical block: physical block}; blocks before the current chunk may be gone.
     chunk_size: C (0: a global layer). block_size: tokens per block.
     scale: softmax scale.
     alibi_slopes: [num_heads] float32, or None.
+    k_scale, v_scale: the float8 cache's scales (1.0 for any other cache dtype).
     """
 
     q: torch.Tensor
@@ -40,6 +44,8 @@ class AttentionBatch:
     block_size: int
     scale: float
     alibi_slopes: torch.Tensor | None
+    k_scale: float = 1.0
+    v_scale: float = 1.0
 
     @cached_property
     def pieces(self) -> list[Piece]:
@@ -61,7 +67,8 @@ class Backend(Protocol):
     def write(
         self, k_pages: torch.Tensor, v_pages: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
-        """Store k/v [n, Hkv, D] (the pages' dtype) at cache slots [n] int64 (block * block_size + offset)."""
+        """Store k/v [n, Hkv, D] (the pages' dtype: already quantized for a float8 cache) at cache slots [n]
+        int64 (block * block_size + offset)."""
 
     def attend(self, batch: AttentionBatch, out: torch.Tensor) -> None:
-        """Write the output [T, num_heads, head_size] (the cache's dtype) into ``out``."""
+        """Write the output [T, num_heads, head_size] (the compute dtype) into ``out``."""

@@ -11,6 +11,11 @@ sequence of length S, never S*S, and nothing is masked that did not need a mask.
 On the CPU the parts run on ``aten._scaled_dot_product_flash_attention_for_cpu`` (SDPA's CPU flash
 kernel, which returns the log-sum-exp). Elsewhere, and for ALiBi (whose bias would lose too much
 precision in bf16), they run on a float32 reference-style path that bounds memory by query blocks.
+
+A cache in another dtype than the compute's (float8) is read through ``torchtypes.load``: each view or
+gathered run is converted (and scaled) into a new tensor of the compute dtype before its kernel, so a
+float8 cache halves the memory of a bf16 one here but not the bytes attention reads (the triton kernels
+read float8 directly).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import Literal, NamedTuple
 import numpy as np
 import torch
 
+from chunkattn_server import torchtypes
 from chunkattn_server.attention.backends.base import AttentionBatch
 from chunkattn_server.attention.plan import Piece
 
@@ -74,6 +80,8 @@ class TorchBackend:
     def write(
         self, k_pages: torch.Tensor, v_pages: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
+        if k_pages.dtype.itemsize == 1:  # float8: torch has no index_copy_ of it on the CPU; its bytes are the same
+            k_pages, v_pages, k, v = (x.view(torch.uint8) for x in (k_pages, v_pages, k, v))
         self._views(k_pages).tokens.index_copy_(0, slots, k)
         self._views(v_pages).tokens.index_copy_(0, slots, v)
 
@@ -132,8 +140,8 @@ class TorchBackend:
             if any(table[b] != first + b - lo for b in range(lo + 1, position // bs + 1)):
                 continue  # scattered blocks: piece by piece
             keys = position + 1 - key_start
-            k = k_views.flat4.narrow(2, first * bs, keys)
-            v = v_views.flat4.narrow(2, first * bs, keys)
+            k = _values(batch, k_views.flat4.narrow(2, first * bs, keys), batch.k_scale)
+            v = _values(batch, v_views.flat4.narrow(2, first * bs, keys), batch.v_scale)
             done[entry] = row, _cpu_flash(q if total == 1 else q.narrow(0, row, 1), k, v, scale=batch.scale)[0]
         if total == 1 and done:
             out.view(q.shape).copy_(done[0][1])
@@ -165,7 +173,8 @@ class TorchBackend:
         for start, count in long:
             first = piece.blocks[start] * bs
             n = tokens(start, count)
-            k, v = pages[0][:, first : first + n], pages[1][:, first : first + n]
+            k = _values(batch, pages[0][:, first : first + n], batch.k_scale)
+            v = _values(batch, pages[1][:, first : first + n], batch.v_scale)
             parts.append(self._part(batch, q, k, v, piece.position, [(piece.key_start + start * bs, n)]))
         taken = set(long)
         short = [r for r in runs if r not in taken]
@@ -178,7 +187,8 @@ class TorchBackend:
         return parts
 
     def _gather(self, batch: AttentionBatch, blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of the given blocks, [num_kv_heads, len(blocks) * block_size, head_size]."""
+        """Copies of the given blocks, [num_kv_heads, len(blocks) * block_size, head_size], in the compute
+        dtype."""
         pages_k, pages_v = batch.k_pages, batch.v_pages
         heads, _, bs, dim = pages_k.shape
         size = heads * len(blocks) * bs * dim
@@ -189,7 +199,7 @@ class TorchBackend:
         index = torch.tensor(blocks, dtype=torch.int64, device=self.device)
         k = torch.index_select(pages_k, 1, index, out=self._buf_k[:size].view(shape))
         v = torch.index_select(pages_v, 1, index, out=self._buf_v[:size].view(shape))
-        return k.flatten(1, 2), v.flatten(1, 2)
+        return _values(batch, k.flatten(1, 2), batch.k_scale), _values(batch, v.flatten(1, 2), batch.v_scale)
 
     # -- one part ------------------------------------------------------------------------------------
 
@@ -216,6 +226,12 @@ class TorchBackend:
         q_pos = torch.arange(q_start, q_start + q.shape[0], device=self.device)
         k_pos = torch.cat([torch.arange(a, a + n, device=self.device) for a, n in k_ranges])
         return _math(q, k, v, q_pos, k_pos, batch.scale, batch.alibi_slopes, causal)
+
+
+def _values(batch: AttentionBatch, pages: torch.Tensor, scale: float) -> torch.Tensor:
+    """Cache contents (a view or a gathered copy) as values in the compute dtype: themselves when the cache
+    is in it, else a converted copy (see the module docstring)."""
+    return torchtypes.load(pages, scale, batch.q.dtype)
 
 
 def _runs(blocks: tuple[int, ...]) -> list[tuple[int, int]]:

@@ -13,6 +13,11 @@ Decodes (single-token entries) and prefill pieces are launched apart, each with 
 a decode tile is one token with its query heads (rows padded to 16 for tl.dot), and long contexts over
 few sequences are split across programs (flash-decoding) and merged by ``combine_splits``.
 
+A float8 KV cache (pages of torch.float8_e4m3fn or torch.float8_e5m2, with the layer's k_scale and
+v_scale) is read by the same kernel compiled with KV_FP8 (see triton_kernels for how it dequantizes);
+q, the call's k/v and out stay in the compute dtype. ``write`` copies already-quantized float8 rows as
+bytes. An e4m3 cache needs an sm_89+ GPU (Triton has no fp8e4nv before that); e5m2 runs on any.
+
 The kernels run on CUDA, and on the CPU under TRITON_INTERPRET=1 (tests only: slow, and bf16 math is
 wrong there).
 """
@@ -27,12 +32,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from chunkattn_client import dtypes
+from chunkattn_server import torchtypes
 from chunkattn_server.attention.backends.base import AttentionBatch
 from chunkattn_server.errors import ConfigError
 
 LOG2E = 1.4426950408889634
 HEAD_SIZES = (64, 80, 96, 128, 256)  # what the issue promises; any size up to 256 runs
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_DTYPES = tuple(torchtypes.TORCH[d.name] for d in dtypes.COMPUTE)  # compute dtypes
+_FP8 = tuple(t for t, d in torchtypes.OF_TORCH.items() if d.fp8)  # float8 cache dtypes (e4m3fn, e5m2)
 
 
 class TritonLaunchError(ValueError):
@@ -109,14 +117,19 @@ class TritonBackend:
         self.num_splits = num_splits
         self.prefill_rows = prefill_rows
         self.num_warps = num_warps
-        self._sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+        props = torch.cuda.get_device_properties(device) if device.type == "cuda" else None
+        self._sms = props.multi_processor_count if props is not None else 1
+        self._capability = (props.major, props.minor) if props is not None else None
 
     # -- KV writes -----------------------------------------------------------------------------------
 
     def write(
         self, k_pages: torch.Tensor, v_pages: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
-        """Store k/v [n, Hkv, D] at cache slots [n] int64 (block * block_size + offset) of pages [Hkv, NB, BS, D]."""
+        """Store k/v [n, Hkv, D] at cache slots [n] int64 (block * block_size + offset) of pages [Hkv, NB, BS, D].
+
+        k/v are in the pages' dtype: for a float8 cache the engine has quantized them already, and they are
+        copied as bytes (uint8 views, so that an e4m3 cache is written on any GPU)."""
         from chunkattn_server.attention.backends import triton_kernels as kern
 
         heads, _, block_size, head_size = k_pages.shape
@@ -126,10 +139,16 @@ class TritonBackend:
         _check(
             k.shape == v.shape == (slots.numel(), heads, head_size), f"k/v {tuple(k.shape)} for {slots.numel()} slots"
         )
-        _check(k.dtype == v.dtype == k_pages.dtype == v_pages.dtype, f"k/v {k.dtype} into pages of {k_pages.dtype}")
+        _check(
+            k.dtype == v.dtype == k_pages.dtype == v_pages.dtype,
+            f"k/v {k.dtype}/{v.dtype} into pages of {k_pages.dtype}/{v_pages.dtype}: k, v and the pages must"
+            " share the cache dtype (a float8 cache's rows come quantized)",
+        )
         _check(k.stride(2) == 1 and v.stride(2) == 1, "k/v need a contiguous last dimension")
         if not slots.numel():
             return
+        if k_pages.dtype in _FP8:
+            k, v, k_pages, v_pages = (t.view(torch.uint8) for t in (k, v, k_pages, v_pages))
         kern.write_kv[(slots.numel(), heads)](
             k, v, k_pages, v_pages, slots,
             k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -154,8 +173,33 @@ class TritonBackend:
         _check(1 <= head_size <= 256, f"head size {head_size}: the kernels take 1..256 ({HEAD_SIZES} are tested)")
         _check(block_size == batch.block_size, f"pages of {block_size} tokens, batch says {batch.block_size}")
         _check(out.shape == q.shape, f"out {tuple(out.shape)} must be q's shape {tuple(q.shape)}")
-        dtypes = {t.dtype for t in (q, k, v, kp, vp, out)}
-        _check(len(dtypes) == 1 and q.dtype in _DTYPES, f"q, k, v, pages and out must share one of {_DTYPES}")
+        _check(
+            q.dtype == k.dtype == v.dtype == out.dtype and q.dtype in _DTYPES,
+            f"q, k, v and out must share one of {_DTYPES} (the compute dtype; a float8 cache's new rows come"
+            f" dequantized): got q {q.dtype}, k {k.dtype}, v {v.dtype}, out {out.dtype}",
+        )
+        _check(
+            kp.dtype == vp.dtype and kp.dtype in (q.dtype, *_FP8),
+            f"pages of {kp.dtype} (K) and {vp.dtype} (V): both must be the compute dtype {q.dtype} or one of"
+            f" the float8 cache dtypes {_FP8}",
+        )
+        if kp.dtype in _FP8:
+            scales = (batch.k_scale, batch.v_scale)
+            _check(
+                all(math.isfinite(x) and x > 0 for x in scales),
+                f"k_scale {batch.k_scale} and v_scale {batch.v_scale} of a float8 cache must be finite and > 0",
+            )
+            _check(
+                kp.dtype != torch.float8_e4m3fn or self._capability is None or self._capability >= (8, 9),
+                f"a float8_e4m3fn cache needs an sm_89+ GPU in the triton kernels (this one is sm_"
+                f"{''.join(map(str, self._capability or ()))}); use a float8_e5m2 cache or --backend torch",
+            )
+        else:
+            _check(
+                batch.k_scale == batch.v_scale == 1.0,
+                f"k_scale {batch.k_scale} and v_scale {batch.v_scale} with pages of {kp.dtype}: scales other"
+                " than 1.0 are for a float8 cache only",
+            )
         for name, t in (("q", q), ("k", k), ("v", v), ("k_pages", kp), ("v_pages", vp), ("out", out)):
             _check(t.device == self.device, f"{name} is on {t.device}, the backend on {self.device}")
             _check(t.stride(-1) == 1, f"{name} needs a contiguous last dimension")
@@ -217,12 +261,12 @@ class TritonBackend:
                 q, k, v, kp, vp, launch.tables,
                 part.tile_seq, part.tile_start, launch.seq_row, launch.seq_len, launch.seq_pos, launch.seq_base,
                 launch.slopes,
-                b.chunk_size, b.scale * LOG2E,
+                b.chunk_size, b.scale * LOG2E, float(b.k_scale), float(b.v_scale),
                 out.stride(0), out.stride(1), q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                 v.stride(0), v.stride(1), kp.stride(0), kp.stride(1), kp.stride(2), launch.tables.stride(0),
                 **attention_config(
                     q.dtype, head_size, group, block_size, part.rows, part.num_splits, b.alibi_slopes is not None,
-                    self.block_n, self.num_warps,
+                    self.block_n, self.num_warps, kv_fp8=kp.dtype in _FP8,
                 ),
             )  # fmt: skip
             if part.num_splits > 1:
@@ -274,8 +318,12 @@ def attention_config(
     alibi: bool,
     block_n: int,
     num_warps: int,
+    *,
+    kv_fp8: bool = False,
 ) -> dict[str, int | bool]:
     """The compile-time constants and launch options of one ``chunked_paged_attention`` launch.
+
+    dtype: the compute dtype (q's); kv_fp8: the pages are a float8 cache (dequantized in the kernel).
 
     fp32 tiles and head sizes over 128 get fewer pipeline stages (and fp32 narrower key blocks) to fit in
     shared memory: fp32 with head size 256 would need 344 KB on sm_90 otherwise (an H200 has 227 KiB).
@@ -293,6 +341,7 @@ def attention_config(
         "NUM_SPLITS": splits,
         "HAS_ALIBI": alibi,
         "IEEE": fp32,
+        "KV_FP8": kv_fp8,
         "num_warps": num_warps,
     }
     if fp32 or head_size > 128:

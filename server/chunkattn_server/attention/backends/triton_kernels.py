@@ -13,6 +13,29 @@ loaded once for the whole group. From its queries' positions it derives the chun
 sequence's first new position from the paged cache through the block table, later ones from the call's
 rows. Softmax is online, in float32 (base 2). With NUM_SPLITS > 1 (flash-decoding), the key range is
 split across programs that write partial results, and ``combine_splits`` merges them exactly.
+
+A float8 cache (KV_FP8: pages of torch.float8_e4m3fn or float8_e5m2, i.e. Triton's fp8e4nv / fp8e5
+pointers; a page value means ``stored * k_scale`` or ``stored * v_scale``) is dequantized in the
+paged-cache loop only: the call's own rows (k_ptr/v_ptr) come already dequantized in the compute dtype.
+Each stored element is loaded as one byte and converted to float32 then to q's dtype, which is exact
+(every e4m3 and e5m2 value is a float16 and a bfloat16 value), and no element is multiplied by a scale:
+- K: ``q . (stored * k_scale) * scale == (q . stored) * (scale * k_scale)``, so the cache loop uses
+  ``scale_log2 * k_scale`` as its score scale (one scalar multiply per program). ALiBi's bias is added
+  after it, unscaled.
+- V: the accumulator of the cache loop holds ``sum p * stored``; it is multiplied by ``v_scale`` once,
+  before the loop over the call's own rows adds theirs (so split partials are in value units and
+  ``combine_splits`` needs no scale).
+This is exact up to float32 rounding of two scalar products, and closer to the real values than
+dequantizing per element in a 16-bit compute dtype would be: that rounds ``stored * scale`` to 8 or 11
+mantissa bits and can overflow (an e5m2 value of 57344 times a scale > 1.14 is no float16 value).
+With KV_FP8 False the kernel compiles exactly as without float8 support; k_scale and v_scale are unused.
+
+Under TRITON_INTERPRET=1 float8 pointers load as uint8 codes and ``.to(tl.float32)`` decodes them with
+the interpreter's bit-level conversion: exact for every finite code (checked against torch for all 256
+codes of both formats in tests/test_triton_fp8.py). Only the non-finite codes differ (e4m3's NaN and
+e5m2's infinities and NaNs read as large finite values), and a saturating cache write never stores them.
+So the kernel has no interpreter-only path. On a GPU, Triton compiles fp8e4nv (e4m3) only for sm_89 and
+later; triton_backend refuses an e4m3 cache on older GPUs, and fp8e5 (e5m2) compiles everywhere.
 """
 
 from __future__ import annotations
@@ -28,7 +51,9 @@ def write_kv(
     stride_ph, stride_pb, stride_ps,
     BLOCK_SIZE: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """Grid (tokens, Hkv): row t of k/v goes to cache slot slots[t] (block * BLOCK_SIZE + offset)."""
+    """Grid (tokens, Hkv): row t of k/v [n, Hkv, D] goes to cache slot slots[t] (block * BLOCK_SIZE + offset)
+    of pages [Hkv, num_blocks, BLOCK_SIZE, D]; k/v and pages share one element type (a plain copy: a float8
+    cache is written through uint8 views, see TritonBackend.write)."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slots_ptr + t).to(tl.int64)
@@ -96,14 +121,18 @@ def chunked_paged_attention(
     out_ptr, part_acc_ptr, part_ml_ptr,
     q_ptr, k_ptr, v_ptr, k_pages_ptr, v_pages_ptr, tables_ptr,
     tile_seq_ptr, tile_start_ptr, seq_row_ptr, seq_len_ptr, seq_pos_ptr, seq_base_ptr, slopes_ptr,
-    chunk_size, scale_log2,
+    chunk_size, scale_log2, k_scale, v_scale,
     stride_ot, stride_oh, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ph, stride_pb, stride_ps, stride_tb,
     GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, HAS_ALIBI: tl.constexpr, IEEE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, HAS_ALIBI: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr,
 ):  # fmt: skip
-    """Grid (tiles, Hkv, NUM_SPLITS). Tile i holds queries tile_start[i].. of sequence tile_seq[i]."""
+    """Grid (tiles, Hkv, NUM_SPLITS). Tile i holds queries tile_start[i].. of sequence tile_seq[i].
+
+    scale_log2: the softmax scale times log2(e). k_scale, v_scale: float8 cache scales (used only when
+    KV_FP8: the pages are float8 and the call's rows, q and out are in the compute dtype).
+    """
     R: tl.constexpr = ROWS
     tile = tl.program_id(0)
     h = tl.program_id(1)
@@ -151,6 +180,10 @@ def chunked_paged_attention(
     jj = tl.arange(0, BLOCK_N)
 
     # Keys before the sequence's first new position: the paged cache, through the block table.
+    if KV_FP8:
+        cache_scale_log2 = scale_log2 * k_scale  # q . (stored * k_scale) == (q . stored) * k_scale
+    else:
+        cache_scale_log2 = scale_log2
     c_hi = tl.minimum(s_hi, pos0)
     for j0 in range(s_lo, c_hi, BLOCK_N):
         j = j0 + jj
@@ -160,9 +193,14 @@ def chunked_paged_attention(
         kv_mask = jm[:, None] & dm[None, :]
         k = tl.load(k_pages_ptr + at[:, None] + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_pages_ptr + at[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if KV_FP8:  # stored values, exact in q's dtype; the scales are applied outside the loop
+            k = k.to(tl.float32).to(q.dtype)
+            v = v.to(tl.float32).to(q.dtype)
         if IEEE:
             k = k.to(tl.float32)
-        acc, m_i, l_i = _update(acc, m_i, l_i, q, k, v, j, jm, pos_r, cs_r, slope_r, scale_log2, HAS_ALIBI, IEEE)
+        acc, m_i, l_i = _update(acc, m_i, l_i, q, k, v, j, jm, pos_r, cs_r, slope_r, cache_scale_log2, HAS_ALIBI, IEEE)
+    if KV_FP8:
+        acc = acc * v_scale  # sum p * stored -> sum p * value, before the call's own (dequantized) rows
 
     # The call's own keys: rows row0 + (j - pos0).
     r_lo = tl.maximum(s_lo, pos0)

@@ -13,10 +13,14 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DTYPE_FLOAT32: _ClassVar[DType]
     DTYPE_FLOAT16: _ClassVar[DType]
     DTYPE_BFLOAT16: _ClassVar[DType]
+    DTYPE_FLOAT8_E4M3: _ClassVar[DType]
+    DTYPE_FLOAT8_E5M2: _ClassVar[DType]
 DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT32: DType
 DTYPE_FLOAT16: DType
 DTYPE_BFLOAT16: DType
+DTYPE_FLOAT8_E4M3: DType
+DTYPE_FLOAT8_E5M2: DType
 
 class Tensor(_message.Message):
     __slots__ = ("dtype", "shape", "data")
@@ -93,7 +97,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LayerInfo(_message.Message):
-    __slots__ = ("index", "chunk_size", "kv_group", "kv_source", "scale", "alibi", "alibi_slopes")
+    __slots__ = ("index", "chunk_size", "kv_group", "kv_source", "scale", "alibi", "alibi_slopes", "k_scale", "v_scale")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_GROUP_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +105,8 @@ class LayerInfo(_message.Message):
     SCALE_FIELD_NUMBER: _ClassVar[int]
     ALIBI_FIELD_NUMBER: _ClassVar[int]
     ALIBI_SLOPES_FIELD_NUMBER: _ClassVar[int]
+    K_SCALE_FIELD_NUMBER: _ClassVar[int]
+    V_SCALE_FIELD_NUMBER: _ClassVar[int]
     index: int
     chunk_size: int
     kv_group: int
@@ -108,10 +114,12 @@ class LayerInfo(_message.Message):
     scale: float
     alibi: bool
     alibi_slopes: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, index: _Optional[int] = ..., chunk_size: _Optional[int] = ..., kv_group: _Optional[int] = ..., kv_source: _Optional[int] = ..., scale: _Optional[float] = ..., alibi: _Optional[bool] = ..., alibi_slopes: _Optional[_Iterable[float]] = ...) -> None: ...
+    k_scale: float
+    v_scale: float
+    def __init__(self, index: _Optional[int] = ..., chunk_size: _Optional[int] = ..., kv_group: _Optional[int] = ..., kv_source: _Optional[int] = ..., scale: _Optional[float] = ..., alibi: _Optional[bool] = ..., alibi_slopes: _Optional[_Iterable[float]] = ..., k_scale: _Optional[float] = ..., v_scale: _Optional[float] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("version", "backend", "device", "num_heads", "num_kv_heads", "head_size", "layers", "block_size", "num_blocks", "free_blocks", "bytes_per_block", "cache_dtype", "dtypes", "active_sequences", "max_message_bytes")
+    __slots__ = ("version", "backend", "device", "num_heads", "num_kv_heads", "head_size", "layers", "block_size", "num_blocks", "free_blocks", "bytes_per_block", "cache_dtype", "dtypes", "active_sequences", "max_message_bytes", "compute_dtype", "spec_window")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +135,8 @@ class InfoResponse(_message.Message):
     DTYPES_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SPEC_WINDOW_FIELD_NUMBER: _ClassVar[int]
     version: str
     backend: str
     device: str
@@ -142,7 +152,9 @@ class InfoResponse(_message.Message):
     dtypes: _containers.RepeatedScalarFieldContainer[DType]
     active_sequences: int
     max_message_bytes: int
-    def __init__(self, version: _Optional[str] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerInfo, _Mapping]]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., cache_dtype: _Optional[_Union[DType, str]] = ..., dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., active_sequences: _Optional[int] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
+    compute_dtype: DType
+    spec_window: int
+    def __init__(self, version: _Optional[str] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerInfo, _Mapping]]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., cache_dtype: _Optional[_Union[DType, str]] = ..., dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., active_sequences: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., compute_dtype: _Optional[_Union[DType, str]] = ..., spec_window: _Optional[int] = ...) -> None: ...
 
 class ForkRequest(_message.Message):
     __slots__ = ("parent", "child")
@@ -158,6 +170,22 @@ class ForkResponse(_message.Message):
     shared_blocks: int
     def __init__(self, shared_blocks: _Optional[int] = ...) -> None: ...
 
+class TruncateRequest(_message.Message):
+    __slots__ = ("seq_id", "length")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    length: int
+    def __init__(self, seq_id: _Optional[str] = ..., length: _Optional[int] = ...) -> None: ...
+
+class TruncateResponse(_message.Message):
+    __slots__ = ("released_blocks", "min_length")
+    RELEASED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MIN_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    released_blocks: int
+    min_length: int
+    def __init__(self, released_blocks: _Optional[int] = ..., min_length: _Optional[int] = ...) -> None: ...
+
 class ExportKVRequest(_message.Message):
     __slots__ = ("seq_id", "layers", "max_message_bytes")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
@@ -169,7 +197,7 @@ class ExportKVRequest(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., layers: _Optional[_Iterable[int]] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
 
 class KVModel(_message.Message):
-    __slots__ = ("num_heads", "num_kv_heads", "head_size", "block_size", "chunk_sizes", "kv_sources", "cache_dtype")
+    __slots__ = ("num_heads", "num_kv_heads", "head_size", "block_size", "chunk_sizes", "kv_sources", "cache_dtype", "k_scales", "v_scales")
     NUM_HEADS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -177,6 +205,8 @@ class KVModel(_message.Message):
     CHUNK_SIZES_FIELD_NUMBER: _ClassVar[int]
     KV_SOURCES_FIELD_NUMBER: _ClassVar[int]
     CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    K_SCALES_FIELD_NUMBER: _ClassVar[int]
+    V_SCALES_FIELD_NUMBER: _ClassVar[int]
     num_heads: int
     num_kv_heads: int
     head_size: int
@@ -184,7 +214,9 @@ class KVModel(_message.Message):
     chunk_sizes: _containers.RepeatedScalarFieldContainer[int]
     kv_sources: _containers.RepeatedScalarFieldContainer[int]
     cache_dtype: DType
-    def __init__(self, num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., block_size: _Optional[int] = ..., chunk_sizes: _Optional[_Iterable[int]] = ..., kv_sources: _Optional[_Iterable[int]] = ..., cache_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+    k_scales: _containers.RepeatedScalarFieldContainer[float]
+    v_scales: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., block_size: _Optional[int] = ..., chunk_sizes: _Optional[_Iterable[int]] = ..., kv_sources: _Optional[_Iterable[int]] = ..., cache_dtype: _Optional[_Union[DType, str]] = ..., k_scales: _Optional[_Iterable[float]] = ..., v_scales: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class KVGroupBlocks(_message.Message):
     __slots__ = ("logical",)
@@ -193,7 +225,7 @@ class KVGroupBlocks(_message.Message):
     def __init__(self, logical: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVHeader(_message.Message):
-    __slots__ = ("seq_id", "model", "lengths", "layers", "groups", "group_of", "num_records")
+    __slots__ = ("seq_id", "model", "lengths", "layers", "groups", "group_of", "num_records", "kept_from")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LENGTHS_FIELD_NUMBER: _ClassVar[int]
@@ -201,6 +233,7 @@ class KVHeader(_message.Message):
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     GROUP_OF_FIELD_NUMBER: _ClassVar[int]
     NUM_RECORDS_FIELD_NUMBER: _ClassVar[int]
+    KEPT_FROM_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     model: KVModel
     lengths: _containers.RepeatedScalarFieldContainer[int]
@@ -208,7 +241,8 @@ class KVHeader(_message.Message):
     groups: _containers.RepeatedCompositeFieldContainer[KVGroupBlocks]
     group_of: _containers.RepeatedScalarFieldContainer[int]
     num_records: int
-    def __init__(self, seq_id: _Optional[str] = ..., model: _Optional[_Union[KVModel, _Mapping]] = ..., lengths: _Optional[_Iterable[int]] = ..., layers: _Optional[_Iterable[int]] = ..., groups: _Optional[_Iterable[_Union[KVGroupBlocks, _Mapping]]] = ..., group_of: _Optional[_Iterable[int]] = ..., num_records: _Optional[int] = ...) -> None: ...
+    kept_from: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[str] = ..., model: _Optional[_Union[KVModel, _Mapping]] = ..., lengths: _Optional[_Iterable[int]] = ..., layers: _Optional[_Iterable[int]] = ..., groups: _Optional[_Iterable[_Union[KVGroupBlocks, _Mapping]]] = ..., group_of: _Optional[_Iterable[int]] = ..., num_records: _Optional[int] = ..., kept_from: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVBlock(_message.Message):
     __slots__ = ("layer", "logical", "k", "v", "checksum")

@@ -84,6 +84,11 @@ class ChunkAttnStub:
                 request_serializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.KVChunk.SerializeToString,
                 response_deserializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.ImportKVResponse.FromString,
                 _registered_method=True)
+        self.Truncate = channel.unary_unary(
+                '/chunkattn.v1.ChunkAttn/Truncate',
+                request_serializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.TruncateRequest.SerializeToString,
+                response_deserializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.TruncateResponse.FromString,
+                _registered_method=True)
         self.TransferKV = channel.unary_unary(
                 '/chunkattn.v1.ChunkAttn/TransferKV',
                 request_serializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.TransferKVRequest.SerializeToString,
@@ -166,6 +171,22 @@ class ChunkAttnServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Truncate(self, request, context):
+        """Take a sequence back to its first `length` tokens in every layer, as if the later ones had never been
+        sent (speculative decoding drops the draft tokens a verify call rejected). Layers holding `length`
+        tokens or fewer are unchanged, and the blocks emptied go back to the pool (a block still shared with a
+        fork stays with it). A chunked layer keeps only its current chunk, plus K = --spec-window tokens before
+        it (Info's spec_window), so right after a call at position p any length from max(p, n - K) on is
+        allowed, n being the sequence's length: a verify call of up to K + 1 tokens can always drop its drafts.
+        Going back further than a layer still holds is FAILED_PRECONDITION, naming min_length (every length
+        from it on is allowed, and so are 0 and a chunk boundary of every chunked layer, where no layer reads
+        older keys); a length past the sequence's is FAILED_PRECONDITION too, a negative one INVALID_ARGUMENT.
+        Nothing changes on an error.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def TransferKV(self, request, context):
         """This server streams a sequence's KV straight into another server's ImportKV (disaggregated
         prefill/decode), and optionally releases it here once the target has it. The target authenticates this
@@ -213,6 +234,11 @@ def add_ChunkAttnServicer_to_server(servicer, server):
                     servicer.ImportKV,
                     request_deserializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.KVChunk.FromString,
                     response_serializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.ImportKVResponse.SerializeToString,
+            ),
+            'Truncate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Truncate,
+                    request_deserializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.TruncateRequest.FromString,
+                    response_serializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.TruncateResponse.SerializeToString,
             ),
             'TransferKV': grpc.unary_unary_rpc_method_handler(
                     servicer.TransferKV,
@@ -424,6 +450,33 @@ class ChunkAttn:
             '/chunkattn.v1.ChunkAttn/ImportKV',
             chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.KVChunk.SerializeToString,
             chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.ImportKVResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Truncate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/chunkattn.v1.ChunkAttn/Truncate',
+            chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.TruncateRequest.SerializeToString,
+            chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.TruncateResponse.FromString,
             options,
             channel_credentials,
             insecure,

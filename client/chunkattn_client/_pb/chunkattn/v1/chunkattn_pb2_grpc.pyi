@@ -80,6 +80,18 @@ class ChunkAttnStub:
     need (INVALID_ARGUMENT), an id in use (ALREADY_EXISTS) or too few free blocks (RESOURCE_EXHAUSTED)
     leave nothing behind.
     """
+    Truncate: _grpc.UnaryUnaryMultiCallable[_chunkattn_pb2.TruncateRequest, _chunkattn_pb2.TruncateResponse]
+    """Take a sequence back to its first `length` tokens in every layer, as if the later ones had never been
+    sent (speculative decoding drops the draft tokens a verify call rejected). Layers holding `length`
+    tokens or fewer are unchanged, and the blocks emptied go back to the pool (a block still shared with a
+    fork stays with it). A chunked layer keeps only its current chunk, plus K = --spec-window tokens before
+    it (Info's spec_window), so right after a call at position p any length from max(p, n - K) on is
+    allowed, n being the sequence's length: a verify call of up to K + 1 tokens can always drop its drafts.
+    Going back further than a layer still holds is FAILED_PRECONDITION, naming min_length (every length
+    from it on is allowed, and so are 0 and a chunk boundary of every chunked layer, where no layer reads
+    older keys); a length past the sequence's is FAILED_PRECONDITION too, a negative one INVALID_ARGUMENT.
+    Nothing changes on an error.
+    """
     TransferKV: _grpc.UnaryUnaryMultiCallable[_chunkattn_pb2.TransferKVRequest, _chunkattn_pb2.TransferKVResponse]
     """This server streams a sequence's KV straight into another server's ImportKV (disaggregated
     prefill/decode), and optionally releases it here once the target has it. The target authenticates this
@@ -132,6 +144,18 @@ class ChunkAttnAsyncStub(ChunkAttnStub):
     cut-short stream (DATA_LOSS), another shape or a header whose blocks are not exactly those its lengths
     need (INVALID_ARGUMENT), an id in use (ALREADY_EXISTS) or too few free blocks (RESOURCE_EXHAUSTED)
     leave nothing behind.
+    """
+    Truncate: _aio.UnaryUnaryMultiCallable[_chunkattn_pb2.TruncateRequest, _chunkattn_pb2.TruncateResponse]  # type: ignore[assignment]
+    """Take a sequence back to its first `length` tokens in every layer, as if the later ones had never been
+    sent (speculative decoding drops the draft tokens a verify call rejected). Layers holding `length`
+    tokens or fewer are unchanged, and the blocks emptied go back to the pool (a block still shared with a
+    fork stays with it). A chunked layer keeps only its current chunk, plus K = --spec-window tokens before
+    it (Info's spec_window), so right after a call at position p any length from max(p, n - K) on is
+    allowed, n being the sequence's length: a verify call of up to K + 1 tokens can always drop its drafts.
+    Going back further than a layer still holds is FAILED_PRECONDITION, naming min_length (every length
+    from it on is allowed, and so are 0 and a chunk boundary of every chunked layer, where no layer reads
+    older keys); a length past the sequence's is FAILED_PRECONDITION too, a negative one INVALID_ARGUMENT.
+    Nothing changes on an error.
     """
     TransferKV: _aio.UnaryUnaryMultiCallable[_chunkattn_pb2.TransferKVRequest, _chunkattn_pb2.TransferKVResponse]  # type: ignore[assignment]
     """This server streams a sequence's KV straight into another server's ImportKV (disaggregated
@@ -224,6 +248,24 @@ class ChunkAttnServicer(metaclass=_abc_1.ABCMeta):
         cut-short stream (DATA_LOSS), another shape or a header whose blocks are not exactly those its lengths
         need (INVALID_ARGUMENT), an id in use (ALREADY_EXISTS) or too few free blocks (RESOURCE_EXHAUSTED)
         leave nothing behind.
+        """
+
+    @_abc_1.abstractmethod
+    def Truncate(
+        self,
+        request: _chunkattn_pb2.TruncateRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_chunkattn_pb2.TruncateResponse, _abc.Awaitable[_chunkattn_pb2.TruncateResponse]]:
+        """Take a sequence back to its first `length` tokens in every layer, as if the later ones had never been
+        sent (speculative decoding drops the draft tokens a verify call rejected). Layers holding `length`
+        tokens or fewer are unchanged, and the blocks emptied go back to the pool (a block still shared with a
+        fork stays with it). A chunked layer keeps only its current chunk, plus K = --spec-window tokens before
+        it (Info's spec_window), so right after a call at position p any length from max(p, n - K) on is
+        allowed, n being the sequence's length: a verify call of up to K + 1 tokens can always drop its drafts.
+        Going back further than a layer still holds is FAILED_PRECONDITION, naming min_length (every length
+        from it on is allowed, and so are 0 and a chunk boundary of every chunked layer, where no layer reads
+        older keys); a length past the sequence's is FAILED_PRECONDITION too, a negative one INVALID_ARGUMENT.
+        Nothing changes on an error.
         """
 
     @_abc_1.abstractmethod
