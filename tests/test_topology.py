@@ -7,6 +7,7 @@ call in flight finishes.
 
 from __future__ import annotations
 
+import itertools
 import signal
 import threading
 import time
@@ -166,9 +167,21 @@ def test_a_killed_replica_fails_only_its_own_sessions() -> None:
         for key in kept:  # the survivor's sessions go on
             routed(envoy, key, length=1).step(1, [0])
         wait_healthy(c, 1, "Envoy kept the dead replica in its ring")
+        # The admin page shows the host down a moment before every Envoy worker has rebuilt its ring without
+        # it (CI saw one connect failure there): a new session's first call may still meet the dead replica
+        # within that moment, never after it.
+        settle = time.monotonic() + 5
         for i in range(6):  # new sessions all land on the survivor
-            routed(envoy, f"new-{i}", seed=i).step(3)
-            assert holders(c, f"new-{i}", [1]) == [1]
+            for attempt in itertools.count():  # a fresh session each attempt: a failed one may have begun
+                key = f"new-{i}-{attempt}"
+                try:
+                    routed(envoy, key, seed=i).step(3)
+                    break
+                except ChunkAttnError as e:
+                    if e.code != grpc.StatusCode.UNAVAILABLE or time.monotonic() > settle:
+                        raise
+                    time.sleep(0.1)
+            assert holders(c, key, [1]) == [1]
 
 
 def test_sigterm_takes_a_replica_out_of_the_ring_while_its_call_in_flight_finishes() -> None:
