@@ -135,7 +135,9 @@ $CLI bench --target "127.0.0.1:$grpc_port" --sequences 8 --concurrency 2 --promp
 $DOCKER stop -t 30 chunkattn-ci-alone >/dev/null
 code=$($DOCKER inspect -f '{{.State.ExitCode}}' chunkattn-ci-alone)
 [ "$code" = 0 ] || fail "SIGTERM: the server exited $code: $($DOCKER logs chunkattn-ci-alone 2>&1 | tail -10)"
-$DOCKER logs chunkattn-ci-alone 2>&1 | grep -q "draining" || fail "SIGTERM did not reach the server (no drain)"
+# Read the logs whole: `docker logs | grep -q` fails under pipefail when grep exits early (SIGPIPE).
+logs=$($DOCKER logs chunkattn-ci-alone 2>&1)
+grep -q "draining" <<<"$logs" || fail "SIGTERM did not reach the server (no drain): $(tail -10 <<<"$logs")"
 say "image alone: healthy, Info, verified bench, SIGTERM -> drain, exit 0"
 
 # 5. The compose stack: servers, Envoy, Prometheus.
