@@ -464,6 +464,42 @@ def test_sighup_reloads_the_certificate_and_the_tokens_keeping_open_streams_of_v
             assert still.release(["open", "other"]) == 2
 
 
+def test_a_stream_message_sent_under_a_revoked_token_is_refused_and_not_carried_out(tmp_path: Path) -> None:
+    """The token is checked when a stream's message arrives, not before the server waits for it: a message
+    that comes after the revocation is refused and changes nothing. Both ways a token stops naming the
+    stream's tenant: revoked, and moved to another tenant."""
+    tokens = token_file(tmp_path / "tokens.json", {"team-a": {"tokens": [TOKENS["a1"], TOKENS["a2"]]}})
+    q, k, v = tensors(np.random.default_rng(11), 5)
+    with ServerProcess(*FLAGS, "--auth-tokens", str(tokens)) as s:
+
+        def reload(tenants: dict[str, dict[str, Any]]) -> None:
+            before = s.log().count("token file reloaded")
+            token_file(tokens, tenants)
+            s.proc.send_signal(signal.SIGHUP)
+            deadline = time.monotonic() + 20
+            while s.log().count("token file reloaded") == before:
+                assert time.monotonic() < deadline, s.log()
+                time.sleep(0.1)
+
+        with ChunkAttnClient(s.target, token=TOKENS["a1"]) as t1, ChunkAttnClient(s.target, token=TOKENS["a2"]) as t2:
+            stream = t1.stream()
+            stream.attend(0, [BatchEntry("s", 0, 5)], q, k, v)
+            reload({"team-a": {"token": TOKENS["a2"]}})  # T1 revoked
+            with pytest.raises(ChunkAttnError) as e:
+                stream.attend(0, [BatchEntry("s", 5, 1)], q[:1], k[:1], v[:1])
+            assert e.value.code == grpc.StatusCode.UNAUTHENTICATED
+            t2.attend(0, [BatchEntry("s", 5, 1)], q[:1], k[:1], v[:1])  # position 5 is free: nothing was written
+
+            moving = t2.stream()
+            moving.attend(0, [BatchEntry("s", 6, 1)], q[:1], k[:1], v[:1])
+            reload({"team-a": {"token": TOKENS["a1"]}, "team-b": {"token": TOKENS["a2"]}})  # T2 moved to team-b
+            with pytest.raises(ChunkAttnError) as e:
+                moving.attend(0, [BatchEntry("s", 7, 1)], q[:1], k[:1], v[:1])
+            assert e.value.code == grpc.StatusCode.UNAUTHENTICATED
+        with ChunkAttnClient(s.target, token=TOKENS["a1"]) as a:  # team-a's "s" still ends at 7
+            a.attend(0, [BatchEntry("s", 7, 1)], q[:1], k[:1], v[:1])
+
+
 # -- the CLI, the bench and the transformers session ------------------------------------------------------
 
 

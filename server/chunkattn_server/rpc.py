@@ -163,9 +163,10 @@ def parse_now(message: type[M], raw: bytes, max_fields: int | None = None) -> M:
 
 class Stream:
     """A stream's reads and writes, each bounded in time: a client that sends nothing (or reads nothing)
-    for ``idle_s`` ends the stream with StreamStalled (DEADLINE_EXCEEDED). ``idle_s`` 0: no bound. Before
-    each read and write ``recheck()`` runs (its error ends the stream): a token revoked while the stream is
-    open ends it at its next message."""
+    for ``idle_s`` ends the stream with StreamStalled (DEADLINE_EXCEEDED). ``idle_s`` 0: no bound. Each
+    message read is checked by ``recheck()`` once it has arrived and before it is handed over (its error ends
+    the stream): a token revoked while the stream is open ends it at its next message, which is not carried
+    out. A write is not checked: it answers a message accepted under a valid token."""
 
     def __init__(
         self,
@@ -185,7 +186,6 @@ class Stream:
     async def read(self) -> bytes | None:
         """The next request (None at the stream's end)."""
         assert self._requests is not None
-        self._recheck()
         try:
             async with asyncio.timeout(self._idle_s or None):  # no task per message, as wait_for makes
                 data = await anext(self._requests, None)
@@ -194,11 +194,12 @@ class Stream:
                 f"the stream sent nothing for {self._idle_s:g} s (messages so far: {self.received}), so the"
                 f" server closed it and returned what it held (chunkattn-server {self._flag})"
             ) from None
-        self.received += data is not None
+        if data is not None:
+            self._recheck()  # on arrival: the credentials may have been revoked while the stream waited
+            self.received += 1
         return data
 
     async def write(self, data: bytes) -> None:
-        self._recheck()
         try:
             async with asyncio.timeout(self._idle_s or None):
                 await self._context.write(data)
@@ -325,7 +326,8 @@ class Rpcs:
 
         async def behavior(raw: bytes, context: Context) -> None:
             async with self._answering(rpc, context) as tenant:
-                out = Stream(None, context, idle_s, flag, self._rechecker(tenant, context))
+                out = Stream(None, context, idle_s, flag)
+                recheck = self._rechecker(tenant, context)
                 ticket = self.admission.admit(len(raw), tenant=tenant)
                 try:
                     responses = handler(await self.parse(request, raw, max_bytes), context, tenant)
@@ -335,6 +337,7 @@ class Rpcs:
                             ticket.release()
                             if response is None:
                                 break
+                            recheck()  # a token revoked during the stream gets none of its later messages
                             await out.write(response)
                             ticket = self.admission.admit(refusable=False, tenant=tenant)
                 finally:
