@@ -38,13 +38,33 @@ def write(tmp_path: Path, data: Any) -> str:
         ({"tenant": {}}, 'expected {"tenants"'),
         ({"tenants": {"bad name": {"tokens_sha256": [DIGEST]}}}, "must be 1-64 of A-Z a-z 0-9 _ . -"),
         ({"tenants": {"a": {}}}, "needs a token (tokens_sha256) or a certificate subject"),
-        ({"tenants": {"a": {"tokens_sha256": ["secret-a"]}}}, "token 0 is not a SHA-256 in hex"),
-        ({"tenants": {"a": {"tokens_sha256": [DIGEST]}, "b": {"tokens_sha256": [DIGEST.upper()]}}}, "is also 'a''s"),
-        ({"tenants": {"a": {"subjects": ["x"]}, "b": {"subjects": ["x"]}}}, "subject 'x' names two tenants"),
-        ({"tenants": {"a": {"tokens_sha256": [DIGEST], "max_kv_blocks": 0}}}, "max_kv_blocks must be a positive"),
-        ({"tenants": {"a": {"tokens_sha256": [DIGEST], "max_calls": True}}}, "max_calls must be a positive"),
+        ({"tenants": {"a": {"tokens_sha256": ["secret-a"]}}}, "token 0 of tenant 'a' is not a SHA-256 in hex"),
+        (
+            {"tenants": {"a": {"tokens_sha256": [DIGEST]}, "b": {"tokens_sha256": [DIGEST.upper()]}}},
+            "token 0 of tenant 'b' is also token 0 of tenant 'a'",
+        ),
+        (
+            {"tenants": {"a": {"tokens_sha256": [DIGEST, DIGEST]}}},
+            "token 1 of tenant 'a' is also token 0 of tenant 'a'",
+        ),
+        (
+            {"tenants": {"a": {"subjects": ["x"]}, "b": {"subjects": ["x"]}}},
+            "subject 'x' names two tenants, 'a' and 'b'",
+        ),
+        ({"tenants": {"a": {"subjects": ["x", "x"]}}}, "subject 'x' is listed twice for tenant 'a'"),
+        (
+            {"tenants": {"a": {"tokens_sha256": [DIGEST], "max_kv_blocks": 0}}},
+            "max_kv_blocks of tenant 'a' must be a positive",
+        ),
+        (
+            {"tenants": {"a": {"tokens_sha256": [DIGEST], "max_calls": True}}},
+            "max_calls of tenant 'a' must be a positive",
+        ),
         ({"tenants": {"a": {"tokens_sha256": [DIGEST], "max_blocks": 3}}}, "unknown fields ['max_blocks']"),
-        ({"tenants": {"a": {"tokens_sha256": DIGEST}}}, "tokens_sha256 must be a list of non-empty strings"),
+        (
+            {"tenants": {"a": {"tokens_sha256": DIGEST}}},
+            "tokens_sha256 of tenant 'a' must be a list of non-empty strings",
+        ),
     ],
 )
 def test_a_bad_token_file_is_refused_saying_what_is_wrong(tmp_path: Path, data: Any, message: str) -> None:
@@ -52,6 +72,39 @@ def test_a_bad_token_file_is_refused_saying_what_is_wrong(tmp_path: Path, data: 
         Tenants.load(write(tmp_path, data))
     assert message in str(e.value)
     assert "secret-a" not in str(e.value)
+
+
+A = f'"a": {{"tokens_sha256": ["{DIGEST}"]}}'
+B = f'"b": {{"tokens_sha256": ["{token_digest("secret-b")}"]}}'
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (f'{{"tenants": {{{A}, {A}}}}}', "tenant 'a' is listed twice"),
+        (f'{{"tenants": {{{A}, "a": {{"subjects": ["x"]}}}}}}', "tenant 'a' is listed twice"),
+        (f'{{"tenants": {{{A}}}, "tenants": {{{B}}}}}', "'tenants' is given twice at the top level"),
+        (
+            f'{{"tenants": {{{B}, "a": {{"tokens_sha256": ["{DIGEST}"], "max_sequences": 2, "max_sequences": 9}}}}}}',
+            "'max_sequences' is given twice in tenant 'a'",
+        ),
+        (
+            f'{{"tenants": {{"a": {{"tokens_sha256": ["{DIGEST}"], "tokens_sha256": ["{token_digest("x")}"]}}}}}}',
+            "'tokens_sha256' is given twice in tenant 'a'",
+        ),
+    ],
+)
+def test_a_key_given_twice_in_the_token_file_is_refused_not_last_wins(tmp_path: Path, text: str, message: str) -> None:
+    """json.load alone would keep the last of each: a tenant's first entry (its token, its quotas) or the
+    first "tenants" block would vanish without a word."""
+    json.loads(text)  # valid JSON, each of them
+    auth = Authenticator(write(tmp_path, {"tenants": {"old": {"tokens_sha256": [token_digest("secret-old")]}}}))
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as e:
+        Tenants.load(path)
+    assert str(e.value) == f"{path}: {message}; give each once (JSON readers keep only the last)"
+    assert not auth.reload()  # as on SIGHUP: refused, the old tenants stay
+    assert auth.tenant_of([("authorization", "Bearer secret-old")], {}).name == "old"
 
 
 def test_tokens_and_subjects_name_tenants_and_nothing_else_does(tmp_path: Path) -> None:

@@ -18,8 +18,9 @@ The file (JSON; reloaded on SIGHUP, a bad new file keeps the old one)::
         "team-b": {"tokens_sha256": ["..."]}}}
 
 A tenant name is 1-64 of ``A-Z a-z 0-9 _ . -``, starting with a letter or digit; it needs a token or a
-subject; each digest and subject belongs to one tenant; the quotas are optional positive integers (KV
-blocks and sequences held at once, calls worked on at once, calls open at once with idle streams).
+subject; each digest and subject is listed once, for one tenant; the quotas are optional positive integers
+(KV blocks and sequences held at once, calls worked on at once, calls open at once with idle streams). A
+key given twice in one object (a tenant, a quota, "tenants") is refused: JSON readers keep the last one.
 ``chunkattn-server --hash-token`` prints a token's digest. Tokens are never logged: messages name the
 tenant, never the token.
 """
@@ -33,6 +34,7 @@ import logging
 import os
 import re
 import stat
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -82,11 +84,14 @@ class Tenants:
         """Read and check a token file; ConfigError saying what is wrong (never quoting a digest)."""
         try:
             with open(path, encoding="utf-8") as f:
-                data = json.load(f)
+                data = json.load(f, object_pairs_hook=_Object)
         except OSError as e:
             raise ConfigError(f"cannot read the token file {path}: {e.strerror}") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"the token file {path} is not valid JSON: {e}") from None
+        repeated = _repeated(data)
+        if repeated is not None:
+            raise ConfigError(f"{path}: {repeated}; give each once (JSON readers keep only the last)")
         return cls.parse(data, path)
 
     @classmethod
@@ -94,7 +99,7 @@ class Tenants:
         if not isinstance(data, dict) or set(data) != {"tenants"} or not isinstance(data["tenants"], dict):
             raise ConfigError(f'{where}: expected {{"tenants": {{"<name>": {{...}}, ...}}}}')
         by_name: dict[str, Tenant] = {}
-        digests: dict[bytes, str] = {}
+        digests: dict[bytes, tuple[str, int]] = {}  # digest -> (tenant, index in its tokens_sha256)
         subjects: dict[str, str] = {}
         for name, spec in data["tenants"].items():
             if not _NAME.fullmatch(name):
@@ -107,28 +112,34 @@ class Tenants:
             unknown = sorted(set(spec) - _FIELDS)
             if unknown:
                 raise ConfigError(f"{where}: tenant {name!r} has unknown fields {unknown}; known: {sorted(_FIELDS)}")
-            tokens = _strings(spec.get("tokens_sha256", []), f"{where}: tenant {name!r}'s tokens_sha256")
-            names = _strings(spec.get("subjects", []), f"{where}: tenant {name!r}'s subjects")
+            tokens = _strings(spec.get("tokens_sha256", []), f"{where}: tokens_sha256 of tenant {name!r}")
+            names = _strings(spec.get("subjects", []), f"{where}: subjects of tenant {name!r}")
             if not tokens and not names:
                 raise ConfigError(f"{where}: tenant {name!r} needs a token (tokens_sha256) or a certificate subject")
             for i, digest in enumerate(tokens):
                 if not _DIGEST.fullmatch(digest):
                     raise ConfigError(
-                        f"{where}: tenant {name!r}'s token {i} is not a SHA-256 in hex (64 digits); make one with"
+                        f"{where}: token {i} of tenant {name!r} is not a SHA-256 in hex (64 digits); make one with"
                         " chunkattn-server --hash-token"
                     )
                 raw = bytes.fromhex(digest)
                 if raw in digests:
-                    raise ConfigError(f"{where}: tenant {name!r}'s token {i} is also {digests[raw]!r}'s")
-                digests[raw] = name
+                    owner, j = digests[raw]
+                    raise ConfigError(f"{where}: token {i} of tenant {name!r} is also token {j} of tenant {owner!r}")
+                digests[raw] = (name, i)
             for subject in names:
                 if subject in subjects:
-                    raise ConfigError(f"{where}: subject {subject[:70]!r} names two tenants")
+                    owner = subjects[subject]
+                    raise ConfigError(
+                        f"{where}: subject {subject[:70]!r} is listed twice for tenant {name!r}"
+                        if owner == name
+                        else f"{where}: subject {subject[:70]!r} names two tenants, {owner!r} and {name!r}"
+                    )
                 subjects[subject] = name
-            limit = {key: _positive(spec.get(key), f"{where}: tenant {name!r}'s {key}") for key in _QUOTAS}
+            limit = {key: _positive(spec.get(key), f"{where}: {key} of tenant {name!r}") for key in _QUOTAS}
             quota = Quota(limit["max_kv_blocks"], limit["max_sequences"])
             by_name[name] = Tenant(name, quota, limit["max_calls"], limit["max_open_calls"])
-        return cls(by_name, tuple(digests.items()), subjects)
+        return cls(by_name, tuple((raw, owner) for raw, (owner, _) in digests.items()), subjects)
 
 
 class Authenticator:
@@ -204,6 +215,34 @@ class Authenticator:
         if now.name != tenant.name:
             raise Unauthenticated("the call's credentials name another tenant since the token file was reloaded")
         return now
+
+
+class _Object(dict[str, Any]):
+    """A JSON object as read (json.load's object_pairs_hook), with the keys it gives more than once: a plain
+    dict would quietly keep their last value."""
+
+    def __init__(self, pairs: list[tuple[str, Any]]) -> None:
+        super().__init__(pairs)
+        counts = Counter(key for key, _ in pairs)
+        self.repeated = [key for key, n in counts.items() if n > 1]
+
+
+def _repeated(data: Any) -> str | None:
+    """What a token file read with _Object gives twice in one object: at the top level, in "tenants" or in
+    a tenant (deeper objects have no place in the file: parse refuses them). None when nothing."""
+    if not isinstance(data, _Object):
+        return None
+    if data.repeated:
+        return f"{data.repeated[0][:70]!r} is given twice at the top level"
+    tenants = data.get("tenants")
+    if not isinstance(tenants, _Object):
+        return None
+    if tenants.repeated:
+        return f"tenant {tenants.repeated[0][:70]!r} is listed twice"
+    for name, spec in tenants.items():
+        if isinstance(spec, _Object) and spec.repeated:
+            return f"{spec.repeated[0][:70]!r} is given twice in tenant {name[:70]!r}"
+    return None
 
 
 def _strings(value: Any, what: str) -> list[str]:

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import signal
+import socket
 from collections.abc import Callable
 
 import grpc
@@ -24,6 +26,7 @@ from chunkattn_server import http, reflection
 from chunkattn_server.auth import Authenticator, Gate
 from chunkattn_server.config import EngineConfig, ServerConfig
 from chunkattn_server.engine import Engine
+from chunkattn_server.errors import ConfigError
 from chunkattn_server.metrics import Metrics
 from chunkattn_server.scheduler import Scheduler
 from chunkattn_server.service import ChunkAttnService
@@ -48,6 +51,10 @@ PING_POLICY = [
     ("grpc.http2.min_ping_interval_without_data_ms", int((MIN_KEEPALIVE_S - 1) * 1000)),
 ]
 
+# The port is this server's alone. gRPC sets SO_REUSEPORT by default, so a second server on a port in use
+# would bind it too, start, and take a share of the new connections (whose sequences live on the other).
+EXCLUSIVE_PORT = [("grpc.so_reuseport", 0)]
+
 
 async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
     """Run until SIGTERM/SIGINT, then shut down gracefully."""
@@ -55,14 +62,22 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):  # first: a signal while the pool is allocated still drains
         loop.add_signal_handler(sig, stop.set)
-    # Credentials are read before the pool is allocated: a bad file fails at once, not after a minute.
+    # Credentials and ports are checked before the pool is allocated: a mistake fails at once, not after a minute.
+    if config.port and config.port == config.metrics_port:
+        raise ConfigError(f"--port and --metrics-port are both {config.port}: give each a port of its own")
+    _check_free(config.host, config.port, "--port")
     auth = Authenticator(config.auth_tokens)
     tls = None if config.tls_cert is None else ServerTLS(config.tls_cert, config.tls_key or "", config.tls_client_ca)
     _ = config.transfer_channels  # TransferKV's files, read (once) now: mistakes show before the pool
     metrics = Metrics()
     # The probes answer from the start ("starting" while the pool is allocated, which may take a minute).
     probe = http.Probe()
-    stop_http = http.start(config.host, config.metrics_port, metrics.registry, probe) if config.metrics_port else None
+    stop_http = None
+    if config.metrics_port:
+        try:
+            stop_http = http.start(config.host, config.metrics_port, metrics.registry, probe)
+        except OSError as e:
+            raise OSError(_cannot_listen(config.host, config.metrics_port, "--metrics-port", e)) from None
     worker = Scheduler(  # allocates the KV pool: SERVING only after this
         lambda: Engine(engine_config),
         metrics,
@@ -76,7 +91,7 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
     # The clients' message limits. The service admits the calls it works on (rpc.Admission: health checks
     # and idle streams never count); gRPC's own limit, far above, bounds the calls open at once, those still
     # being received included, which the service cannot see.
-    options = [*channel_options(config.max_message_bytes, None), *PING_POLICY, *STREAM_LIMITS]
+    options = [*channel_options(config.max_message_bytes, None), *PING_POLICY, *STREAM_LIMITS, *EXCLUSIVE_PORT]
 
     def refused(rpc: str) -> None:
         metrics.of(metrics.requests, rpc, grpc.StatusCode.UNAUTHENTICATED.name).inc()
@@ -96,9 +111,16 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable(server, (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name))
     address = f"{config.host}:{config.port}"
-    port = server.add_insecure_port(address) if tls is None else server.add_secure_port(address, tls.credentials())
+    try:
+        port = server.add_insecure_port(address) if tls is None else server.add_secure_port(address, tls.credentials())
+    except RuntimeError:  # gRPC says only "Failed to bind to address" (taken since _check_free, say)
+        port = 0
     if port == 0:
-        raise OSError(f"cannot listen on {address}")
+        why = _cannot_listen(config.host, config.port, "--port", _bind_error(config.host, config.port))
+        worker.stop()
+        if stop_http is not None:
+            stop_http()
+        raise OSError(why)
     heartbeat = asyncio.create_task(probe.heartbeat())
     await server.start()
     for name in ("", SERVICE_NAME):
@@ -181,6 +203,37 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
         if stop_http is not None:
             stop_http()
     log.info("stopped")
+
+
+def _cannot_listen(host: str, port: int, flag: str, e: OSError | None) -> str:
+    """The one-line reason a server cannot listen on host:port (flag: the option that named the port)."""
+    if e is None:
+        return f"cannot listen on {host}:{port} ({flag})"
+    if e.errno == errno.EADDRINUSE:
+        return f"cannot listen on {host}:{port} ({flag}): the port is in use, by another server perhaps"
+    return f"cannot listen on {host}:{port} ({flag}): {e.strerror or e}"
+
+
+def _bind_error(host: str, port: int) -> OSError | None:
+    """Why a listening socket cannot bind host:port, on the first of the addresses host names that fails,
+    bound as gRPC binds them (SO_REUSEADDR, no SO_REUSEPORT); None when every one binds."""
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        for family, kind, proto, _, address in addresses:
+            with socket.socket(family, kind, proto) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port left in TIME_WAIT is free
+                s.bind(address)
+    except OSError as e:
+        return e
+    return None
+
+
+def _check_free(host: str, port: int, flag: str) -> None:
+    """OSError when another socket holds host:port (on any address host names). Other failures are left to
+    gRPC, which listens on the addresses it can bind (localhost without IPv6, say). Port 0 always passes."""
+    e = _bind_error(host, port) if port else None
+    if e is not None and e.errno == errno.EADDRINUSE:
+        raise OSError(_cannot_listen(host, port, flag, e))
 
 
 def _unsent(port: int) -> int | None:
