@@ -3,7 +3,8 @@
     with ChunkAttnClient("localhost:50051") as c:
         out = c.attend(0, [BatchEntry("s", 0, 100)], q, k, v)   # numpy in, numpy out
 
-Every failure surfaces as ``ChunkAttnError`` carrying the gRPC status code and the server's message.
+Every failure surfaces as ``ChunkAttnError`` carrying the gRPC status code and the server's message; a call
+whose connection to the server was lost gets UNAVAILABLE (``connection_lost``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import queue
+import re
 import secrets
 import threading
 import weakref
@@ -44,10 +46,43 @@ class ChunkAttnError(Exception):
 
     @classmethod
     def from_rpc(cls, err: grpc.RpcError) -> ChunkAttnError:
+        """The ChunkAttnError of a failed gRPC call: its status and details, except that a connection lost
+        mid-call (see ``connection_lost``) is UNAVAILABLE, whatever status gRPC gave it, with a message
+        that says so."""
         # Failed calls raise grpc.Call objects (code(), details()); a bare RpcError has neither.
         code = getattr(err, "code", lambda: None)()
-        details = getattr(err, "details", lambda: None)()
-        return cls(code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.UNKNOWN, details or str(err))
+        details: str = getattr(err, "details", lambda: None)() or str(err)
+        code = code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.UNKNOWN
+        if connection_lost(code, details):
+            return cls(grpc.StatusCode.UNAVAILABLE, lost_connection_message(code, details))
+        return cls(code, details)
+
+
+# What gRPC core's HTTP/2 transport says of a call whose connection or stream went away under it, and never
+# a chunkattn server's message: "Stream removed (Socket closed)" (the server died), "Stream removed
+# (recvmsg:Connection reset by peer (104))", and "Stream removed (RST_STREAM (Received RST_STREAM with error
+# code 2))" where a proxy reset the stream: Envoy, when the replica behind it dies mid-stream. gRPC gives
+# the last INTERNAL (an RST_STREAM is INTERNAL by its HTTP/2 mapping), the others UNAVAILABLE.
+_CONNECTION_LOST = re.compile(r"Stream removed(?: \(.*\))?|Received RST_STREAM with error code \d+", re.DOTALL)
+
+
+def connection_lost(code: grpc.StatusCode, details: str) -> bool:
+    """Whether a call failed because its connection to the server was lost (or a proxy reset it): INTERNAL
+    or UNAVAILABLE with gRPC core's own words for it. An INTERNAL with the server's message (a server bug)
+    is not."""
+    transport = code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE)
+    return transport and _CONNECTION_LOST.fullmatch(details) is not None
+
+
+def lost_connection_message(code: grpc.StatusCode, details: str) -> str:
+    """The message of a call whose connection was lost: what happened, gRPC's original status, what it means."""
+    return (
+        f"the connection to the server was lost mid-call (gRPC: {code.name}: {details}): the server went away"
+        " or a proxy in between reset the call. Whether the server carried this call out is unknown; on a"
+        " stream, the answers received before stand, and an export or import cut short is incomplete. Retry on"
+        " a new call or stream (the channel reconnects); the server that answers it, a restarted one or, behind"
+        " Envoy, another replica, may not hold this session's KV (NOT_FOUND): then start the sequence again"
+    )
 
 
 @contextlib.contextmanager
