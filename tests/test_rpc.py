@@ -92,6 +92,10 @@ def test_messages_quote_a_prefix_and_a_few_ids() -> None:
         ("ipv4:localhost:1", False),
         ("dns:///", False),
         ("unix:/tmp/socket", False),
+        ("unix:50051", False),  # gRPC reads it as the Unix socket "50051", not host "unix"
+        ("UNIX-abstract:1", False),
+        ("vsock:1:2", False),
+        ("unixhost:1", True),
         ("[nonsense]:1", False),
         ("a b:1", False),
         ("a" * 600 + ":1", False),

@@ -117,12 +117,23 @@ def _host_port(text: str, *, ipv4_only: bool = False, ipv6_only: bool = False) -
     return None if _HOSTNAME.fullmatch(host) else f"{quote(host)} is not a host name or address"
 
 
+# gRPC's name resolvers: a target "unix:50051" is not host "unix", port 50051, but the Unix socket "50051".
+# TransferKV reaches other servers over TCP only: a request could otherwise point the server at any local socket.
+OTHER_SCHEMES = ("unix", "unix-abstract", "vsock", "xds", "google-c2p", "sockaddr", "uds")
+
+
 def target_problem(target: object) -> str | None:
     """Why ``target`` is not an address TransferKV can connect to (TARGET_FORMS), or None when it is."""
     if not isinstance(target, str):
         return f"the target must be a string, got {type(target).__name__}"
     if len(target.encode("utf-8", "surrogatepass")) > MAX_TARGET_BYTES:
         return f"the target {quote(target)} is longer than {MAX_TARGET_BYTES} bytes"
+    scheme = target.partition(":")[0]
+    if scheme.lower() in OTHER_SCHEMES:
+        return (
+            f"the target {quote(target)} names gRPC's {quote(scheme + ':')} scheme: TransferKV connects to other"
+            f" servers over TCP only (a Unix socket or any other local endpoint is refused); expected {TARGET_FORMS}"
+        )
     for scheme, kw in (("dns:///", {}), ("ipv4:", {"ipv4_only": True}), ("ipv6:", {"ipv6_only": True})):
         if target.startswith(scheme):
             problem = _host_port(target.removeprefix(scheme), **kw)
