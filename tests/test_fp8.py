@@ -7,6 +7,7 @@ the unquantized reference within the bound documented in docs/server.md (``_BOUN
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from chunkattn_client import BatchEntry, ChunkAttnClient, ChunkAttnError, Refere
 from chunkattn_client.cli import main
 from chunkattn_server import CacheConfig, Engine, EngineConfig, LayerSpec, ModelShape, torchtypes
 from chunkattn_server.config import KVScales
-from chunkattn_server.errors import ConfigError, IncompatibleKV
+from chunkattn_server.errors import ConfigError, IncompatibleKV, InvalidTensor
 from chunkattn_server.kv.transfer import batches
 from tests.harness import MODELS, Harness
 from tests.server_process import SMALL, ServerProcess
@@ -176,6 +177,16 @@ def test_a_scales_file_gives_each_layer_its_scales(tmp_path: Path) -> None:
         ('{"k_scale": "big", "v_scale": 1}', "must be a number"),
         ('{"k_scale": [1, 2, 3, 4], "v_scale": [1, 2, 3, 4]}', "reads layer 0's cache"),
         ("not json", "--kv-scales"),
+        # issue 27.3: each scale is checked as float32 holds it, and the file is strict
+        ('{"k_scale": 1e-50, "v_scale": 1e-50}', r"at least 1.175e-38 .* got 0 as a float32 \(the file says 1e-50\)"),
+        ('{"k_scale": 1e-39, "v_scale": 1}', r"got 1e-39 as a float32"),  # a denormal
+        ('{"k_scale": 1e39, "v_scale": 1}', r"got inf as a float32 \(the file says 1e\+39\)"),
+        ('{"k_scale": 1' + "0" * 400 + ', "v_scale": 1}', r"got inf as a float32 \(the file says 1000"),
+        ('{"k_scale": 1, "kscale": 2, "v_scale": 1}', r"unknown keys \['kscale'\]"),
+        ('{"k_scale": 1, "v_scale": 1, "calibrate": "no"}', '"calibrate" must be true or false, got "no"'),
+        ('{"k_scale": [], "v_scale": 1}', "k_scale is an empty list"),
+        ('{"k_scale": 1, "v_scale": 1, "k_scale": 2}', 'the key "k_scale" appears twice'),
+        ('{"k_scale": [1, null], "v_scale": null}', "must be a number or a list"),
     ],
 )
 def test_bad_scales_files_are_refused_at_start_up(tmp_path: Path, content: str, message: str) -> None:
@@ -188,6 +199,103 @@ def test_bad_scales_files_are_refused_at_start_up(tmp_path: Path, content: str, 
 
     with pytest.raises(ConfigError, match=message):
         start()
+
+
+def test_every_dtype_names_its_largest_value_as_torch_does() -> None:
+    for d in dtypes.TABLE:
+        assert d.max == torch.finfo(torchtypes.TORCH[d.name]).max, d.name
+
+
+@pytest.mark.parametrize(("compute", "cache", "largest"), [("float16", "fp8_e5m2", 1.1422), ("float16", "fp8", 146.21)])
+def test_scales_whose_saturated_values_overflow_the_compute_dtype_are_refused(
+    compute: str, cache: str, largest: float
+) -> None:
+    """Issue 27.4: 57344 (e5m2's largest) x 2 is past float16's 65504, so it would read back as inf."""
+    model = MODELS["gqa"]
+    with pytest.raises(ConfigError, match=rf"layer 0's k_scale 2000 .* at most {largest}"):
+        Harness.build(
+            model, dtype=compute, compute_dtype=compute, cache_dtype=cache, kv_scales=KVScales((2000.0,), (0.5,))
+        )
+    ok = Harness.build(
+        model, dtype=compute, compute_dtype=compute, cache_dtype=cache, kv_scales=KVScales((largest,), (largest,))
+    )
+    q, k, v = ok.tensors(0, 3)
+    assert k is not None
+    assert v is not None
+    k[0, 0, 0], v[1, 1, 1] = 65504.0, -62000.0  # saturate: stored as the format's largest, read back finite
+    assert torch.isfinite(ok.engine.attend(0, [BatchEntry("a", 0, 3)], q, k, v)).all()
+
+
+def test_the_repro_of_issue_27_4_float16_over_e5m2_with_scale_2_is_refused_at_start() -> None:
+    with pytest.raises(ConfigError, match=r"v_scale 2 times float8_e5m2's largest value 57344 is past float16's"):
+        Harness.build(
+            MODELS["gqa"],
+            dtype="float16",
+            compute_dtype="float16",
+            cache_dtype="fp8_e5m2",
+            kv_scales=KVScales((1.0,), (2.0,)),
+        )
+
+
+def test_a_calibrated_scale_never_overflows_the_compute_dtype() -> None:
+    """A first write as large as float16 allows calibrates to the largest safe scale, not past it."""
+    h = Harness.build(
+        MODELS["gqa"],
+        dtype="float16",
+        compute_dtype="float16",
+        cache_dtype="fp8_e5m2",
+        kv_scales=KVScales(calibrate=True),
+    )
+    q, k, v = h.tensors(0, 4)
+    assert k is not None
+    assert v is not None
+    k[0, 0, 0] = v[0, 0, 0] = 60000.0
+    out = h.engine.attend(0, [BatchEntry("a", 0, 4)], q, k, v)
+    scales = h.engine.kv_scales(0)
+    assert scales is not None
+    assert scales[0] == scales[1] < 1.1423
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize(("top", "ok"), [(1e-44, False), (1e-37, False), (1e-30, True), (0.0, True)])
+def test_a_first_write_whose_scales_would_be_zero_or_denormal_is_refused_and_calibrates_nothing(
+    top: float, ok: bool
+) -> None:
+    """Issue 27.2: K/V of zeros but one 1e-44 made every scale 0 and every later output 0."""
+    h = Harness.build(MODELS["gqa"], cache_dtype="fp8", kv_scales=KVScales(calibrate=True))
+    q, k, v = h.tensors(0, 4)
+    assert k is not None
+    assert v is not None
+    k.zero_()
+    v.zero_()
+    k[2, 1, 3] = v[1, 0, 0] = top
+    free = h.engine.pool.num_free
+    if not ok:
+        with pytest.raises(InvalidTensor, match=r"largest \|k\| is .* below float32's normal range"):
+            h.engine.attend(0, [BatchEntry("a", 0, 4)], q, k, v)
+        assert h.engine.kv_scales(0) is None  # still to calibrate
+        assert h.engine.pool.num_free == free  # nothing written
+        assert not h.engine.sequence_ids()
+        return
+    h.engine.attend(0, [BatchEntry("a", 0, 4)], q, k, v)
+    scales = h.engine.kv_scales(0)
+    assert scales is not None
+    assert all(s >= 2.0**-126 for s in scales)  # normal float32s: 1 where everything was 0
+
+
+def test_a_stream_whose_scales_would_read_back_as_zero_or_inf_is_refused() -> None:
+    """A KV stream's scales pass the checks a --kv-scales file does, against this server's compute dtype."""
+    src = _engine("fp8")
+    _fill(src)
+    manifest = src.transfer.export_manifest("s")
+    dst = _engine("fp8", KVScales(calibrate=True), dtype="float16")
+    free = dst.pool.num_free
+    for bad, message in [((0.0, 1.0), "got 0"), ((1e-40, 1.0), "got 1e-40"), ((1.0, 2000.0), "past float16's")]:
+        forged = dataclasses.replace(manifest, scales=tuple(bad for _ in manifest.scales))
+        with pytest.raises(IncompatibleKV, match=message):
+            dst.transfer.begin_import(forged)
+        assert dst.kv_scales(0) is None
+        assert dst.pool.num_free == free
 
 
 def test_scales_need_a_float8_cache() -> None:
@@ -212,9 +320,11 @@ def test_calibration_takes_each_layers_scales_from_its_first_write() -> None:
 # -- KV transfer ----------------------------------------------------------------------------------------
 
 
-def _engine(cache: str, scales: KVScales | None = SCALES, model: ModelShape = MODELS["gqa"]) -> Engine:
+def _engine(
+    cache: str, scales: KVScales | None = SCALES, model: ModelShape = MODELS["gqa"], dtype: str = "auto"
+) -> Engine:
     config = CacheConfig(block_size=4, num_blocks=256, dtype=cache, scales=scales if "fp8" in cache else None)
-    return Engine(EngineConfig(model, config, device="cpu"))
+    return Engine(EngineConfig(model, config, device="cpu", dtype=dtype))
 
 
 def _fill(engine: Engine, seq_id: str = "s", tokens: int = 19) -> None:

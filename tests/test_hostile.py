@@ -181,12 +181,25 @@ def test_2_a_16_kib_id_or_a_64_kib_target_is_invalid_argument_quoting_a_prefix(
 # -- 3. TransferKV targets are checked before any connection ------------------------------------------------
 
 
-@pytest.mark.parametrize("target", ["", "ipv4:999", "dns:///", "127.0.0.1:70000", "127.0.0.1:0", "unix:/tmp/s"])
+@pytest.mark.parametrize("target", ["", "ipv4:999", "dns:///", "127.0.0.1:70000", "127.0.0.1:0"])
 def test_3_an_unparseable_target_is_invalid_argument(raw: Raw, target: str) -> None:
     assert raw.call("Attend", attend_bytes([("moving", 0, 3)])).code == grpc.StatusCode.OK
     try:
         answer = raw.call("TransferKV", pb.TransferKVRequest(seq_id="moving", target=target).SerializeToString())
         refused(answer, INVALID, "is not an address", "1 <= port <= 65535")
+    finally:
+        raw.call("Release", pb.ReleaseRequest(seq_ids=["moving"]).SerializeToString())
+
+
+@pytest.mark.parametrize("target", ["unix:/tmp/s", "unix:50051", "unix-abstract:x:1", "vsock:1:2"])
+def test_27_9_a_unix_or_other_local_target_is_refused_saying_which_forms_are_accepted(raw: Raw, target: str) -> None:
+    """Issue 27.9: "unix:/tmp/s" was refused for its port; "unix:50051" passed as host "unix" and gRPC would
+    have connected to a Unix socket. Both are refused for what they are, with the accepted forms."""
+    assert raw.call("Attend", attend_bytes([("moving", 0, 3)])).code == grpc.StatusCode.OK
+    try:
+        answer = raw.call("TransferKV", pb.TransferKVRequest(seq_id="moving", target=target).SerializeToString())
+        refused(answer, INVALID, "scheme: TransferKV connects to other servers over TCP only", "host:port, [ipv6]:port")
+        assert "port must be a number" not in answer.details
     finally:
         raw.call("Release", pb.ReleaseRequest(seq_ids=["moving"]).SerializeToString())
 
@@ -389,3 +402,107 @@ def test_the_client_sees_chunkattn_errors_for_these_too(server: ServerProcess) -
     with ChunkAttnClient(server.target) as c, pytest.raises(ChunkAttnError) as err:
         c.release(["y" * 300])
     assert err.value.code == INVALID
+
+
+# -- issue 27: the second hostile review ------------------------------------------------------------------
+
+CACHES = ["float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"]
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_27_7_a_non_finite_q_k_or_v_is_refused_naming_its_row_and_writes_nothing(cache: str) -> None:
+    """Issue 27.7: a NaN or inf query came back as an exact-zero row. Now NaN, inf, and values past the
+    compute dtype's range are INVALID_ARGUMENT naming the tensor, row, sequence and position, in a prefill,
+    a single-token call and a merged decode, and the sequences are as if the call had not been sent."""
+    with (
+        ServerProcess(*SMALL, "--num-blocks", "512", "--idle-timeout-s", "0", "--kv-cache-dtype", cache) as s,
+        ChunkAttnClient(s.target) as c,
+    ):
+        rng = np.random.default_rng(27)
+
+        def qkv(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            return (
+                rng.standard_normal((n, H, D), np.float32),
+                rng.standard_normal((n, HKV, D), np.float32),
+                rng.standard_normal((n, HKV, D), np.float32),
+            )
+
+        c.attend(0, [BatchEntry("a", 0, 20), BatchEntry("b", 0, 3)], *qkv(23))
+        free = c.info().free_blocks
+        cases = [  # (entries, which tensor, row, bad value, what the message says)
+            ([BatchEntry("p", 0, 5)], 0, 3, np.nan, "q row 3 (sequence 'p' at position 3) holds nan"),
+            ([BatchEntry("a", 20, 1)], 1, 0, np.inf, "k row 0 (sequence 'a' at position 20) holds inf"),
+            ([BatchEntry("a", 20, 1), BatchEntry("b", 3, 1)], 2, 1, -np.inf, "v row 1 (sequence 'b' at position 3)"),
+            ([BatchEntry("a", 20, 2)], 0, 1, np.nan, "q row 1 (sequence 'a' at position 21) holds nan"),
+        ]
+        if cache == "float16":  # a finite float32 past float16's range would become inf in the compute
+            cases.append(([BatchEntry("b", 3, 1)], 1, 0, 1e6, "holds 1e+06, past float16's largest value 65504"))
+        for entries, which, row, value, message in cases:
+            tensors = list(qkv(sum(e.num_tokens for e in entries)))
+            tensors[which][row, 1, 2] = value
+            with pytest.raises(ChunkAttnError) as e:
+                c.attend(0, entries, *tensors)
+            assert e.value.code == INVALID, e.value
+            assert message in str(e.value), e.value
+            assert "Nothing was written" in str(e.value), e.value
+            assert c.info().free_blocks == free
+            assert c.info().active_sequences == 2
+        # Nothing was written: "a" and "b" go on at 20 and 3, and "p" starts afresh.
+        c.attend(0, [BatchEntry("a", 20, 1), BatchEntry("b", 3, 1), BatchEntry("p", 0, 2)], *qkv(4))
+
+
+def start_fails(*flags: str) -> str:
+    """Start a server that must refuse to start; returns what it printed."""
+    cmd = [sys.executable, "-m", "chunkattn_server", "--port", "0", "--metrics-port", "0", *SMALL, *flags]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    return done.stderr
+
+
+def test_27_2_a_first_write_cannot_set_zero_or_denormal_scales_and_tenants_cannot_calibrate(tmp_path: Path) -> None:
+    """Issue 27.2: a first write of zeros and one 1e-44 calibrated every scale to 0 and every later output was
+    exact zeros. Such a write is refused and calibrates nothing; with tenants, calibrate is refused at start."""
+    flags = ["--num-blocks", "512", "--kv-cache-dtype", "fp8_e4m3", "--kv-scales", "calibrate"]
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text('{"tenants": {"a": {"tokens_sha256": ["' + "0" * 64 + '"]}}}')
+    tokens.chmod(0o600)
+    assert "on a server with tenants (--auth-tokens) give the scales in a --kv-scales file" in start_fails(
+        *flags, "--auth-tokens", str(tokens)
+    )
+    with ServerProcess(*SMALL, *flags) as s, ChunkAttnClient(s.target) as c:
+        rng = np.random.default_rng(2)
+        q = rng.standard_normal((4, H, D), np.float32)
+        k, v = np.zeros((4, HKV, D), np.float32), np.zeros((4, HKV, D), np.float32)
+        k[1, 0, 0] = v[2, 1, 1] = 1e-44
+        with pytest.raises(ChunkAttnError) as e:
+            c.attend(0, [BatchEntry("s", 0, 4)], q, k, v)
+        assert e.value.code == INVALID
+        assert "below float32's normal range" in str(e.value)
+        assert "--kv-scales" in str(e.value)
+        assert c.info().layers[0].k_scale == 0.0  # still to calibrate
+        assert c.info().active_sequences == 0
+        k, v = rng.standard_normal((4, HKV, D), np.float32), rng.standard_normal((4, HKV, D), np.float32)
+        out = c.attend(0, [BatchEntry("s", 0, 4)], q, k, v)
+        layer = c.info().layers[0]
+        assert layer.k_scale == np.float32(np.abs(k).max() / 200)
+        assert layer.v_scale == np.float32(np.abs(v).max() / 100)
+        assert np.isfinite(out).all()
+        assert np.abs(out).max() > 0.01
+
+
+def test_27_3_and_27_4_scales_that_would_read_back_as_zero_or_inf_stop_the_start(tmp_path: Path) -> None:
+    path = tmp_path / "scales.json"
+    fp8 = ["--kv-cache-dtype", "fp8_e4m3", "--kv-scales", str(path)]
+    for content, message in [
+        ('{"k_scale": 1e-50, "v_scale": 1e-50}', "got 0 as a float32 (the file says 1e-50)"),
+        ('{"k_scale": 1e39, "v_scale": 1}', "got inf as a float32 (the file says 1e+39)"),
+        ('{"k_scale": 1, "kscale": 2, "v_scale": 1}', "unknown keys ['kscale']"),
+        ('{"k_scale": 1, "v_scale": 1, "calibrate": "no"}', '"calibrate" must be true or false'),
+        ('{"k_scale": [], "v_scale": []}', "k_scale is an empty list"),
+    ]:
+        path.write_text(content)
+        assert message in start_fails(*fp8), content
+    path.write_text('{"k_scale": 1.0, "v_scale": 2.0}')
+    e5m2 = ["--dtype", "float16", "--kv-cache-dtype", "fp8_e5m2", "--kv-scales", str(path)]
+    assert "v_scale 2 times float8_e5m2's largest value 57344 is past float16's largest, 65504" in start_fails(*e5m2)

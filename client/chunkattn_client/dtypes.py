@@ -51,7 +51,8 @@ class DType:
     storage: the numpy dtype its little-endian bytes decode to (bfloat16: uint16 words; float8: uint8 codes).
     torch: the name of its ``torch`` dtype attribute.
     on_wire, in_cache, compute: where it may be used (see the module docstring).
-    exponent_bits, mantissa_bits, max: the float8 formats' layout and largest finite value (0 otherwise).
+    exponent_bits, mantissa_bits: the float8 formats' layout (0 otherwise).
+    max: the largest finite value.
     """
 
     name: str
@@ -80,9 +81,9 @@ class DType:
 
 
 TABLE: tuple[DType, ...] = (
-    DType("float32", pb.DTYPE_FLOAT32, "<f4", "float32", True, True, True),
-    DType("float16", pb.DTYPE_FLOAT16, "<f2", "float16", True, True, True),
-    DType("bfloat16", pb.DTYPE_BFLOAT16, "<u2", "bfloat16", True, True, True),
+    DType("float32", pb.DTYPE_FLOAT32, "<f4", "float32", True, True, True, max=float(np.finfo(np.float32).max)),
+    DType("float16", pb.DTYPE_FLOAT16, "<f2", "float16", True, True, True, max=65504.0),
+    DType("bfloat16", pb.DTYPE_BFLOAT16, "<u2", "bfloat16", True, True, True, max=(2 - 2**-7) * 2.0**127),
     # torch's float8_e4m3fn: "fn", finite (no infinity; one NaN code per sign), as NVIDIA and vLLM use on CUDA.
     DType(
         "float8_e4m3", pb.DTYPE_FLOAT8_E4M3, "u1", "float8_e4m3fn", False, True, False,

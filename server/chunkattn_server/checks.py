@@ -1,9 +1,11 @@
-"""A call's own checks, before anything changes: its metadata, its tensors against the model, its
-positions against its sequences' state. Each raises the EngineError (InvalidBatch, InvalidTensor,
-UnknownSequence, PositionMismatch) the call fails with, merged into a step with others or alone."""
+"""A call's own checks, before anything changes: its metadata, its tensors against the model, their values
+(finite, within the compute dtype), its positions against its sequences' state. Each raises the EngineError
+(InvalidBatch, InvalidTensor, UnknownSequence, PositionMismatch) the call fails with, merged into a step with
+others or alone."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -66,15 +68,45 @@ def check_tensor(name: str, t: object, shape: tuple[int, ...], meaning: str, dty
         raise InvalidTensor(f"{name} has shape {list(t.shape)}; expected {list(shape)} {meaning}")
 
 
+def check_values(name: str, t: torch.Tensor, entries: Sequence[BatchEntry], compute: torch.dtype) -> None:
+    """InvalidTensor naming the first row (its sequence and position) of ``t`` ([T, heads, head_size]) that
+    holds a NaN, an infinity, or a value past the largest of the ``compute`` dtype (where it is narrower than
+    ``t``'s it would become one). Attention over such a row gives no meaningful output (a NaN key or value
+    poisons every later query of its chunk), so it is refused before anything is written."""
+    dtype = torchtypes.OF_TORCH[compute]
+    largest = dtype.max
+    low, high = torch.aminmax(t)  # one pass; NaN propagates, and fails both comparisons
+    if bool(low >= -largest) and bool(high <= largest):
+        return
+    bad = ~(t.abs() <= largest)
+    row = int(bad.flatten(1).any(1).nonzero()[0, 0])
+    value = t[row][bad[row]][0].item()
+    start, where = 0, "past the batch's tokens"
+    for e in entries:
+        if row < start + e.num_tokens:
+            where = f"sequence {quote(e.seq_id)} at position {e.position + row - start}"
+            break
+        start += e.num_tokens
+    what = f"{value}" if not math.isfinite(value) else f"{value:g}, past {dtype.name}'s largest value {largest:g}"
+    raise InvalidTensor(
+        f"{name} row {row} ({where}) holds {what}; q, k and v must be finite numbers that the server's compute"
+        f" dtype ({dtype.name}) can hold. Nothing was written"
+    )
+
+
 def check_tensors(
     model: ModelShape,
     layer: int,
     spec: LayerSpec,
+    entries: Sequence[BatchEntry],
     total: int,
     q: torch.Tensor,
     k: torch.Tensor | None,
     v: torch.Tensor | None,
+    compute: torch.dtype,
 ) -> None:
+    """The call's tensors against the model (shapes, dtypes, presence) and their values (``check_values``:
+    finite, within the ``compute`` dtype)."""
     check_tensor("q", q, (total, model.num_heads, model.head_size), "[tokens, num_heads, head_size]", None)
     if spec.kv_source is not None:
         if k is not None or v is not None:
@@ -82,12 +114,15 @@ def check_tensors(
                 f"layer {layer} reads layer {spec.kv_source}'s KV cache (KV sharing) and writes none:"
                 " send q only, without k and v"
             )
+        check_values("q", q, entries, compute)
         return
     if k is None or v is None:
         raise InvalidTensor(f"layer {layer} writes its own KV cache: k and v are required")
     shape = (total, model.num_kv_heads, model.head_size)
     check_tensor("k", k, shape, "[tokens, num_kv_heads, head_size]", q.dtype)
     check_tensor("v", v, shape, "[tokens, num_kv_heads, head_size]", q.dtype)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_values(name, t, entries, compute)
 
 
 def check_positions(

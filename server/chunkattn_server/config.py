@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -20,6 +19,7 @@ import grpc
 from chunkattn_client import dtypes
 from chunkattn_client.limits import quote, target_problem, token_problem
 from chunkattn_server.errors import ConfigError, UnknownLayer
+from chunkattn_server.kv.scales import float32, float32_problem
 
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "torch", "triton")
@@ -140,12 +140,6 @@ class ModelShape:
         return self.layers[layer]
 
 
-def float32(x: float) -> float:
-    """``x`` rounded to float32, as the kernels and the protocol's float fields hold it."""
-    value: float = struct.unpack("<f", struct.pack("<f", x))[0]
-    return value
-
-
 @dataclass(frozen=True)
 class KVScales:
     """The scales of each layer's K and V in a float8 cache: the cache holds x / scale, read back as
@@ -153,60 +147,79 @@ class KVScales:
 
     k, v: one per layer (a KV-sharing layer's equal to its source's, or None for "its source's"); empty:
     every scale 1. calibrate: a layer with no scale given takes its scales from the first K/V written to it
-    (the first prefill or import), as vLLM's calculate_kv_scales: max |k| / K_RANGE and max |v| / V_RANGE.
+    (the first prefill or import), as vLLM's calculate_kv_scales (kv/scales.py). Which values a scale may
+    take: kv/scales.py; each is checked once rounded to float32, as it is held.
     """
 
     k: tuple[float | None, ...] = ()
     v: tuple[float | None, ...] = ()
     calibrate: bool = False
 
-    # vLLM's K_SCALE_CONSTANT and V_SCALE_CONSTANT: a calibrated layer's largest |k| is stored as 200 (of
-    # e4m3's 448), leaving room for larger values later.
-    K_RANGE = 200.0
-    V_RANGE = 100.0
+    FIELDS = ("k_scale", "v_scale", "calibrate")
 
     @classmethod
     def read(cls, path: str) -> KVScales:
-        """A scales file: JSON {"k_scale": S or [S per layer], "v_scale": ...} (null for a KV-sharing layer: its
-        source's); or the word "calibrate" instead of a file. ConfigError when unreadable or malformed."""
+        """A scales file: JSON {"k_scale": S or [S per layer], "v_scale": ..., "calibrate": false} (null in a
+        list for a KV-sharing layer: its source's; "calibrate": true calibrates the layers left null); or the
+        word "calibrate" instead of a file. ConfigError when unreadable or malformed: an unknown or repeated
+        key, a value of the wrong type, an empty list, a scale that float32 cannot hold as a normal number."""
         if path == "calibrate":
             return cls(calibrate=True)
+        where = f"--kv-scales {path}"
         try:
             with open(path) as f:
-                data = json.load(f)
+                data = json.load(f, object_pairs_hook=_unique_keys)
         except (OSError, ValueError) as e:
-            raise ConfigError(f"--kv-scales {path}: {e}") from None
+            raise ConfigError(f"{where}: {e}") from None
         if not isinstance(data, dict) or not {"k_scale", "v_scale"} <= data.keys():
             raise ConfigError(
-                f'--kv-scales {path}: expected a JSON object {{"k_scale": ..., "v_scale": ...}}, each a number or a'
+                f'{where}: expected a JSON object {{"k_scale": ..., "v_scale": ...}}, each a number or a'
                 " list of one per layer"
             )
+        unknown = sorted(data.keys() - set(cls.FIELDS))
+        if unknown:
+            raise ConfigError(f"{where}: unknown keys {unknown}; expected {list(cls.FIELDS)}")
+        calibrate = data.get("calibrate", False)
+        if not isinstance(calibrate, bool):
+            raise ConfigError(f'{where}: "calibrate" must be true or false, got {json.dumps(calibrate)[:40]}')
+
+        def number(name: str, x: object) -> float | None:
+            if x is None:
+                return None
+            if isinstance(x, bool) or not isinstance(x, (int, float)):
+                raise ConfigError(f"{where}: {name} must be a number or a list of numbers (or null)")
+            value = float32(x)
+            problem = float32_problem(value, name)
+            if problem:
+                raise ConfigError(f"{where}: {problem} as a float32 (the file says {str(x)[:40]})")
+            return value
 
         def scales(name: str) -> tuple[float | None, ...]:
             value = data[name]
-            ok = (int, float)
-            if isinstance(value, ok) and not isinstance(value, bool):
-                return (float(value),)
-            if isinstance(value, list) and all(
-                x is None or (isinstance(x, ok) and not isinstance(x, bool)) for x in value
-            ):
-                return tuple(None if x is None else float(x) for x in value)
-            raise ConfigError(f"--kv-scales {path}: {name} must be a number or a list of numbers (or null)")
+            if not isinstance(value, list):
+                scale = number(name, value)
+                if scale is None:
+                    raise ConfigError(f"{where}: {name} must be a number or a list of numbers (or null)")
+                return (scale,)
+            if not value:
+                raise ConfigError(f"{where}: {name} is an empty list; give one number, or one per layer")
+            return tuple(number(f"{name}[{i}]", x) for i, x in enumerate(value))
 
-        return cls(scales("k_scale"), scales("v_scale"), bool(data.get("calibrate", False)))
+        return cls(scales("k_scale"), scales("v_scale"), calibrate)
 
     def per_layer(self, model: ModelShape) -> list[tuple[float, float] | None]:
         """Each layer's (k scale, v scale), float32-rounded; None where none is given (1, or calibrated); a
-        KV-sharing layer's are its source's. ConfigError for a wrong count, a scale that is not a positive
-        finite number, or a sharer's scale that differs from its source's."""
+        KV-sharing layer's are its source's. ConfigError for a wrong count, a scale that is not a normal
+        float32 number, or a sharer's scale that differs from its source's."""
         n = model.num_layers
         out: list[tuple[float, float] | None] = []
         for name, given in (("k_scale", self.k), ("v_scale", self.v)):
             if len(given) not in (0, 1, n):
                 raise ConfigError(f"{name}: give one scale, or one per layer ({n}); got {len(given)}")
             for x in given:
-                if x is not None and not (math.isfinite(x) and x > 0):
-                    raise ConfigError(f"{name}: scales must be positive finite numbers, got {x}")
+                problem = None if x is None else float32_problem(float32(x), name)
+                if problem:
+                    raise ConfigError(problem)
         k = self.k * n if len(self.k) == 1 else self.k
         v = self.v * n if len(self.v) == 1 else self.v
         for i, spec in enumerate(model.layers):
@@ -224,6 +237,16 @@ class KVScales:
                 )
             out[i] = out[src]
         return out
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    """A JSON object's keys and values; ValueError naming a key given twice (json's default keeps the last)."""
+    out: dict[str, object] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"the key {json.dumps(key)[:80]} appears twice in one object")
+        out[key] = value
+    return out
 
 
 @dataclass(frozen=True)
@@ -480,3 +503,17 @@ class ServerConfig:
         if self.max_inflight_bytes is not None:
             return self.max_inflight_bytes
         return default_inflight_bytes(self.max_message_bytes)
+
+
+def check_together(engine: EngineConfig, server: ServerConfig) -> None:
+    """What neither config can check alone. ConfigError for --kv-scales calibrate on a server with tenants
+    (--auth-tokens): a calibrating layer's first write sets the float8 scales every later write of every
+    tenant is stored over, so one tenant could choose (or ruin: a first write of huge or tiny values) the
+    quantization of the others' KV."""
+    scales = engine.cache.scales
+    if server.auth_tokens is not None and scales is not None and scales.calibrate:
+        raise ConfigError(
+            "--kv-scales calibrate lets the first write of any client set the float8 scales of every tenant's KV:"
+            " on a server with tenants (--auth-tokens) give the scales in a --kv-scales file (the checkpoint's,"
+            " or measured on your own data), with no layer left to calibrate"
+        )

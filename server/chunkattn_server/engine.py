@@ -30,14 +30,16 @@ from chunkattn_client import dtypes
 from chunkattn_client.batch import BatchEntry
 from chunkattn_server import checks, torchtypes
 from chunkattn_server.attention.backends import AttentionBatch, Backend, TorchBackend
-from chunkattn_server.config import EngineConfig, KVScales, LayerSpec, float32
+from chunkattn_server.config import EngineConfig, LayerSpec
 from chunkattn_server.errors import (
     ConfigError,
     EngineError,
+    InvalidTensor,
     OutOfBlocks,
 )
 from chunkattn_server.kv.cache import KVCache
 from chunkattn_server.kv.manager import KVManager, Reservation, SequenceInfo, Truncation, Write
+from chunkattn_server.kv.scales import ScaleRange
 from chunkattn_server.kv.sequences import SequenceState
 from chunkattn_server.kv.transfer import KVTransfer, ModelFingerprint
 
@@ -116,6 +118,12 @@ class Engine:
         given = scales.per_layer(model) if scales is not None else [None] * model.num_layers
         unscaled = None if scales is not None and scales.calibrate else (1.0, 1.0)
         self._kv_scales: list[tuple[float, float] | None] = [(g or unscaled) if fp8 else (1.0, 1.0) for g in given]
+        self._scale_range = ScaleRange(dtypes.BY_NAME[cache], dtypes.BY_NAME[compute]) if fp8 else None
+        for i, pair in enumerate(self._kv_scales):
+            for name, scale in zip(("k_scale", "v_scale"), pair or (), strict=False):
+                problem = self._scale_range and self._scale_range.problem(scale, f"layer {i}'s {name}")
+                if problem:
+                    raise ConfigError(f"--kv-scales: {problem} (or compute in float32 or bfloat16: --dtype)")
         self.block_size = config.cache.block_size
         self.groups = config.kv_groups
         self.bytes_per_block = KVCache.bytes_per_block(
@@ -151,7 +159,7 @@ class Engine:
             for i, spec in enumerate(model.layers)
         ]
         self.transfer = KVTransfer(
-            self.kv, self.cache, self._slot_of, self.fingerprint(), self._kv_scales if fp8 else None
+            self.kv, self.cache, self._slot_of, self.fingerprint(), self._kv_scales if fp8 else None, self._scale_range
         )
         self._on_cpu = self.device.type == "cpu"
         self.backend: Backend = backend if backend is not None else make_backend(config.backend, self.device)
@@ -252,7 +260,9 @@ class Engine:
     def _plan(self, layer: int, spec: LayerSpec, call: AttendCall) -> tuple[list[SequenceState | None], list[Write]]:
         """A call's checks (everything is checked before anything changes) and its write plan."""
         total = checks.check_entries(call.entries)
-        checks.check_tensors(self.config.model, layer, spec, total, call.q, call.k, call.v)
+        checks.check_tensors(self.config.model, layer, spec, call.entries, total, call.q, call.k, call.v, self.dtype)
+        if spec.kv_source is None and self._kv_scales[layer] is None:  # this write would calibrate the layer
+            self._calibrated(call.k, call.v)
         states = [self.kv.get(e.seq_id, call.tenant) for e in call.entries]
         checks.check_positions(layer, spec, call.entries, states)
         return states, self.kv.plan_writes(layer, spec, call.entries, states)
@@ -312,7 +322,7 @@ class Engine:
             kc, vc = self._here(k), self._here(v)
             if self._converts:
                 # The cache's values: what is stored, and (for attention now) what later calls will read.
-                k_scale, v_scale = self._scales_of(source, kc, vc)
+                k_scale, v_scale = self._scales_of(source, k, v)  # as sent: what _plan checked
                 kc = torchtypes.store(kc, k_scale, self.cache_dtype)
                 vc = torchtypes.store(vc, v_scale, self.cache_dtype)
             # The rows of k/v to store and their cache slots; usually every row (a decode, a short prefill).
@@ -363,21 +373,27 @@ class Engine:
         self, layer: int, k: torch.Tensor | None = None, v: torch.Tensor | None = None
     ) -> tuple[float, float]:
         """A writing layer's cache scales (k, v). A layer still to calibrate takes them from its first K/V
-        written (``k``, ``v`` [T, Hkv, D]): max |x| / KVScales.K_RANGE (V_RANGE), as vLLM's
-        calculate_kv_scales; 1 where that maximum is 0 or not finite."""
+        written (``k``, ``v`` [T, Hkv, D]; see ``_calibrated``)."""
         scales = self._kv_scales[layer]
-        if scales is not None:
-            return scales
-        assert k is not None, "a layer is calibrated by its first write"
-        assert v is not None
-
-        def scale(x: torch.Tensor, target: float) -> float:
-            top = float(x.abs().amax()) if x.numel() else 0.0
-            return float32(top / target) if math.isfinite(top) and top > 0 else 1.0
-
-        scales = scale(k, KVScales.K_RANGE), scale(v, KVScales.V_RANGE)
-        self._kv_scales[layer] = scales
+        if scales is None:  # the calls were checked (_plan): no refusal now
+            scales = self._kv_scales[layer] = self._calibrated(k, v, refuse=False)
         return scales
+
+    def _calibrated(self, k: torch.Tensor | None, v: torch.Tensor | None, refuse: bool = True) -> tuple[float, float]:
+        """The scales a calibrating layer takes from its first write (kv/scales.py: max |x| / K_RANGE or
+        V_RANGE, as vLLM's calculate_kv_scales); InvalidTensor for a write that cannot set them (a scale
+        below float32's normal range would store every later value as 0)."""
+        assert k is not None, "a float8 layer's first write"
+        assert v is not None
+        assert self._scale_range is not None
+
+        def top(x: torch.Tensor) -> float:
+            return float(x.abs().amax()) if x.numel() else 0.0
+
+        try:
+            return self._scale_range.calibrate(top(k), top(v), refuse=refuse)
+        except ValueError as e:
+            raise InvalidTensor(f"{e}. Nothing was written") from None
 
     def kv_scales(self, layer: int) -> tuple[float, float] | None:
         """The (k, v) scales of the layer's cache (its source's for a KV-sharing layer): 1 but in a float8

@@ -17,7 +17,6 @@ blocks) and reserves every block; ``import_records`` checks each record (expecte
 from __future__ import annotations
 
 import bisect
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
@@ -35,6 +34,7 @@ from chunkattn_server.errors import (
     SequenceExists,
     UnknownSequence,
 )
+from chunkattn_server.kv.scales import ScaleRange
 from chunkattn_server.kv.sequences import SequenceState
 
 if TYPE_CHECKING:
@@ -199,7 +199,7 @@ class KVTransfer:
     ``slot_of[layer]`` is the layer's storage slot in its KV group, ``fingerprint`` the engine's model;
     ``scales`` (a float8 cache only, else None) the engine's per-writing-layer (k, v) scales, None while a
     calibrating layer has had no write: this list is the engine's own, and an import into such a layer
-    gives it the stream's scales (as its first write would have).
+    gives it the stream's scales (as its first write would have); ``scale_range`` the values they may take.
 
     Runs on the engine's thread, like everything that touches the KV."""
 
@@ -210,6 +210,7 @@ class KVTransfer:
         slot_of: Sequence[int],
         fingerprint: ModelFingerprint,
         scales: list[tuple[float, float] | None] | None = None,
+        scale_range: ScaleRange | None = None,
     ) -> None:
         self._kv = kv
         self._cache = cache
@@ -217,6 +218,7 @@ class KVTransfer:
         self._model = kv.config.model
         self.fingerprint = fingerprint
         self._scales = scales
+        self._scale_range = scale_range
 
     def export_manifest(self, seq_id: str, layers: Sequence[int] | None = None, tenant: str = "") -> KVManifest:
         """What an export of ``tenant``'s ``seq_id`` (every layer, or ``layers``) sends. Raises UnknownSequence,
@@ -273,7 +275,7 @@ class KVTransfer:
     def _check_scales(self, manifest: KVManifest) -> list[int]:
         """IncompatibleKV unless every layer the stream carries KV of has the scales this engine holds its
         cache over; returns the layers that take the stream's (calibrating ones with none yet)."""
-        if self._scales is None:
+        if self._scales is None or self._scale_range is None:
             return []  # not a float8 cache: the fingerprint's cache dtype has said all
         if len(manifest.scales) != self._model.num_layers:
             raise IncompatibleKV(
@@ -285,8 +287,10 @@ class KVTransfer:
             theirs, ours = manifest.scales[x], self._scales[x]
             if manifest.lengths[x] == 0:
                 continue  # no KV of it in the stream (its sharers read no more than it holds)
-            if not all(math.isfinite(s) and s > 0 for s in theirs):
-                raise IncompatibleKV(f"layer {x}'s float8 scales in the KV stream are {theirs}: not positive numbers")
+            for name, scale in zip(("k_scale", "v_scale"), theirs, strict=True):
+                problem = self._scale_range.problem(scale, f"its {name}")
+                if problem:
+                    raise IncompatibleKV(f"layer {x}'s float8 scales in the KV stream are {theirs}: {problem}")
             if ours is None:
                 adopt.append(x)
             elif theirs != ours:

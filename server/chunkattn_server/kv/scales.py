@@ -1,0 +1,116 @@
+"""Which scales a float8 KV cache may be held over, and the scales a calibrating layer takes from its first write.
+
+A float8 cache holds ``x / scale`` and gives back ``stored * scale`` in the compute dtype (torchtypes). A
+scale is held as a float32 (by the kernels, Info and KV streams), so it must be a *normal* float32: a smaller
+one rounds to a denormal or to 0, and every value read back is then 0. And the format's largest value times
+the scale must be finite in the compute dtype, or a saturated value reads back as inf: float8_e5m2's 57344 x 2
+is past float16's 65504. So for a cache format ``cache`` read in ``compute``:
+
+    FLOAT32_TINY = 2^-126 <= scale <= compute.max / cache.max     (float16 over e5m2: 1.142; over e4m3: 146.2)
+
+Plain Python: no torch, no grpc. Problems come back as strings for the caller to raise as its own error
+(ConfigError at start, InvalidTensor for a write, IncompatibleKV for an import).
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+
+from chunkattn_client.dtypes import DType
+
+FLOAT32_TINY = 2.0**-126  # float32's smallest normal number
+
+# vLLM's K_SCALE_CONSTANT and V_SCALE_CONSTANT: a calibrated layer's largest |k| is stored as 200 (of
+# e4m3's 448), leaving room for larger values later.
+K_RANGE = 200.0
+V_RANGE = 100.0
+
+
+def float32(x: float) -> float:
+    """``x`` rounded to float32, as the kernels and the protocol's float fields hold it (+-inf past its range)."""
+    try:
+        value: float = struct.unpack("<f", struct.pack("<f", float(x)))[0]
+    except OverflowError:  # past float32's range, or (an int) past float64's
+        return math.inf if x > 0 else -math.inf
+    return value
+
+
+def float32_problem(scale: float, what: str = "the scale") -> str | None:
+    """Why ``scale`` (float32-rounded) is not a positive normal float32 number, or None when it is."""
+    if math.isfinite(scale) and scale >= FLOAT32_TINY:
+        return None
+    return (
+        f"{what} must be a positive finite number of at least {FLOAT32_TINY:.4g} (float32's smallest normal: a"
+        f" smaller scale is held as 0 or a denormal, and every value read back would be 0), got {scale:g}"
+    )
+
+
+@dataclass(frozen=True)
+class ScaleRange:
+    """The scales a float8 cache of ``cache`` may be held over when it is read in ``compute`` (None: the
+    compute dtype is not known yet, so only the float32 bound applies)."""
+
+    cache: DType
+    compute: DType | None = None
+
+    @property
+    def largest(self) -> float:
+        """compute.max / cache.max rounded down to float32 (inf when the compute dtype is not known)."""
+        if self.compute is None:
+            return math.inf
+        top = self.compute.max / self.cache.max
+        rounded = float32(top)
+        if rounded <= top:
+            return rounded
+        (bits,) = struct.unpack("<I", struct.pack("<f", rounded))  # the float32 just below ``rounded``
+        below: float = struct.unpack("<f", struct.pack("<I", bits - 1))[0]
+        return below
+
+    def problem(self, scale: float, what: str = "the scale") -> str | None:
+        """Why ``scale`` cannot be one of this cache's scales, or None when it can."""
+        problem = float32_problem(scale, what)
+        if problem:
+            return problem
+        largest = self.largest
+        if scale > largest:
+            assert self.compute is not None
+            return (
+                f"{what} {scale:g} times {self.cache.name}'s largest value {self.cache.max:g} is past"
+                f" {self.compute.name}'s largest, {self.compute.max:g}, so a saturated value would read back as"
+                f" inf: at most {_rounded_down(largest):g} with {self.compute.name} compute"
+            )
+        return None
+
+    def calibrate(self, k_top: float, v_top: float, *, refuse: bool = True) -> tuple[float, float]:
+        """The (k, v) scales a calibrating layer takes from its first write, whose largest |k| and |v| are
+        ``k_top`` and ``v_top``: top / K_RANGE (V_RANGE) in float32, as vLLM's calculate_kv_scales; 1 where
+        the top is 0 (nothing to scale); at most ``largest`` (a larger scale would overflow the compute dtype,
+        and ``largest`` already holds every value the compute dtype can). ValueError, saying why, when a top is
+        not finite or so small that its scale is no normal float32: such a write would quantize every later
+        write of the layer to 0. ``refuse`` False: such a scale is raised to FLOAT32_TINY instead (for the
+        write itself, once each of its calls was checked: it may see their values rounded to the compute dtype)."""
+        out = []
+        for name, top, target in (("k", k_top, K_RANGE), ("v", v_top, V_RANGE)):
+            if not math.isfinite(top):
+                raise ValueError(f"the largest |{name}| of the first write is {top}: it cannot set the scales")
+            scale = min(float32(top / target), self.largest) if top > 0 else 1.0
+            if scale < FLOAT32_TINY and not refuse:
+                scale = FLOAT32_TINY
+            elif scale < FLOAT32_TINY:
+                raise ValueError(
+                    f"this is the first write to a calibrating float8 layer, which sets its {name}_scale to the"
+                    f" largest |{name}| / {target:g}; the largest |{name}| is {top:g}, which gives a scale below"
+                    f" float32's normal range ({FLOAT32_TINY:.4g}): every later value would be stored as 0. Send a"
+                    f" first write whose largest nonzero |{name}| is at least {FLOAT32_TINY * target:.4g}, or start"
+                    " the server with a --kv-scales file"
+                )
+            out.append(scale)
+        return out[0], out[1]
+
+
+def _rounded_down(x: float, digits: int = 5) -> float:
+    """``x`` > 0 to ``digits`` significant digits, rounded down (a bound to print that is itself within it)."""
+    shift = digits - 1 - math.floor(math.log10(x))
+    return math.floor(x * 10.0**shift) / 10.0**shift
