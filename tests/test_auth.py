@@ -81,16 +81,16 @@ B = f'"b": {{"tokens_sha256": ["{token_digest("secret-b")}"]}}'
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        (f'{{"tenants": {{{A}, {A}}}}}', "tenant 'a' is listed twice"),
-        (f'{{"tenants": {{{A}, "a": {{"subjects": ["x"]}}}}}}', "tenant 'a' is listed twice"),
+        (f'{{"tenants": {{{A}, {A}}}}}', "'a' is given twice in 'tenants'"),
+        (f'{{"tenants": {{{A}, "a": {{"subjects": ["x"]}}}}}}', "'a' is given twice in 'tenants'"),
         (f'{{"tenants": {{{A}}}, "tenants": {{{B}}}}}', "'tenants' is given twice at the top level"),
         (
             f'{{"tenants": {{{B}, "a": {{"tokens_sha256": ["{DIGEST}"], "max_sequences": 2, "max_sequences": 9}}}}}}',
-            "'max_sequences' is given twice in tenant 'a'",
+            "'max_sequences' is given twice in 'tenants' > 'a'",
         ),
         (
             f'{{"tenants": {{"a": {{"tokens_sha256": ["{DIGEST}"], "tokens_sha256": ["{token_digest("x")}"]}}}}}}',
-            "'tokens_sha256' is given twice in tenant 'a'",
+            "'tokens_sha256' is given twice in 'tenants' > 'a'",
         ),
     ],
 )

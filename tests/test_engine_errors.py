@@ -215,3 +215,29 @@ def test_release_unknown_is_refused_unless_missing_ok() -> None:
     assert snapshot(h.engine) == before
     assert h.engine.release(["a", "nope"], missing_ok=True) == 1
     assert h.engine.sequence_ids() == ["b"]
+
+
+@pytest.mark.parametrize("wire", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("compute", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_a_non_finite_value_fails_its_own_call_of_a_merged_step_in_every_dtype(
+    wire: torch.dtype, compute: str, value: float
+) -> None:
+    """Issue 27.7 and its review: a float16/bfloat16 inf under another compute dtype once crashed the check
+    (IndexError) and failed every call merged into the step. Each bad call fails alone, naming its row."""
+    from chunkattn_server.engine import AttendCall
+
+    h = Harness.build(MODEL, compute_dtype=compute)
+    good = AttendCall((BatchEntry("good", 0, 3),), _q(3, wire), _kv(3, wire), _kv(3, wire), "")
+    for tensor in ("q", "k", "v"):
+        q, k, v = _q(2, wire), _kv(2, wire), _kv(2, wire)
+        {"q": q, "k": k, "v": v}[tensor][1, 0, 3] = value
+        bad = AttendCall((BatchEntry("bad", 0, 2),), q, k, v, "")
+        before = snapshot(h.engine)
+        out = h.engine.attend_step(0, [bad, good])
+        assert isinstance(out[0], InvalidTensor), out[0]
+        assert f"{tensor} row 1 (sequence 'bad' at position 1) holds {value}" in str(out[0])
+        assert isinstance(out[1], torch.Tensor)
+        assert torch.isfinite(out[1]).all()
+        h.engine.release(["good"])
+        assert snapshot(h.engine) == before

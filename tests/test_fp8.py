@@ -21,7 +21,7 @@ from chunkattn_client.cli import main
 from chunkattn_server import CacheConfig, Engine, EngineConfig, LayerSpec, ModelShape, torchtypes
 from chunkattn_server.config import KVScales
 from chunkattn_server.errors import ConfigError, IncompatibleKV, InvalidTensor
-from chunkattn_server.kv.transfer import batches
+from chunkattn_server.kv.transfer import BlockRecord, batches, checksum
 from tests.harness import MODELS, Harness
 from tests.server_process import SMALL, ServerProcess
 
@@ -185,7 +185,7 @@ def test_a_scales_file_gives_each_layer_its_scales(tmp_path: Path) -> None:
         ('{"k_scale": 1, "kscale": 2, "v_scale": 1}', r"unknown keys \['kscale'\]"),
         ('{"k_scale": 1, "v_scale": 1, "calibrate": "no"}', '"calibrate" must be true or false, got "no"'),
         ('{"k_scale": [], "v_scale": 1}', "k_scale is an empty list"),
-        ('{"k_scale": 1, "v_scale": 1, "k_scale": 2}', 'the key "k_scale" appears twice'),
+        ('{"k_scale": 1, "v_scale": 1, "k_scale": 2}', "'k_scale' is given twice at the top level"),
         ('{"k_scale": [1, null], "v_scale": null}', "must be a number or a list"),
     ],
 )
@@ -271,7 +271,7 @@ def test_a_first_write_whose_scales_would_be_zero_or_denormal_is_refused_and_cal
     k[2, 1, 3] = v[1, 0, 0] = top
     free = h.engine.pool.num_free
     if not ok:
-        with pytest.raises(InvalidTensor, match=r"largest \|k\| is .* below float32's normal range"):
+        with pytest.raises(InvalidTensor, match=r"largest \|k\| is .* the smallest this cache can be read back over"):
             h.engine.attend(0, [BatchEntry("a", 0, 4)], q, k, v)
         assert h.engine.kv_scales(0) is None  # still to calibrate
         assert h.engine.pool.num_free == free  # nothing written
@@ -296,6 +296,72 @@ def test_a_stream_whose_scales_would_read_back_as_zero_or_inf_is_refused() -> No
             dst.transfer.begin_import(forged)
         assert dst.kv_scales(0) is None
         assert dst.pool.num_free == free
+
+
+def test_scales_too_small_for_the_compute_dtype_are_refused_everywhere() -> None:
+    """Review of issue 27: with float16 compute a scale of 1e-20 passed (a normal float32), and every value
+    read back as 0 in float16. The lowest scale is now compute.tiny / cache.max: in a file, at calibration
+    (the largest |k| taken in the compute dtype, as it is stored), and in a KV stream."""
+    model = MODELS["gqa"]
+    with pytest.raises(ConfigError, match=r"k_scale 1e-20 times float8_e4m3's largest value 448 is below float16's"):
+        Harness.build(
+            model, dtype="float16", compute_dtype="float16", cache_dtype="fp8", kv_scales=KVScales((1e-20,), (1.0,))
+        )
+    h = Harness.build(
+        model, dtype="float16", compute_dtype="float16", cache_dtype="fp8", kv_scales=KVScales(calibrate=True)
+    )
+    q, k, v = h.tensors(0, 2)
+    assert k is not None
+    assert v is not None
+    k.zero_()
+    k[0, 0, 0] = 1e-5  # a float16 subnormal: its scale (5e-8) reads 448 back as a float16 denormal
+    with pytest.raises(InvalidTensor, match=r"largest \|k\| is 1.00136e-05.* at least 2.7248e-05"):
+        h.engine.attend(0, [BatchEntry("a", 0, 2)], q, k, v)
+    assert h.engine.kv_scales(0) is None
+    src = _engine("fp8", KVScales((1e-20,), (1.0,)))  # float32 compute: a fine scale there
+    _fill(src)
+    dst = _engine("fp8", KVScales(calibrate=True), dtype="float16")
+    with pytest.raises(IncompatibleKV, match="below float16's smallest normal number"):
+        _move(src, dst)
+    assert dst.kv_scales(0) is None
+
+
+@pytest.mark.parametrize("name", FP8)
+def test_a_kv_stream_holding_a_nan_or_an_infinity_is_refused(name: str) -> None:
+    """Review of issue 27: NaN codes in a KV stream were imported, and every later query of the sequence got
+    a non-finite output. Records are now checked by their bits, as Attend checks q/k/v."""
+    src = _engine(name)
+    _fill(src)
+    nan = {"float8_e4m3": 0x7F, "float8_e5m2": 0x7C}[dtypes.lookup(name).name]  # e4m3fn NaN; e5m2 +inf
+    dst = _engine(name)
+    free = dst.pool.num_free
+    manifest = src.transfer.export_manifest("s")
+    session = dst.transfer.begin_import(manifest)
+    records = [r.copy() for r in src.transfer.export_views(manifest, manifest.expected())]
+    k = bytearray(records[1].k)
+    k[5] = nan
+    r = records[1]
+    records[1] = BlockRecord(r.layer, r.logical, bytes(k), r.v, checksum(r.layer, r.logical, (bytes(k), r.v)))
+    with pytest.raises(IncompatibleKV, match=r"holds a NaN or an infinity"):
+        dst.transfer.import_records(session, records)
+    dst.transfer.abort_import(session)
+    assert dst.pool.num_free == free
+    assert not dst.sequence_ids()
+
+
+def test_scales_files_name_every_writing_layer_unless_calibrating() -> None:
+    model = MODELS["sharing"]  # layer 1 reads layer 0's cache
+
+    def per_layer(
+        k: tuple[float | None, ...], v: tuple[float | None, ...], calibrate: bool = False
+    ) -> list[tuple[float, float] | None]:
+        return KVScales(k, v, calibrate).per_layer(model)
+
+    with pytest.raises(ConfigError, match="layer 2 writes its own cache but its scales are null"):
+        per_layer((0.5, None, None, None), (0.5, None, None, None))
+    assert per_layer((0.5, None, None, None), (0.5, None, None, None), calibrate=True)[2] is None
+    with pytest.raises(ConfigError, match="layer 1: give both its k_scale and its v_scale"):
+        per_layer((0.5, 0.7, 1.0, 1.0), (0.5, None, 1.0, 1.0))
 
 
 def test_scales_need_a_float8_cache() -> None:

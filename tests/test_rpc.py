@@ -8,7 +8,7 @@ import pytest
 
 from chunkattn_client import wire
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
-from chunkattn_client.limits import bounded, id_problem, quote, some, target_problem
+from chunkattn_client.limits import bounded, dial_target, id_problem, quote, some, target_problem
 from chunkattn_server.errors import InvalidArgument, Overloaded
 from chunkattn_server.rpc import SMALL_REQUEST_BYTES, Admission, parse_now
 
@@ -103,3 +103,20 @@ def test_messages_quote_a_prefix_and_a_few_ids() -> None:
 )
 def test_targets(target: str, ok: bool) -> None:
     assert (target_problem(target) is None) == ok, target_problem(target)
+
+
+@pytest.mark.parametrize(
+    ("target", "dialed"),
+    [
+        ("dns:1", "dns:///dns:1"),  # host "dns", port 1, as checked (gRPC alone: the DNS name "1", port 443)
+        ("fake:1", "dns:///fake:1"),  # gRPC alone: its test resolver "fake"
+        ("google-c2p-experimental:443", "dns:///google-c2p-experimental:443"),
+        ("[::1]:5", "dns:///[::1]:5"),
+        ("dns:///h:1", "dns:///h:1"),
+        ("ipv4:127.0.0.1:80", "ipv4:127.0.0.1:80"),
+        ("ipv6:[::1]:80", "ipv6:[::1]:80"),
+    ],
+)
+def test_a_bare_target_is_dialed_as_the_host_and_port_it_was_checked_as(target: str, dialed: str) -> None:
+    assert target_problem(target) is None
+    assert dial_target(target) == dialed

@@ -499,6 +499,23 @@ def test_a_stream_message_sent_under_a_revoked_token_is_refused_and_not_carried_
         with ChunkAttnClient(s.target, token=TOKENS["a1"]) as a:  # team-a's "s" still ends at 7
             a.attend(0, [BatchEntry("s", 7, 1)], q[:1], k[:1], v[:1])
 
+            # An import whose stream ends after its token was revoked is not committed (its end is checked too).
+            chunks = list(a.export_kv("s"))
+            revoke = {"team-a": {"token": TOKENS["a2"]}, "team-b": {"token": TOKENS["b1"]}}
+
+            def sent_then_revoked() -> Iterator[pb.KVChunk]:
+                yield from chunks
+                time.sleep(1)  # the server has read and written every message, the trailer too
+                reload(revoke)  # and the stream ends after the revocation
+
+            free = a.info().free_blocks
+            with pytest.raises(ChunkAttnError) as e:
+                a.import_kv(sent_then_revoked(), seq_id="imported")
+            assert e.value.code == grpc.StatusCode.UNAUTHENTICATED
+        with ChunkAttnClient(s.target, token=TOKENS["a2"]) as a2:
+            assert a2.info().free_blocks == free
+            assert a2.release(["imported"], missing_ok=True) == 0
+
 
 # -- the CLI, the bench and the transformers session ------------------------------------------------------
 

@@ -7,6 +7,7 @@ import asyncio
 import concurrent.futures
 import json
 import logging
+import re
 import signal
 import subprocess
 import sys
@@ -126,7 +127,7 @@ def test_a_token_file_that_gives_a_key_twice_stops_the_server_at_start(tmp_path:
     path.chmod(0o600)
     status, out = start("--port", "0", "--metrics-port", "0", "--auth-tokens", str(path), *FLAGS)
     assert status == 2, out
-    assert f"cannot start: {path}: tenant 't' is listed twice; give each once" in out
+    assert f"cannot start: {path}: 't' is given twice in 'tenants'; give each once" in out
     assert "Traceback" not in out
 
 
@@ -140,6 +141,53 @@ def test_sighup_with_a_token_file_that_gives_a_key_twice_keeps_the_old_one(serve
         assert time.monotonic() < deadline, server.log()
         time.sleep(0.1)
     assert "the token file was not reloaded, the previous one stays in force" in server.log()[len(before) :]
-    assert "tenant 't' is listed twice" in server.log()[len(before) :]
+    assert "'t' is given twice in 'tenants'" in server.log()[len(before) :]
     assert call(server, OLD) == grpc.StatusCode.OK
     assert call(server, NEW) == grpc.StatusCode.UNAUTHENTICATED
+
+
+@pytest.mark.parametrize("host", ["[::1]", "::1", ""])
+def test_the_port_check_reads_hosts_as_grpc_does(host: str) -> None:
+    """A bracketed IPv6 host and the empty host (every address) are checked too, not skipped as unresolvable."""
+    import socket
+
+    with socket.socket(socket.AF_INET6) as held:
+        held.bind(("::1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(OSError, match=rf"cannot listen on {re.escape(host)}:{port} \(--port\): the port is in use"):
+            server_module._check_free(host, port, "--port")
+
+
+def test_a_config_file_that_gives_an_option_twice_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As the token and scales files: --config's JSON keeps no last-wins (auth_tokens then null would switch
+    authentication off)."""
+    from chunkattn_server.__main__ import parse
+
+    path = tmp_path / "config.json"
+    path.write_text('{"auth_tokens": "tokens.json", "port": 1, "auth_tokens": null}')
+    with pytest.raises(SystemExit) as e:
+        parse(["--config", str(path)])
+    assert e.value.code == 2
+    assert "'auth_tokens' is given twice at the top level" in capsys.readouterr().err
+    path.write_text("[1, 2]")
+    with pytest.raises(SystemExit):
+        parse(["--config", str(path)])
+    assert "expected a JSON object of options, got list" in capsys.readouterr().err
+
+
+def test_calibrate_with_tenants_is_refused_only_when_a_layer_would_calibrate() -> None:
+    from chunkattn_server.config import KVScales, check_together
+    from chunkattn_server.errors import ConfigError
+
+    model = MODELS["gqa"]
+    server = ServerConfig(auth_tokens="tokens.json")
+    given = KVScales((0.5,), (0.25,), calibrate=True)  # every layer has its scales: nothing to calibrate
+    check_together(EngineConfig(model, CacheConfig(num_blocks=8, block_size=4, dtype="fp8", scales=given)), server)
+    calibrating = EngineConfig(
+        model, CacheConfig(num_blocks=8, block_size=4, dtype="fp8", scales=KVScales(calibrate=True))
+    )
+    with pytest.raises(ConfigError, match="--kv-scales calibrate lets the first write of any client"):
+        check_together(calibrating, server)

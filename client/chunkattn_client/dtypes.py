@@ -32,6 +32,7 @@ __all__ = [
     "WIRE",
     "DType",
     "DTypeError",
+    "all_finite",
     "fp8_decode",
     "fp8_round",
     "lookup",
@@ -52,7 +53,8 @@ class DType:
     torch: the name of its ``torch`` dtype attribute.
     on_wire, in_cache, compute: where it may be used (see the module docstring).
     exponent_bits, mantissa_bits: the float8 formats' layout (0 otherwise).
-    max: the largest finite value.
+    max, tiny: the largest finite value and the smallest positive normal one.
+    nonfinite: (mask, bits): a value is NaN or infinite iff its little-endian word & mask == bits.
     """
 
     name: str
@@ -66,6 +68,8 @@ class DType:
     exponent_bits: int = 0
     mantissa_bits: int = 0
     max: float = 0.0
+    tiny: float = 0.0
+    nonfinite: tuple[int, int] = (0, 1)
 
     @property
     def itemsize(self) -> int:
@@ -81,17 +85,28 @@ class DType:
 
 
 TABLE: tuple[DType, ...] = (
-    DType("float32", pb.DTYPE_FLOAT32, "<f4", "float32", True, True, True, max=float(np.finfo(np.float32).max)),
-    DType("float16", pb.DTYPE_FLOAT16, "<f2", "float16", True, True, True, max=65504.0),
-    DType("bfloat16", pb.DTYPE_BFLOAT16, "<u2", "bfloat16", True, True, True, max=(2 - 2**-7) * 2.0**127),
+    DType(
+        "float32", pb.DTYPE_FLOAT32, "<f4", "float32", True, True, True,
+        max=(2 - 2**-23) * 2.0**127, tiny=2.0**-126, nonfinite=(0x7F800000, 0x7F800000),
+    ),
+    DType(
+        "float16", pb.DTYPE_FLOAT16, "<f2", "float16", True, True, True,
+        max=65504.0, tiny=2.0**-14, nonfinite=(0x7C00, 0x7C00),
+    ),
+    DType(
+        "bfloat16", pb.DTYPE_BFLOAT16, "<u2", "bfloat16", True, True, True,
+        max=(2 - 2**-7) * 2.0**127, tiny=2.0**-126, nonfinite=(0x7F80, 0x7F80),
+    ),
     # torch's float8_e4m3fn: "fn", finite (no infinity; one NaN code per sign), as NVIDIA and vLLM use on CUDA.
     DType(
         "float8_e4m3", pb.DTYPE_FLOAT8_E4M3, "u1", "float8_e4m3fn", False, True, False,
-        aliases=("fp8", "fp8_e4m3", "float8_e4m3fn"), exponent_bits=4, mantissa_bits=3, max=448.0,
+        aliases=("fp8", "fp8_e4m3", "float8_e4m3fn"), exponent_bits=4, mantissa_bits=3, max=448.0, tiny=2.0**-6,
+        nonfinite=(0x7F, 0x7F),  # NaN only: S.1111.111
     ),
     DType(
         "float8_e5m2", pb.DTYPE_FLOAT8_E5M2, "u1", "float8_e5m2", False, True, False,
-        aliases=("fp8_e5m2",), exponent_bits=5, mantissa_bits=2, max=57344.0,
+        aliases=("fp8_e5m2",), exponent_bits=5, mantissa_bits=2, max=57344.0, tiny=2.0**-14,
+        nonfinite=(0x7C, 0x7C),  # exponent all ones: infinities and NaNs
     ),
 )  # fmt: skip
 
@@ -125,6 +140,14 @@ def of_wire(value: int, allowed: tuple[DType, ...] = TABLE, what: str = "tensor 
         name = "unknown" if d is None else d.name
         raise DTypeError(f"{what} {value} ({name}) is not one of {names(allowed)}")
     return d
+
+
+def all_finite(raw: bytes | memoryview, d: DType) -> bool:
+    """Whether the little-endian values of ``d`` in ``raw`` are all finite (read from their bits: no float8 or
+    bfloat16 in numpy)."""
+    mask, bits = d.nonfinite
+    words = np.frombuffer(raw, dtype=f"<u{d.itemsize}")
+    return not bool(np.any((words & mask) == bits))
 
 
 # -- float8 values in numpy (the server stores them with torch; tests check the two agree bit for bit) ------

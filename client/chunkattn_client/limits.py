@@ -122,6 +122,13 @@ def _host_port(text: str, *, ipv4_only: bool = False, ipv6_only: bool = False) -
 OTHER_SCHEMES = ("unix", "unix-abstract", "vsock", "xds", "google-c2p", "sockaddr", "uds")
 
 
+def dial_target(target: str) -> str:
+    """The name to give gRPC for a TransferKV target that ``target_problem`` accepted: a bare ``host:port`` as
+    ``dns:///host:port``, so that gRPC never reads its host as the scheme of some resolver ("dns:1" is host
+    "dns", port 1, as checked, not the DNS name "1")."""
+    return target if target.startswith(("dns:///", "ipv4:", "ipv6:")) else "dns:///" + target
+
+
 def target_problem(target: object) -> str | None:
     """Why ``target`` is not an address TransferKV can connect to (TARGET_FORMS), or None when it is."""
     if not isinstance(target, str):

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import sys
@@ -25,7 +24,7 @@ from typing import Any
 from chunkattn_client import hfconfig
 from chunkattn_client.client import MAX_KEEPALIVE_S, MIN_KEEPALIVE_S, check_keepalive
 from chunkattn_client.limits import token_problem
-from chunkattn_server import allocator
+from chunkattn_server import allocator, jsonfile
 from chunkattn_server.auth import token_digest
 from chunkattn_server.config import (
     DEFAULT_IMPORT_STALL_S,
@@ -251,8 +250,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     defaults: dict[str, Any] = {}
     config_file = first.config or os.environ.get("CHUNKATTN_CONFIG")
     if config_file:
-        with open(config_file) as f:
-            defaults.update(json.load(f))
+        try:
+            with open(config_file) as f:
+                data = jsonfile.load(f)
+        except (OSError, ValueError) as e:
+            parser.error(f"--config {config_file}: {e}")
+        if not isinstance(data, dict):
+            parser.error(f"--config {config_file}: expected a JSON object of options, got {type(data).__name__}")
+        defaults.update(data)
     for action in parser._actions:
         env = os.environ.get("CHUNKATTN_" + action.dest.upper())
         if env is not None and action.dest != "help":

@@ -34,13 +34,13 @@ import logging
 import os
 import re
 import stat
-from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
+from chunkattn_server import jsonfile
 from chunkattn_server.errors import ConfigError, Unauthenticated
 from chunkattn_server.kv.manager import Quota
 
@@ -84,14 +84,13 @@ class Tenants:
         """Read and check a token file; ConfigError saying what is wrong (never quoting a digest)."""
         try:
             with open(path, encoding="utf-8") as f:
-                data = json.load(f, object_pairs_hook=_Object)
+                data = jsonfile.load(f)
         except OSError as e:
             raise ConfigError(f"cannot read the token file {path}: {e.strerror}") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"the token file {path} is not valid JSON: {e}") from None
-        repeated = _repeated(data)
-        if repeated is not None:
-            raise ConfigError(f"{path}: {repeated}; give each once (JSON readers keep only the last)")
+        except ValueError as e:  # a key given twice
+            raise ConfigError(f"{path}: {e}") from None
         return cls.parse(data, path)
 
     @classmethod
@@ -215,34 +214,6 @@ class Authenticator:
         if now.name != tenant.name:
             raise Unauthenticated("the call's credentials name another tenant since the token file was reloaded")
         return now
-
-
-class _Object(dict[str, Any]):
-    """A JSON object as read (json.load's object_pairs_hook), with the keys it gives more than once: a plain
-    dict would quietly keep their last value."""
-
-    def __init__(self, pairs: list[tuple[str, Any]]) -> None:
-        super().__init__(pairs)
-        counts = Counter(key for key, _ in pairs)
-        self.repeated = [key for key, n in counts.items() if n > 1]
-
-
-def _repeated(data: Any) -> str | None:
-    """What a token file read with _Object gives twice in one object: at the top level, in "tenants" or in
-    a tenant (deeper objects have no place in the file: parse refuses them). None when nothing."""
-    if not isinstance(data, _Object):
-        return None
-    if data.repeated:
-        return f"{data.repeated[0][:70]!r} is given twice at the top level"
-    tenants = data.get("tenants")
-    if not isinstance(tenants, _Object):
-        return None
-    if tenants.repeated:
-        return f"tenant {tenants.repeated[0][:70]!r} is listed twice"
-    for name, spec in tenants.items():
-        if isinstance(spec, _Object) and spec.repeated:
-            return f"{spec.repeated[0][:70]!r} is given twice in tenant {name[:70]!r}"
-    return None
 
 
 def _strings(value: Any, what: str) -> list[str]:

@@ -22,6 +22,8 @@ from typing import Any
 
 import grpc
 
+from chunkattn_client.limits import dial_target
+
 DEFAULT_LIMIT = 8
 BROKEN = (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN)
 DROP_ON = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -80,8 +82,8 @@ class ChannelPool:
     def _open(self, target: str) -> grpc.aio.Channel:
         credentials = self._credentials(target)
         if credentials is None:
-            return grpc.aio.insecure_channel(target, options=self._options)
-        return grpc.aio.secure_channel(target, credentials, options=self._options)
+            return grpc.aio.insecure_channel(dial_target(target), options=self._options)
+        return grpc.aio.secure_channel(dial_target(target), credentials, options=self._options)
 
     async def close(self) -> None:
         """Close every channel (at shutdown, once no transfer runs); later uses raise RuntimeError."""

@@ -18,6 +18,7 @@ import grpc
 
 from chunkattn_client import dtypes
 from chunkattn_client.limits import quote, target_problem, token_problem
+from chunkattn_server import jsonfile
 from chunkattn_server.errors import ConfigError, UnknownLayer
 from chunkattn_server.kv.scales import float32, float32_problem
 
@@ -168,7 +169,7 @@ class KVScales:
         where = f"--kv-scales {path}"
         try:
             with open(path) as f:
-                data = json.load(f, object_pairs_hook=_unique_keys)
+                data = jsonfile.load(f)
         except (OSError, ValueError) as e:
             raise ConfigError(f"{where}: {e}") from None
         if not isinstance(data, dict) or not {"k_scale", "v_scale"} <= data.keys():
@@ -224,8 +225,13 @@ class KVScales:
         v = self.v * n if len(self.v) == 1 else self.v
         for i, spec in enumerate(model.layers):
             ki, vi = (k[i] if k else None), (v[i] if v else None)
-            if (ki is None) != (vi is None) and spec.kv_source is None:
+            if (ki is None) != (vi is None):
                 raise ConfigError(f"layer {i}: give both its k_scale and its v_scale, or neither")
+            if ki is None and (k or v) and spec.kv_source is None and not self.calibrate:
+                raise ConfigError(
+                    f'layer {i} writes its own cache but its scales are null: give them, or add "calibrate": true'
+                    " to have its first write set them"
+                )
             out.append(None if ki is None or vi is None else (float32(ki), float32(vi)))
         for i, spec in enumerate(model.layers):
             src = spec.kv_source
@@ -237,16 +243,6 @@ class KVScales:
                 )
             out[i] = out[src]
         return out
-
-
-def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
-    """A JSON object's keys and values; ValueError naming a key given twice (json's default keeps the last)."""
-    out: dict[str, object] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"the key {json.dumps(key)[:80]} appears twice in one object")
-        out[key] = value
-    return out
 
 
 @dataclass(frozen=True)
@@ -511,7 +507,8 @@ def check_together(engine: EngineConfig, server: ServerConfig) -> None:
     tenant is stored over, so one tenant could choose (or ruin: a first write of huge or tiny values) the
     quantization of the others' KV."""
     scales = engine.cache.scales
-    if server.auth_tokens is not None and scales is not None and scales.calibrate:
+    calibrating = scales is not None and scales.calibrate and None in scales.per_layer(engine.model)
+    if server.auth_tokens is not None and calibrating:
         raise ConfigError(
             "--kv-scales calibrate lets the first write of any client set the float8 scales of every tenant's KV:"
             " on a server with tenants (--auth-tokens) give the scales in a --kv-scales file (the checkpoint's,"

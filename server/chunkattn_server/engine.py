@@ -33,7 +33,6 @@ from chunkattn_server.attention.backends import AttentionBatch, Backend, TorchBa
 from chunkattn_server.config import EngineConfig, LayerSpec
 from chunkattn_server.errors import (
     ConfigError,
-    EngineError,
     InvalidTensor,
     OutOfBlocks,
 )
@@ -205,10 +204,11 @@ class Engine:
             raise result
         return result
 
-    def attend_step(self, layer: int, calls: Sequence[AttendCall]) -> list[torch.Tensor | EngineError | Retry]:
+    def attend_step(self, layer: int, calls: Sequence[AttendCall]) -> list[torch.Tensor | Exception | Retry]:
         """Serve several calls of one layer in one compute; per call, its output ([T_i, num_heads,
-        head_size] in its q's dtype) or the EngineError it fails with alone (nothing of it changed), or
-        Retry (see there). No two calls may share a sequence (the scheduler's rule; checked).
+        head_size] in its q's dtype) or the error it fails with alone (nothing of it changed: an EngineError,
+        or an unexpected error while it was checked, a bug that stays that call's), or Retry (see there). No
+        two calls may share a sequence (the scheduler's rule; checked).
 
         An error that is not a call's own (a backend failure) undoes every call and is raised."""
         if torch.is_grad_enabled():  # the cache must never join an autograd graph, whatever the caller's tensors
@@ -216,14 +216,14 @@ class Engine:
                 return self._attend_step(layer, calls)
         return self._attend_step(layer, calls)
 
-    def _attend_step(self, layer: int, calls: Sequence[AttendCall]) -> list[torch.Tensor | EngineError | Retry]:
-        results: list[torch.Tensor | EngineError | Retry] = [Retry()] * len(calls)
+    def _attend_step(self, layer: int, calls: Sequence[AttendCall]) -> list[torch.Tensor | Exception | Retry]:
+        results: list[torch.Tensor | Exception | Retry] = [Retry()] * len(calls)
         spec = self.config.model.spec(layer)
         planned: list[tuple[int, list[SequenceState | None], list[Write]]] = []
         for i, call in enumerate(calls):
             try:
                 states, writes = self._plan(layer, spec, call)
-            except EngineError as e:
+            except Exception as e:  # an EngineError; anything else is a bug, and still this call's alone
                 results[i] = e
             else:
                 planned.append((i, states, writes))
@@ -261,8 +261,8 @@ class Engine:
         """A call's checks (everything is checked before anything changes) and its write plan."""
         total = checks.check_entries(call.entries)
         checks.check_tensors(self.config.model, layer, spec, call.entries, total, call.q, call.k, call.v, self.dtype)
-        if spec.kv_source is None and self._kv_scales[layer] is None:  # this write would calibrate the layer
-            self._calibrated(call.k, call.v)
+        if call.k is not None and call.v is not None and self._kv_scales[layer] is None:  # it would calibrate
+            self._calibrated(self._here(call.k), self._here(call.v))  # (as _compute will: see there)
         states = [self.kv.get(e.seq_id, call.tenant) for e in call.entries]
         checks.check_positions(layer, spec, call.entries, states)
         return states, self.kv.plan_writes(layer, spec, call.entries, states)
@@ -322,7 +322,7 @@ class Engine:
             kc, vc = self._here(k), self._here(v)
             if self._converts:
                 # The cache's values: what is stored, and (for attention now) what later calls will read.
-                k_scale, v_scale = self._scales_of(source, k, v)  # as sent: what _plan checked
+                k_scale, v_scale = self._scales_of(source, kc, vc)
                 kc = torchtypes.store(kc, k_scale, self.cache_dtype)
                 vc = torchtypes.store(vc, v_scale, self.cache_dtype)
             # The rows of k/v to store and their cache slots; usually every row (a decode, a short prefill).
@@ -375,14 +375,16 @@ class Engine:
         """A writing layer's cache scales (k, v). A layer still to calibrate takes them from its first K/V
         written (``k``, ``v`` [T, Hkv, D]; see ``_calibrated``)."""
         scales = self._kv_scales[layer]
-        if scales is None:  # the calls were checked (_plan): no refusal now
-            scales = self._kv_scales[layer] = self._calibrated(k, v, refuse=False)
+        if scales is None:
+            scales = self._kv_scales[layer] = self._calibrated(k, v)
         return scales
 
-    def _calibrated(self, k: torch.Tensor | None, v: torch.Tensor | None, refuse: bool = True) -> tuple[float, float]:
-        """The scales a calibrating layer takes from its first write (kv/scales.py: max |x| / K_RANGE or
-        V_RANGE, as vLLM's calculate_kv_scales); InvalidTensor for a write that cannot set them (a scale
-        below float32's normal range would store every later value as 0)."""
+    def _calibrated(self, k: torch.Tensor | None, v: torch.Tensor | None) -> tuple[float, float]:
+        """The scales a calibrating layer takes from its first write, ``k``, ``v`` [T, Hkv, D] in the compute
+        dtype (kv/scales.py: max |x| / K_RANGE or V_RANGE, as vLLM's calculate_kv_scales); InvalidTensor for a
+        write that cannot set them (a scale too small to read back would store every later value as 0). Each
+        call of a step was checked on its own (_plan), so their merged first write calibrates without error:
+        its largest values are one of theirs."""
         assert k is not None, "a float8 layer's first write"
         assert v is not None
         assert self._scale_range is not None
@@ -391,7 +393,7 @@ class Engine:
             return float(x.abs().amax()) if x.numel() else 0.0
 
         try:
-            return self._scale_range.calibrate(top(k), top(v), refuse=refuse)
+            return self._scale_range.calibrate(top(k), top(v))
         except ValueError as e:
             raise InvalidTensor(f"{e}. Nothing was written") from None
 

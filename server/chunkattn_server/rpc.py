@@ -164,9 +164,10 @@ def parse_now(message: type[M], raw: bytes, max_fields: int | None = None) -> M:
 class Stream:
     """A stream's reads and writes, each bounded in time: a client that sends nothing (or reads nothing)
     for ``idle_s`` ends the stream with StreamStalled (DEADLINE_EXCEEDED). ``idle_s`` 0: no bound. Each
-    message read is checked by ``recheck()`` once it has arrived and before it is handed over (its error ends
-    the stream): a token revoked while the stream is open ends it at its next message, which is not carried
-    out. A write is not checked: it answers a message accepted under a valid token."""
+    message read, and the stream's end, is checked by ``recheck()`` once it has arrived and before it is
+    handed over (its error ends the stream): a token revoked while the stream is open ends it at its next
+    message, which is not carried out, or at its end (an import is not committed). A write is not checked:
+    it answers a message accepted under a valid token."""
 
     def __init__(
         self,
@@ -194,9 +195,10 @@ class Stream:
                 f"the stream sent nothing for {self._idle_s:g} s (messages so far: {self.received}), so the"
                 f" server closed it and returned what it held (chunkattn-server {self._flag})"
             ) from None
-        if data is not None:
-            self._recheck()  # on arrival: the credentials may have been revoked while the stream waited
-            self.received += 1
+        # Checked on arrival: the credentials may have been revoked while the stream waited. At its end too:
+        # an import is committed when its stream ends.
+        self._recheck()
+        self.received += data is not None
         return data
 
     async def write(self, data: bytes) -> None:

@@ -218,8 +218,9 @@ def _cannot_listen(host: str, port: int, flag: str, e: OSError | None) -> str:
 def _bind_error(host: str, port: int) -> OSError | None:
     """Why a listening socket cannot bind host:port, on the first of the addresses host names that fails,
     bound as gRPC binds them (SO_REUSEADDR, no SO_REUSEPORT); None when every one binds."""
+    name = host[1:-1] if host.startswith("[") and host.endswith("]") else host or None  # "": every address
     try:
-        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        addresses = socket.getaddrinfo(name, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         for family, kind, proto, _, address in addresses:
             with socket.socket(family, kind, proto) as s:
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port left in TIME_WAIT is free

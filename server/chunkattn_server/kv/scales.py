@@ -4,9 +4,11 @@ A float8 cache holds ``x / scale`` and gives back ``stored * scale`` in the comp
 scale is held as a float32 (by the kernels, Info and KV streams), so it must be a *normal* float32: a smaller
 one rounds to a denormal or to 0, and every value read back is then 0. And the format's largest value times
 the scale must be finite in the compute dtype, or a saturated value reads back as inf: float8_e5m2's 57344 x 2
-is past float16's 65504. So for a cache format ``cache`` read in ``compute``:
+is past float16's 65504. And the format's largest value must read back as a normal number of the compute
+dtype, or everything reads back as 0 there. So for a cache format ``cache`` read in ``compute``:
 
-    FLOAT32_TINY = 2^-126 <= scale <= compute.max / cache.max     (float16 over e5m2: 1.142; over e4m3: 146.2)
+    max(2^-126, compute.tiny / cache.max) <= scale <= compute.max / cache.max
+    (float16 over e4m3: 1.4e-7 .. 146.2; over e5m2: 1.1e-9 .. 1.142; float32 or bfloat16: 1.2e-38 .. ~1e35)
 
 Plain Python: no torch, no grpc. Problems come back as strings for the caller to raise as its own error
 (ConfigError at start, InvalidTensor for a write, IncompatibleKV for an import).
@@ -50,10 +52,20 @@ def float32_problem(scale: float, what: str = "the scale") -> str | None:
 @dataclass(frozen=True)
 class ScaleRange:
     """The scales a float8 cache of ``cache`` may be held over when it is read in ``compute`` (None: the
-    compute dtype is not known yet, so only the float32 bound applies)."""
+    compute dtype is not known yet, so only the float32 bounds apply)."""
 
     cache: DType
     compute: DType | None = None
+
+    @property
+    def smallest(self) -> float:
+        """The smallest scale: a normal float32, and one at which the format's largest value reads back as a
+        normal number of the compute dtype (float16 over e4m3: 2^-14 / 448 ~ 1.4e-7), rounded up to float32."""
+        if self.compute is None:
+            return FLOAT32_TINY
+        low = max(FLOAT32_TINY, self.compute.tiny / self.cache.max)
+        rounded = float32(low)
+        return rounded if rounded >= low else _next_float32(rounded, +1)
 
     @property
     def largest(self) -> float:
@@ -62,55 +74,62 @@ class ScaleRange:
             return math.inf
         top = self.compute.max / self.cache.max
         rounded = float32(top)
-        if rounded <= top:
-            return rounded
-        (bits,) = struct.unpack("<I", struct.pack("<f", rounded))  # the float32 just below ``rounded``
-        below: float = struct.unpack("<f", struct.pack("<I", bits - 1))[0]
-        return below
+        return rounded if rounded <= top else _next_float32(rounded, -1)
 
     def problem(self, scale: float, what: str = "the scale") -> str | None:
         """Why ``scale`` cannot be one of this cache's scales, or None when it can."""
         problem = float32_problem(scale, what)
-        if problem:
+        if problem or self.compute is None:
             return problem
-        largest = self.largest
-        if scale > largest:
-            assert self.compute is not None
+        if scale < self.smallest:
+            return (
+                f"{what} {scale:g} times {self.cache.name}'s largest value {self.cache.max:g} is below"
+                f" {self.compute.name}'s smallest normal number, {self.compute.tiny:g}, so every value would read"
+                f" back as 0 or a denormal: at least {_rounded(self.smallest, up=True):g} with {self.compute.name}"
+                " compute"
+            )
+        if scale > self.largest:
             return (
                 f"{what} {scale:g} times {self.cache.name}'s largest value {self.cache.max:g} is past"
                 f" {self.compute.name}'s largest, {self.compute.max:g}, so a saturated value would read back as"
-                f" inf: at most {_rounded_down(largest):g} with {self.compute.name} compute"
+                f" inf: at most {_rounded(self.largest, up=False):g} with {self.compute.name} compute"
             )
         return None
 
-    def calibrate(self, k_top: float, v_top: float, *, refuse: bool = True) -> tuple[float, float]:
-        """The (k, v) scales a calibrating layer takes from its first write, whose largest |k| and |v| are
-        ``k_top`` and ``v_top``: top / K_RANGE (V_RANGE) in float32, as vLLM's calculate_kv_scales; 1 where
-        the top is 0 (nothing to scale); at most ``largest`` (a larger scale would overflow the compute dtype,
-        and ``largest`` already holds every value the compute dtype can). ValueError, saying why, when a top is
-        not finite or so small that its scale is no normal float32: such a write would quantize every later
-        write of the layer to 0. ``refuse`` False: such a scale is raised to FLOAT32_TINY instead (for the
-        write itself, once each of its calls was checked: it may see their values rounded to the compute dtype)."""
+    def calibrate(self, k_top: float, v_top: float) -> tuple[float, float]:
+        """The (k, v) scales a calibrating layer takes from its first write, whose largest |k| and |v| (in the
+        compute dtype, as they are stored) are ``k_top`` and ``v_top``: top / K_RANGE (V_RANGE) in float32, as
+        vLLM's calculate_kv_scales; 1 where the top is 0 (nothing to scale); at most ``largest`` (a larger
+        scale would overflow the compute dtype, and ``largest`` already holds every value the compute dtype
+        can). ValueError, saying why, when a top is not finite or so small that its scale is below
+        ``smallest``: such a write would store every later write of the layer as 0."""
         out = []
         for name, top, target in (("k", k_top, K_RANGE), ("v", v_top, V_RANGE)):
             if not math.isfinite(top):
                 raise ValueError(f"the largest |{name}| of the first write is {top}: it cannot set the scales")
             scale = min(float32(top / target), self.largest) if top > 0 else 1.0
-            if scale < FLOAT32_TINY and not refuse:
-                scale = FLOAT32_TINY
-            elif scale < FLOAT32_TINY:
+            if scale < self.smallest:
                 raise ValueError(
                     f"this is the first write to a calibrating float8 layer, which sets its {name}_scale to the"
                     f" largest |{name}| / {target:g}; the largest |{name}| is {top:g}, which gives a scale below"
-                    f" float32's normal range ({FLOAT32_TINY:.4g}): every later value would be stored as 0. Send a"
-                    f" first write whose largest nonzero |{name}| is at least {FLOAT32_TINY * target:.4g}, or start"
-                    " the server with a --kv-scales file"
+                    f" {_rounded(self.smallest, up=True):g}, the smallest this cache can be read back over: every"
+                    f" later value would be stored as 0. Send a first write whose largest nonzero |{name}| is at"
+                    f" least {_rounded(self.smallest * target, up=True):g}, or start the server with a --kv-scales file"
                 )
             out.append(scale)
         return out[0], out[1]
 
 
-def _rounded_down(x: float, digits: int = 5) -> float:
-    """``x`` > 0 to ``digits`` significant digits, rounded down (a bound to print that is itself within it)."""
+def _next_float32(x: float, direction: int) -> float:
+    """The float32 next to float32 ``x`` > 0, up (+1) or down (-1)."""
+    (bits,) = struct.unpack("<I", struct.pack("<f", x))
+    value: float = struct.unpack("<f", struct.pack("<I", bits + direction))[0]
+    return value
+
+
+def _rounded(x: float, *, up: bool, digits: int = 5) -> float:
+    """``x`` > 0 to ``digits`` significant digits, rounded up or down (a bound to print that is itself within
+    the range)."""
     shift = digits - 1 - math.floor(math.log10(x))
-    return math.floor(x * 10.0**shift) / 10.0**shift
+    scaled = x * 10.0**shift
+    return (math.ceil(scaled) if up else math.floor(scaled)) / 10.0**shift

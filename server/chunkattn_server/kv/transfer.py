@@ -411,7 +411,8 @@ class KVTransfer:
 
     def import_records(self, session: ImportSession, records: Sequence[BlockRecord]) -> None:
         """Check and write records of an import. Raises IncompatibleKV (unexpected, repeated or misshapen
-        record) or DataLoss (checksum); the caller then aborts the session."""
+        record, or one holding a NaN or an infinity) or DataLoss (checksum); the caller then aborts the session."""
+        cache_dtype = dtypes.BY_NAME[self.fingerprint.cache_dtype]
         for r in records:
             key = (r.layer, r.logical)
             if key not in session.expected or key in session.received:
@@ -420,6 +421,11 @@ class KVTransfer:
                 raise IncompatibleKV(f"record (layer {r.layer}, block {r.logical}) has the wrong size")
             if not r.intact():
                 raise DataLoss(f"record (layer {r.layer}, block {r.logical}) fails its checksum: the data is damaged")
+            if not (dtypes.all_finite(r.k, cache_dtype) and dtypes.all_finite(r.v, cache_dtype)):
+                raise IncompatibleKV(
+                    f"record (layer {r.layer}, block {r.logical}) holds a NaN or an infinity: this server's KV is"
+                    " finite (as Attend refuses such q/k/v, an import does)"
+                )
             block = session.tables[self._kv.group_of[r.layer].index][r.logical]
             slot = self._slot_of[r.layer]
             self._cache.write_block(slot, block, r.k, r.v)

@@ -27,8 +27,9 @@ if _version_not_supported:
 
 class ChunkAttnStub:
     """The attention service. Errors use the standard gRPC status codes: INVALID_ARGUMENT (a malformed request,
-    or one past a limit below), NOT_FOUND (unknown sequence at position > 0), FAILED_PRECONDITION (position
-    differs from the sequence's length in that layer), RESOURCE_EXHAUSTED (KV pool full, message too large,
+    one past a limit below, or q/k/v holding a NaN, an infinity or a value the compute dtype cannot hold),
+    NOT_FOUND (unknown sequence at position > 0), FAILED_PRECONDITION (position differs from the sequence's
+    length in that layer), RESOURCE_EXHAUSTED (KV pool full, message too large,
     too many calls or request bytes at once), DEADLINE_EXCEEDED (a stream that sent or read nothing for the
     server's idle limit), UNAVAILABLE (the server is shutting down), ALREADY_EXISTS (Fork or ImportKV into an
     id in use), DATA_LOSS (imported KV damaged or cut short), ABORTED (a sequence changed while it was
@@ -98,8 +99,9 @@ class ChunkAttnStub:
 
 class ChunkAttnServicer:
     """The attention service. Errors use the standard gRPC status codes: INVALID_ARGUMENT (a malformed request,
-    or one past a limit below), NOT_FOUND (unknown sequence at position > 0), FAILED_PRECONDITION (position
-    differs from the sequence's length in that layer), RESOURCE_EXHAUSTED (KV pool full, message too large,
+    one past a limit below, or q/k/v holding a NaN, an infinity or a value the compute dtype cannot hold),
+    NOT_FOUND (unknown sequence at position > 0), FAILED_PRECONDITION (position differs from the sequence's
+    length in that layer), RESOURCE_EXHAUSTED (KV pool full, message too large,
     too many calls or request bytes at once), DEADLINE_EXCEEDED (a stream that sent or read nothing for the
     server's idle limit), UNAVAILABLE (the server is shutting down), ALREADY_EXISTS (Fork or ImportKV into an
     id in use), DATA_LOSS (imported KV damaged or cut short), ABORTED (a sequence changed while it was
@@ -255,8 +257,9 @@ def add_ChunkAttnServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class ChunkAttn:
     """The attention service. Errors use the standard gRPC status codes: INVALID_ARGUMENT (a malformed request,
-    or one past a limit below), NOT_FOUND (unknown sequence at position > 0), FAILED_PRECONDITION (position
-    differs from the sequence's length in that layer), RESOURCE_EXHAUSTED (KV pool full, message too large,
+    one past a limit below, or q/k/v holding a NaN, an infinity or a value the compute dtype cannot hold),
+    NOT_FOUND (unknown sequence at position > 0), FAILED_PRECONDITION (position differs from the sequence's
+    length in that layer), RESOURCE_EXHAUSTED (KV pool full, message too large,
     too many calls or request bytes at once), DEADLINE_EXCEEDED (a stream that sent or read nothing for the
     server's idle limit), UNAVAILABLE (the server is shutting down), ALREADY_EXISTS (Fork or ImportKV into an
     id in use), DATA_LOSS (imported KV damaged or cut short), ABORTED (a sequence changed while it was

@@ -34,8 +34,9 @@ GRPC_VERSION: str
 
 class ChunkAttnStub:
     """The attention service. Errors use the standard gRPC status codes: INVALID_ARGUMENT (a malformed request,
-    or one past a limit below), NOT_FOUND (unknown sequence at position > 0), FAILED_PRECONDITION (position
-    differs from the sequence's length in that layer), RESOURCE_EXHAUSTED (KV pool full, message too large,
+    one past a limit below, or q/k/v holding a NaN, an infinity or a value the compute dtype cannot hold),
+    NOT_FOUND (unknown sequence at position > 0), FAILED_PRECONDITION (position differs from the sequence's
+    length in that layer), RESOURCE_EXHAUSTED (KV pool full, message too large,
     too many calls or request bytes at once), DEADLINE_EXCEEDED (a stream that sent or read nothing for the
     server's idle limit), UNAVAILABLE (the server is shutting down), ALREADY_EXISTS (Fork or ImportKV into an
     id in use), DATA_LOSS (imported KV damaged or cut short), ABORTED (a sequence changed while it was
@@ -102,8 +103,9 @@ class ChunkAttnStub:
 @_typing.type_check_only
 class ChunkAttnAsyncStub(ChunkAttnStub):
     """The attention service. Errors use the standard gRPC status codes: INVALID_ARGUMENT (a malformed request,
-    or one past a limit below), NOT_FOUND (unknown sequence at position > 0), FAILED_PRECONDITION (position
-    differs from the sequence's length in that layer), RESOURCE_EXHAUSTED (KV pool full, message too large,
+    one past a limit below, or q/k/v holding a NaN, an infinity or a value the compute dtype cannot hold),
+    NOT_FOUND (unknown sequence at position > 0), FAILED_PRECONDITION (position differs from the sequence's
+    length in that layer), RESOURCE_EXHAUSTED (KV pool full, message too large,
     too many calls or request bytes at once), DEADLINE_EXCEEDED (a stream that sent or read nothing for the
     server's idle limit), UNAVAILABLE (the server is shutting down), ALREADY_EXISTS (Fork or ImportKV into an
     id in use), DATA_LOSS (imported KV damaged or cut short), ABORTED (a sequence changed while it was
@@ -166,8 +168,9 @@ class ChunkAttnAsyncStub(ChunkAttnStub):
 
 class ChunkAttnServicer(metaclass=_abc_1.ABCMeta):
     """The attention service. Errors use the standard gRPC status codes: INVALID_ARGUMENT (a malformed request,
-    or one past a limit below), NOT_FOUND (unknown sequence at position > 0), FAILED_PRECONDITION (position
-    differs from the sequence's length in that layer), RESOURCE_EXHAUSTED (KV pool full, message too large,
+    one past a limit below, or q/k/v holding a NaN, an infinity or a value the compute dtype cannot hold),
+    NOT_FOUND (unknown sequence at position > 0), FAILED_PRECONDITION (position differs from the sequence's
+    length in that layer), RESOURCE_EXHAUSTED (KV pool full, message too large,
     too many calls or request bytes at once), DEADLINE_EXCEEDED (a stream that sent or read nothing for the
     server's idle limit), UNAVAILABLE (the server is shutting down), ALREADY_EXISTS (Fork or ImportKV into an
     id in use), DATA_LOSS (imported KV damaged or cut short), ABORTED (a sequence changed while it was
