@@ -40,7 +40,7 @@ serve: install  ## run the server in the foreground (a CPU demo model unless tol
 
 REPLICAS ?= 2
 cluster: install  ## REPLICAS (2) CPU servers behind Envoy on loopback: clients use localhost:50051; Ctrl-C stops all
-	$(BIN)/python -m chunkattn_server.cluster --replicas $(REPLICAS) -- $(ARGS)
+	$(BIN)/python -m chunkattn_server.tools.cluster --replicas $(REPLICAS) -- $(ARGS)
 
 bench: install  ## benchmarks/engine.py: ours against the SDPA baselines, on this machine
 	$(BIN)/python benchmarks/engine.py $(ARGS)

@@ -32,7 +32,7 @@ live KV grows with the prompt. A sequence of ``kv_tokens`` tokens (64 MiB of K/V
 "ours" is ``ChunkAttnClient.transfer_kv`` (TransferKV: the first server exports, checksums (XXH3-64) and streams it
 to the second, which checks, writes and commits it), timed from the call to its answer; the copy is then
 released on the second server, untimed. The source keeps its channel to the target between transfers, as a
-server does (chunkattn_server/channels.py). The baseline streams the very bytes of that export's messages
+server does (chunkattn_server/service/channels.py). The baseline streams the very bytes of that export's messages
 from this process to the echo process in one client-streaming RPC, which only counts them. MB/s = the
 stream's bytes / seconds. The CPU time of each process per transfer is reported beside it, and, once every
 server has stopped, the CPU time of the engines' own part of a transfer measured alone in this process (the
@@ -77,9 +77,10 @@ import torch
 from chunkattn_client import BatchEntry, chunked_attention, codec, wire
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_client.client import ChunkAttnClient, attend_request, channel_options
-from chunkattn_server import Engine, allocator, kvwire
+from chunkattn_server import Engine, allocator
 from chunkattn_server.__main__ import engine_config, parse
-from chunkattn_server.kv_service import DEFAULT_KV_MESSAGE_BYTES, exporter, message_batches
+from chunkattn_server.service import kvwire
+from chunkattn_server.service.kv import DEFAULT_KV_MESSAGE_BYTES, exporter, message_batches
 
 from timing import cpu_name, publish, rounds  # benchmarks/timing.py
 

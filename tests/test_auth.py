@@ -15,10 +15,10 @@ import torch
 from chunkattn_client import BatchEntry, ChunkAttnClient
 from chunkattn_server import CacheConfig, Engine, EngineConfig
 from chunkattn_server.__main__ import main
-from chunkattn_server.auth import ANONYMOUS, Authenticator, Tenants, token_digest
 from chunkattn_server.errors import ConfigError, QuotaExceeded, SequenceExists, Unauthenticated, UnknownSequence
 from chunkattn_server.kv.block_pool import BlockPool
 from chunkattn_server.kv.manager import Quota
+from chunkattn_server.service.auth import ANONYMOUS, Authenticator, Tenants, token_digest
 from tests.harness import MODELS
 
 DIGEST = token_digest("secret-a")

@@ -7,7 +7,7 @@ import asyncio
 import grpc
 import pytest
 
-from chunkattn_server.channels import ChannelPool
+from chunkattn_server.service.channels import ChannelPool
 from tests.server_process import free_port
 
 SHUTDOWN = grpc.ChannelConnectivity.SHUTDOWN

@@ -25,7 +25,7 @@ import yaml
 
 from chunkattn_client import ChunkAttnClient, kvfile
 from chunkattn_client.cli import main as cli
-from chunkattn_server.cluster import Cluster, compose_envoy_yaml, envoy_binary
+from chunkattn_server.tools.cluster import Cluster, compose_envoy_yaml, envoy_binary
 from tests.server_process import SMALL, free_port
 from tests.test_topology import Session
 
@@ -45,7 +45,8 @@ needs_prometheus = pytest.mark.skipif(
 
 def test_envoy_yaml_is_the_generators_output_and_envoy_accepts_it() -> None:
     assert (DEPLOY / "envoy" / "envoy.yaml").read_text() == compose_envoy_yaml(), (
-        "deploy/envoy/envoy.yaml is stale: python -m chunkattn_server.cluster --envoy-yaml > deploy/envoy/envoy.yaml"
+        "deploy/envoy/envoy.yaml is stale:"
+        " python -m chunkattn_server.tools.cluster --envoy-yaml > deploy/envoy/envoy.yaml"
     )
     done = subprocess.run(
         [envoy_binary(), "--mode", "validate", "-c", str(DEPLOY / "envoy" / "envoy.yaml"), "--disable-hot-restart"],

@@ -27,7 +27,7 @@ import pytest
 
 from chunkattn_client.cli import _parser as client_parser
 from chunkattn_server.__main__ import build_parser as server_parser
-from chunkattn_server.auth import Tenants
+from chunkattn_server.service.auth import Tenants
 from tests.server_process import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from chunkattn_client import BatchEntry
-from chunkattn_server.engine import Engine
+from chunkattn_server.engine.core import Engine
 from chunkattn_server.errors import InvalidBatch, OutOfBlocks, SequenceExists, UnknownSequence
 from tests.harness import MODELS, Exploding, Harness, snapshot
 

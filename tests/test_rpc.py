@@ -10,7 +10,7 @@ from chunkattn_client import wire
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_client.limits import bounded, dial_target, id_problem, quote, some, target_problem
 from chunkattn_server.errors import InvalidArgument, Overloaded
-from chunkattn_server.rpc import SMALL_REQUEST_BYTES, Admission, parse_now
+from chunkattn_server.service.rpc import SMALL_REQUEST_BYTES, Admission, parse_now
 
 MIB = 1 << 20
 

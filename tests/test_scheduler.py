@@ -14,9 +14,9 @@ import torch
 
 from chunkattn_client import BatchEntry
 from chunkattn_server import CacheConfig, Engine, EngineConfig
+from chunkattn_server.engine.scheduler import Scheduler
 from chunkattn_server.errors import InvalidBatch, InvalidTensor, OutOfBlocks, PositionMismatch, UnknownSequence
 from chunkattn_server.metrics import Metrics
-from chunkattn_server.scheduler import Scheduler
 from tests.harness import MODELS, Harness, snapshot
 
 MODEL = MODELS["gqa"]

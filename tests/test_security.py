@@ -27,7 +27,7 @@ from chunkattn_client import BatchEntry, ChunkAttnClient, ChunkAttnError, Refere
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_client.cli import main
 from chunkattn_client.reference import within_tolerance
-from chunkattn_server.auth import token_digest
+from chunkattn_server.service.auth import token_digest
 from tests.certs import CA
 from tests.server_process import SMALL, ServerProcess
 

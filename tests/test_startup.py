@@ -23,8 +23,8 @@ from chunkattn_client import ChunkAttnClient, ChunkAttnError
 from chunkattn_server import CacheConfig, EngineConfig
 from chunkattn_server import server as server_module
 from chunkattn_server.__main__ import main
-from chunkattn_server.auth import token_digest
 from chunkattn_server.config import ServerConfig
+from chunkattn_server.service.auth import token_digest
 from tests.harness import MODELS
 from tests.server_process import SMALL, ServerProcess, free_port
 

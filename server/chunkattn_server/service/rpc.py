@@ -34,15 +34,9 @@ from google.protobuf.message import DecodeError, Message
 
 from chunkattn_client import wire
 from chunkattn_client.limits import bounded
-from chunkattn_server.auth import ANONYMOUS, Authenticator, Tenant
-from chunkattn_server.errors import (
-    InvalidArgument,
-    Overloaded,
-    ShuttingDown,
-    StreamStalled,
-    TooManyCalls,
-    status_code,
-)
+from chunkattn_server.errors import InvalidArgument, Overloaded, ShuttingDown, StreamStalled, TooManyCalls
+from chunkattn_server.service.auth import ANONYMOUS, Authenticator, Tenant
+from chunkattn_server.service.status import status_code
 
 Context = grpc.aio.ServicerContext[Any, Any]
 DRAINING = "this server is shutting down (draining); reconnect elsewhere"

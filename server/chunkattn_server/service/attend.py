@@ -20,14 +20,15 @@ from chunkattn_client import codec, dtypes, wire
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_client.limits import MAX_BATCH, MAX_ID_BYTES, bounded
 from chunkattn_server import __version__, torchtypes
-from chunkattn_server.auth import Authenticator, Tenant
 from chunkattn_server.config import ServerConfig
-from chunkattn_server.engine import Engine, EngineStats
-from chunkattn_server.errors import InvalidArgument, InvalidBatch, InvalidTensor, ShuttingDown, status_code
-from chunkattn_server.kv_service import KVService
+from chunkattn_server.engine.core import Engine, EngineStats
+from chunkattn_server.engine.scheduler import Scheduler
+from chunkattn_server.errors import InvalidArgument, InvalidBatch, InvalidTensor, ShuttingDown
 from chunkattn_server.metrics import Metrics
-from chunkattn_server.rpc import DRAINING, SMALL_REQUEST_BYTES, Admission, Context, Rpcs, Stream
-from chunkattn_server.scheduler import Scheduler
+from chunkattn_server.service.auth import Authenticator, Tenant
+from chunkattn_server.service.kv import KVService
+from chunkattn_server.service.rpc import DRAINING, SMALL_REQUEST_BYTES, Admission, Context, Rpcs, Stream
+from chunkattn_server.service.status import status_code
 
 T = TypeVar("T")
 

@@ -16,7 +16,7 @@ import torch
 from chunkattn_client import codec, wire
 from chunkattn_client.batch import BatchEntry
 from chunkattn_server.config import ModelShape
-from chunkattn_server.engine import AttendCall, Engine, EngineStats, Retry
+from chunkattn_server.engine.core import AttendCall, Engine, EngineStats, Retry
 from chunkattn_server.metrics import Metrics
 
 
