@@ -39,7 +39,7 @@ from chunkattn_server.errors import (
 )
 from chunkattn_server.kv.cache import KVCache
 from chunkattn_server.kv.manager import KVManager, Reservation, SequenceInfo, Truncation, Write
-from chunkattn_server.kv.scales import ScaleRange
+from chunkattn_server.kv.scales import KVScaleTable, ScaleRange
 from chunkattn_server.kv.sequences import SequenceState
 from chunkattn_server.kv.transfer import KVTransfer, ModelFingerprint
 
@@ -111,19 +111,20 @@ class Engine:
         self.dtype = torchtypes.of(compute)  # attention computes in it; outputs come back in q's dtype
         self.cache_dtype = torchtypes.of(cache)
         self._converts = self.cache_dtype != self.dtype  # K/V go through torchtypes.store / load
-        # Per layer, the (k, v) scales of its cache (a KV-sharing layer's are its source's): 1 but for a float8
-        # cache, where they come from --kv-scales, or (None) are calibrated by the layer's first write.
+        # Per layer, the (k, v) scales of its cache: 1 but for a float8 cache, where they come from --kv-scales,
+        # or (None) are calibrated by the layer's first write.
         fp8 = dtypes.BY_NAME[cache].fp8
         scales = config.cache.scales
         given = scales.per_layer(model) if scales is not None else [None] * model.num_layers
         unscaled = None if scales is not None and scales.calibrate else (1.0, 1.0)
-        self._kv_scales: list[tuple[float, float] | None] = [(g or unscaled) if fp8 else (1.0, 1.0) for g in given]
-        self._scale_range = ScaleRange(dtypes.BY_NAME[cache], dtypes.BY_NAME[compute]) if fp8 else None
-        for i, pair in enumerate(self._kv_scales):
+        scale_range = ScaleRange(dtypes.BY_NAME[cache], dtypes.BY_NAME[compute]) if fp8 else None
+        for i, pair in enumerate(given if scale_range is not None else ()):
             for name, scale in zip(("k_scale", "v_scale"), pair or (), strict=False):
-                problem = self._scale_range and self._scale_range.problem(scale, f"layer {i}'s {name}")
+                problem = scale_range and scale_range.problem(scale, f"layer {i}'s {name}")
                 if problem:
                     raise ConfigError(f"--kv-scales: {problem} (or compute in float32 or bfloat16: --dtype)")
+        sources = [i if spec.kv_source is None else spec.kv_source for i, spec in enumerate(model.layers)]
+        self.scales = KVScaleTable(sources, [g or unscaled for g in given], scale_range)
         self.block_size = config.cache.block_size
         self.groups = config.kv_groups
         self.bytes_per_block = KVCache.bytes_per_block(
@@ -158,9 +159,7 @@ class Engine:
             self.kv.group_of[i].layers.index(i if spec.kv_source is None else spec.kv_source)
             for i, spec in enumerate(model.layers)
         ]
-        self.transfer = KVTransfer(
-            self.kv, self.cache, self._slot_of, self.fingerprint(), self._kv_scales if fp8 else None, self._scale_range
-        )
+        self.transfer = KVTransfer(self.kv, self.cache, self._slot_of, self.fingerprint(), self.scales)
         self._on_cpu = self.device.type == "cpu"
         self.backend: Backend = backend if backend is not None else make_backend(config.backend, self.device)
         self._scales = [spec.scale or 1.0 / math.sqrt(model.head_size) for spec in model.layers]
@@ -262,8 +261,8 @@ class Engine:
         """A call's checks (everything is checked before anything changes) and its write plan."""
         total = checks.check_entries(call.entries)
         checks.check_tensors(self.config.model, layer, spec, call.entries, total, call.q, call.k, call.v, self.dtype)
-        if call.k is not None and call.v is not None and self._kv_scales[layer] is None:  # it would calibrate
-            self._calibrated(self._here(call.k), self._here(call.v))  # (as _compute will: see there)
+        if call.k is not None and call.v is not None and self.scales.calibrating(layer):
+            self._check_calibration(self._here(call.k), self._here(call.v))
         states = [self.kv.get(e.seq_id, call.tenant) for e in call.entries]
         checks.check_positions(layer, spec, call.entries, states)
         return states, self.kv.plan_writes(layer, spec, call.entries, states)
@@ -323,7 +322,7 @@ class Engine:
             kc, vc = self._here(k), self._here(v)
             if self._converts:
                 # The cache's values: what is stored, and (for attention now) what later calls will read.
-                k_scale, v_scale = self._scales_of(source, kc, vc)
+                k_scale, v_scale = self._write_scales(source, kc, vc)
                 kc = torchtypes.store(kc, k_scale, self.cache_dtype)
                 vc = torchtypes.store(vc, v_scale, self.cache_dtype)
             # The rows of k/v to store and their cache slots; usually every row (a decode, a short prefill).
@@ -370,44 +369,34 @@ class Engine:
         self.backend.attend(batch, out)
         return out
 
-    def _scales_of(
-        self, layer: int, k: torch.Tensor | None = None, v: torch.Tensor | None = None
-    ) -> tuple[float, float]:
-        """A writing layer's cache scales (k, v). A layer still to calibrate takes them from its first K/V
-        written (``k``, ``v`` [T, Hkv, D]; see ``_calibrated``)."""
-        scales = self._kv_scales[layer]
-        if scales is None:
-            scales = self._kv_scales[layer] = self._calibrated(k, v)
+    def _scales_of(self, layer: int) -> tuple[float, float]:
+        """A layer's cache scales (k, v), its first write having calibrated them where it had to."""
+        scales = self.scales.of(layer)
+        assert scales is not None, "a calibrating layer is read only after its first write"
         return scales
 
-    def _calibrated(self, k: torch.Tensor | None, v: torch.Tensor | None) -> tuple[float, float]:
-        """The scales a calibrating layer takes from its first write, ``k``, ``v`` [T, Hkv, D] in the compute
-        dtype (kv/scales.py: max |x| / K_RANGE or V_RANGE, as vLLM's calculate_kv_scales); InvalidTensor for a
-        write that cannot set them (a scale too small to read back would store every later value as 0). Each
-        call of a step was checked on its own (_plan), so their merged first write calibrates without error:
-        its largest values are one of theirs."""
-        assert k is not None, "a float8 layer's first write"
-        assert v is not None
-        assert self._scale_range is not None
+    def _write_scales(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[float, float]:
+        """The scales a write of ``k``, ``v`` ([T, Hkv, D] in the compute dtype, as they are stored) is stored
+        over: the layer's, set now from this write if it is calibrating (kv/scales.py: max |x| / K_RANGE or
+        V_RANGE, as vLLM's calculate_kv_scales). Each call of a step was checked on its own (_plan), so their
+        merged first write calibrates without error: its largest values are one of theirs."""
+        if not self.scales.calibrating(layer):
+            return self._scales_of(layer)
+        return self.scales.calibrated(layer, _top(k), _top(v))
 
-        def top(x: torch.Tensor) -> float:
-            return float(x.abs().amax()) if x.numel() else 0.0
-
+    def _check_calibration(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """InvalidTensor for a first write that cannot calibrate a layer's scales (one too small to read back
+        would store every later value as 0); ``k``, ``v`` as for ``_write_scales``."""
+        assert self.scales.range is not None
         try:
-            return self._scale_range.calibrate(top(k), top(v))
+            self.scales.range.calibrate(_top(k), _top(v))
         except ValueError as e:
             raise InvalidTensor(f"{e}. Nothing was written") from None
 
     def kv_scales(self, layer: int) -> tuple[float, float] | None:
         """The (k, v) scales of the layer's cache (its source's for a KV-sharing layer): 1 but in a float8
         cache; None while a calibrating layer has had no write."""
-        spec = self.config.model.spec(layer)
-        return self._kv_scales[layer if spec.kv_source is None else spec.kv_source]
-
-    def set_kv_scales(self, layer: int, scales: tuple[float, float]) -> None:
-        """Give a calibrating layer (a writing one, with none yet) its scales: an import's."""
-        assert self._kv_scales[layer] is None
-        self._kv_scales[layer] = scales
+        return self.scales.of(layer)
 
     def _index(self, values: np.ndarray) -> torch.Tensor:
         """An int64 index tensor on the engine's device."""
@@ -482,3 +471,8 @@ def _slots(table: dict[int, int], start: int, end: int, block_size: int) -> np.n
 
 def _concat(parts: list[np.ndarray]) -> np.ndarray:
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def _top(x: torch.Tensor) -> float:
+    """The largest |x| (0 for no tokens)."""
+    return float(x.abs().amax()) if x.numel() else 0.0

@@ -133,3 +133,44 @@ def _rounded(x: float, *, up: bool, digits: int = 5) -> float:
     shift = digits - 1 - math.floor(math.log10(x))
     scaled = x * 10.0**shift
     return (math.ceil(scaled) if up else math.floor(scaled)) / 10.0**shift
+
+
+class KVScaleTable:
+    """Per layer, the (k, v) scales its cache holds K/V over: the one table the engine's store and load path
+    and KV transfer read. A KV-sharing layer's are its source's; 1 but in a float8 cache (``range`` given),
+    where they come from --kv-scales or, None until then, a calibrating layer's first write (or an import).
+
+    ``sources[layer]``: the layer whose cache it reads (itself for a writing layer)."""
+
+    def __init__(
+        self, sources: list[int], given: list[tuple[float, float] | None], scale_range: ScaleRange | None
+    ) -> None:
+        self.range = scale_range
+        self._sources = sources
+        self._scales: list[tuple[float, float] | None] = list(given) if scale_range is not None else []
+
+    @property
+    def fp8(self) -> bool:
+        return self.range is not None
+
+    def of(self, layer: int) -> tuple[float, float] | None:
+        """The layer's (k, v) scales; None while a calibrating layer has had no write."""
+        return self._scales[self._sources[layer]] if self.range is not None else (1.0, 1.0)
+
+    def calibrating(self, layer: int) -> bool:
+        """Whether the layer's next write (or import) sets its scales."""
+        return self.of(layer) is None
+
+    def calibrated(self, layer: int, k_top: float, v_top: float) -> tuple[float, float]:
+        """The layer's scales, set now from its first write's largest |k| and |v| if it is calibrating
+        (ScaleRange.calibrate: ValueError for a write that cannot set them, nothing set)."""
+        scales = self.of(layer)
+        if scales is None:
+            assert self.range is not None
+            scales = self._scales[self._sources[layer]] = self.range.calibrate(k_top, v_top)
+        return scales
+
+    def adopt(self, layer: int, scales: tuple[float, float]) -> None:
+        """A calibrating layer takes an import's scales (checked by the caller: ``range.problem``)."""
+        assert self.calibrating(layer)
+        self._scales[self._sources[layer]] = scales

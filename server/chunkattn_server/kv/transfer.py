@@ -34,7 +34,7 @@ from chunkattn_server.errors import (
     SequenceExists,
     UnknownSequence,
 )
-from chunkattn_server.kv.scales import ScaleRange
+from chunkattn_server.kv.scales import KVScaleTable
 from chunkattn_server.kv.sequences import SequenceState
 
 if TYPE_CHECKING:
@@ -197,9 +197,8 @@ class ImportSession:
 class KVTransfer:
     """Exports and imports of one engine's sequences: ``kv`` holds their state, ``cache`` their pages;
     ``slot_of[layer]`` is the layer's storage slot in its KV group, ``fingerprint`` the engine's model;
-    ``scales`` (a float8 cache only, else None) the engine's per-writing-layer (k, v) scales, None while a
-    calibrating layer has had no write: this list is the engine's own, and an import into such a layer
-    gives it the stream's scales (as its first write would have); ``scale_range`` the values they may take.
+    ``scales`` the cache's scale table (the engine's own: an import into a calibrating layer gives it the
+    stream's scales, as its first write would have).
 
     Runs on the engine's thread, like everything that touches the KV."""
 
@@ -209,8 +208,7 @@ class KVTransfer:
         cache: KVCache,
         slot_of: Sequence[int],
         fingerprint: ModelFingerprint,
-        scales: list[tuple[float, float] | None] | None = None,
-        scale_range: ScaleRange | None = None,
+        scales: KVScaleTable,
     ) -> None:
         self._kv = kv
         self._cache = cache
@@ -218,7 +216,6 @@ class KVTransfer:
         self._model = kv.config.model
         self.fingerprint = fingerprint
         self._scales = scales
-        self._scale_range = scale_range
 
     def export_manifest(self, seq_id: str, layers: Sequence[int] | None = None, tenant: str = "") -> KVManifest:
         """What an export of ``tenant``'s ``seq_id`` (every layer, or ``layers``) sends. Raises UnknownSequence,
@@ -267,15 +264,15 @@ class KVTransfer:
 
     def _scales_now(self) -> tuple[tuple[float, float], ...]:
         """Per layer, its cache's (k, v) scales as a manifest carries them (see KVManifest.scales)."""
-        if self._scales is None:
+        if not self._scales.fp8:
             return ()
-        sources = [x if s.kv_source is None else s.kv_source for x, s in enumerate(self._model.layers)]
-        return tuple(self._scales[s] or (0.0, 0.0) for s in sources)
+        return tuple(self._scales.of(x) or (0.0, 0.0) for x in range(self._model.num_layers))
 
     def _check_scales(self, manifest: KVManifest) -> list[int]:
         """IncompatibleKV unless every layer the stream carries KV of has the scales this engine holds its
         cache over; returns the layers that take the stream's (calibrating ones with none yet)."""
-        if self._scales is None or self._scale_range is None:
+        scale_range = self._scales.range
+        if scale_range is None:
             return []  # not a float8 cache: the fingerprint's cache dtype has said all
         if len(manifest.scales) != self._model.num_layers:
             raise IncompatibleKV(
@@ -284,11 +281,11 @@ class KVTransfer:
             )
         adopt = []
         for x in manifest.layers:
-            theirs, ours = manifest.scales[x], self._scales[x]
+            theirs, ours = manifest.scales[x], self._scales.of(x)
             if manifest.lengths[x] == 0:
                 continue  # no KV of it in the stream (its sharers read no more than it holds)
             for name, scale in zip(("k_scale", "v_scale"), theirs, strict=True):
-                problem = self._scale_range.problem(scale, f"its {name}")
+                problem = scale_range.problem(scale, f"its {name}")
                 if problem:
                     raise IncompatibleKV(f"layer {x}'s float8 scales in the KV stream are {theirs}: {problem}")
             if ours is None:
@@ -444,9 +441,8 @@ class KVTransfer:
         m = session.manifest
         kept_from = list(m.kept_from)
         self._kv.add(SequenceState(seq_id, list(m.lengths), session.tables, tenant=session.tenant, kept_from=kept_from))
-        if self._scales is not None:
-            for x in adopt:
-                self._scales[x] = session.manifest.scales[x]
+        for x in adopt:
+            self._scales.adopt(x, session.manifest.scales[x])
         session.committed = True
         self._kv.expect(session.tenant, -1)  # it is held now, no longer to come
         return sum(len(t) for t in session.tables)
