@@ -43,7 +43,7 @@ from chunkattn_client import BatchEntry, dtypes
 from chunkattn_client.reference import as_cached, chunked_attention
 from chunkattn_server import CacheConfig, Engine, EngineConfig, LayerSpec, ModelShape
 from chunkattn_server.attention.backends import AttentionBatch, TorchBackend
-from chunkattn_server.config import KVScales
+from chunkattn_server.kv.scales import KVScales
 
 from baselines import copy_bandwidth, flex_chunked  # benchmarks/baselines.py
 from timing import cpu_name, publish, rounds  # benchmarks/timing.py

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import json
 import os
 import platform
@@ -42,14 +43,33 @@ from typing import Any
 import torch
 import transformers
 
+from chunkattn_client import ChunkAttnClient
+from chunkattn_client.hf import Generation, OffloadSession, Transport, generate_locally, greedy
+
+from timing import cpu_name  # benchmarks/timing.py, beside this script
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from chunkattn_client import ChunkAttnClient  # noqa: E402
-from chunkattn_client.hf import Generation, OffloadSession, Transport, generate_locally, greedy  # noqa: E402
-from examples.hf_offload import Server, build_model, max_logit_difference, prompts_of  # noqa: E402
 
-from timing import cpu_name  # noqa: E402  (benchmarks/timing.py)
+def _example() -> Any:
+    """examples/hf_offload.py, the model and server this benchmark shares with the example (loaded from its
+    file: examples/ is not a package on the path)."""
+    spec = importlib.util.spec_from_file_location("hf_offload_example", ROOT / "examples" / "hf_offload.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up while they are made
+    spec.loader.exec_module(module)
+    return module
+
+
+_EXAMPLE = _example()
+Server, build_model, max_logit_difference, prompts_of = (
+    _EXAMPLE.Server,
+    _EXAMPLE.build_model,
+    _EXAMPLE.max_logit_difference,
+    _EXAMPLE.prompts_of,
+)
 
 PROMPT_LENGTHS = (40, 27, 53)  # row r gets PROMPT_LENGTHS[r % 3]: every prefill crosses a chunk boundary (16)
 TRANSPORTS: tuple[Transport, ...] = ("unary", "stream")

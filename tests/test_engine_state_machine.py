@@ -27,7 +27,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from chunkattn_client import BatchEntry
 from chunkattn_server import Engine, ModelShape
 from chunkattn_server.errors import InvalidBatch, OutOfBlocks, PositionMismatch
-from chunkattn_server.kv.transfer import BlockRecord
+from chunkattn_server.kv.manifest import BlockRecord
 from tests.harness import MODELS, Harness, snapshot
 
 IDS = ["s0", "s1", "s2", "s3"]

@@ -19,9 +19,9 @@ import torch
 from chunkattn_client import BatchEntry, ChunkAttnClient, ChunkAttnError, ReferenceModel, dtypes
 from chunkattn_client.cli import main
 from chunkattn_server import CacheConfig, Engine, EngineConfig, LayerSpec, ModelShape, torchtypes
-from chunkattn_server.config import KVScales
 from chunkattn_server.errors import ConfigError, IncompatibleKV, InvalidTensor
-from chunkattn_server.kv.transfer import BlockRecord, batches, checksum
+from chunkattn_server.kv.manifest import BlockRecord, batches, checksum
+from chunkattn_server.kv.scales import KVScales
 from tests.harness import MODELS, Harness
 from tests.server_process import SMALL, ServerProcess
 

@@ -179,8 +179,9 @@ def test_a_config_file_that_gives_an_option_twice_is_a_usage_error(
 
 
 def test_calibrate_with_tenants_is_refused_only_when_a_layer_would_calibrate() -> None:
-    from chunkattn_server.config import KVScales, check_together
+    from chunkattn_server.config import check_together
     from chunkattn_server.errors import ConfigError
+    from chunkattn_server.kv.scales import KVScales
 
     model = MODELS["gqa"]
     server = ServerConfig(auth_tokens="tokens.json")

@@ -18,7 +18,7 @@ from chunkattn_server.errors import (
     SequenceChanged,
     SequenceExists,
 )
-from chunkattn_server.kv.transfer import BlockRecord, KVManifest, batches, checksum
+from chunkattn_server.kv.manifest import BlockRecord, KVManifest, batches, checksum
 from tests.harness import MODELS, snapshot
 
 

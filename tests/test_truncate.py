@@ -24,7 +24,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from chunkattn_client import BatchEntry
 from chunkattn_server import Engine, LayerSpec, ModelShape
 from chunkattn_server.errors import InvalidBatch, PositionMismatch, SequenceChanged, UnknownSequence
-from chunkattn_server.kv.transfer import KVManifest, batches
+from chunkattn_server.kv.manifest import KVManifest, batches
 from chunkattn_server.service import kvwire
 from tests.harness import Harness, snapshot
 from tests.test_engine_state_machine import assert_no_nan, poison

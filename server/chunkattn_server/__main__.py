@@ -34,12 +34,12 @@ from chunkattn_server.config import (
     DEFAULT_TRANSFER_KEEPALIVE_S,
     CacheConfig,
     EngineConfig,
-    KVScales,
     LayerSpec,
     ModelShape,
     ServerConfig,
 )
 from chunkattn_server.errors import ConfigError
+from chunkattn_server.kv.scales import KVScales
 from chunkattn_server.server import serve
 from chunkattn_server.service.auth import token_digest
 

@@ -7,7 +7,6 @@ expected; the engine then trusts it. No torch here: the config is plain data.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -15,9 +14,8 @@ from functools import cached_property
 
 from chunkattn_client import dtypes
 from chunkattn_client.limits import quote, target_problem, token_problem
-from chunkattn_server import jsonfile
 from chunkattn_server.errors import ConfigError, UnknownLayer
-from chunkattn_server.kv.scales import float32, float32_problem
+from chunkattn_server.kv.scales import KVScales
 
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "torch", "triton")
@@ -136,110 +134,6 @@ class ModelShape:
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < len(self.layers):
             raise UnknownLayer(f"layer {quote(layer)} does not exist; the model has layers 0..{len(self.layers) - 1}")
         return self.layers[layer]
-
-
-@dataclass(frozen=True)
-class KVScales:
-    """The scales of each layer's K and V in a float8 cache: the cache holds x / scale, read back as
-    stored * scale (vLLM's k_scale and v_scale).
-
-    k, v: one per layer (a KV-sharing layer's equal to its source's, or None for "its source's"); empty:
-    every scale 1. calibrate: a layer with no scale given takes its scales from the first K/V written to it
-    (the first prefill or import), as vLLM's calculate_kv_scales (kv/scales.py). Which values a scale may
-    take: kv/scales.py; each is checked once rounded to float32, as it is held.
-    """
-
-    k: tuple[float | None, ...] = ()
-    v: tuple[float | None, ...] = ()
-    calibrate: bool = False
-
-    FIELDS = ("k_scale", "v_scale", "calibrate")
-
-    @classmethod
-    def read(cls, path: str) -> KVScales:
-        """A scales file: JSON {"k_scale": S or [S per layer], "v_scale": ..., "calibrate": false} (null in a
-        list for a KV-sharing layer: its source's; "calibrate": true calibrates the layers left null); or the
-        word "calibrate" instead of a file. ConfigError when unreadable or malformed: an unknown or repeated
-        key, a value of the wrong type, an empty list, a scale that float32 cannot hold as a normal number."""
-        if path == "calibrate":
-            return cls(calibrate=True)
-        where = f"--kv-scales {path}"
-        try:
-            with open(path) as f:
-                data = jsonfile.load(f)
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"{where}: {e}") from None
-        if not isinstance(data, dict) or not {"k_scale", "v_scale"} <= data.keys():
-            raise ConfigError(
-                f'{where}: expected a JSON object {{"k_scale": ..., "v_scale": ...}}, each a number or a'
-                " list of one per layer"
-            )
-        unknown = sorted(data.keys() - set(cls.FIELDS))
-        if unknown:
-            raise ConfigError(f"{where}: unknown keys {unknown}; expected {list(cls.FIELDS)}")
-        calibrate = data.get("calibrate", False)
-        if not isinstance(calibrate, bool):
-            raise ConfigError(f'{where}: "calibrate" must be true or false, got {json.dumps(calibrate)[:40]}')
-
-        def number(name: str, x: object) -> float | None:
-            if x is None:
-                return None
-            if isinstance(x, bool) or not isinstance(x, (int, float)):
-                raise ConfigError(f"{where}: {name} must be a number or a list of numbers (or null)")
-            value = float32(x)
-            problem = float32_problem(value, name)
-            if problem:
-                raise ConfigError(f"{where}: {problem} as a float32 (the file says {str(x)[:40]})")
-            return value
-
-        def scales(name: str) -> tuple[float | None, ...]:
-            value = data[name]
-            if not isinstance(value, list):
-                scale = number(name, value)
-                if scale is None:
-                    raise ConfigError(f"{where}: {name} must be a number or a list of numbers (or null)")
-                return (scale,)
-            if not value:
-                raise ConfigError(f"{where}: {name} is an empty list; give one number, or one per layer")
-            return tuple(number(f"{name}[{i}]", x) for i, x in enumerate(value))
-
-        return cls(scales("k_scale"), scales("v_scale"), calibrate)
-
-    def per_layer(self, model: ModelShape) -> list[tuple[float, float] | None]:
-        """Each layer's (k scale, v scale), float32-rounded; None where none is given (1, or calibrated); a
-        KV-sharing layer's are its source's. ConfigError for a wrong count, a scale that is not a normal
-        float32 number, or a sharer's scale that differs from its source's."""
-        n = model.num_layers
-        out: list[tuple[float, float] | None] = []
-        for name, given in (("k_scale", self.k), ("v_scale", self.v)):
-            if len(given) not in (0, 1, n):
-                raise ConfigError(f"{name}: give one scale, or one per layer ({n}); got {len(given)}")
-            for x in given:
-                problem = None if x is None else float32_problem(float32(x), name)
-                if problem:
-                    raise ConfigError(problem)
-        k = self.k * n if len(self.k) == 1 else self.k
-        v = self.v * n if len(self.v) == 1 else self.v
-        for i, spec in enumerate(model.layers):
-            ki, vi = (k[i] if k else None), (v[i] if v else None)
-            if (ki is None) != (vi is None):
-                raise ConfigError(f"layer {i}: give both its k_scale and its v_scale, or neither")
-            if ki is None and (k or v) and spec.kv_source is None and not self.calibrate:
-                raise ConfigError(
-                    f'layer {i} writes its own cache but its scales are null: give them, or add "calibrate": true'
-                    " to have its first write set them"
-                )
-            out.append(None if ki is None or vi is None else (float32(ki), float32(vi)))
-        for i, spec in enumerate(model.layers):
-            src = spec.kv_source
-            if src is None:
-                continue
-            if out[i] is not None and out[i] != out[src]:
-                raise ConfigError(
-                    f"layer {i} reads layer {src}'s cache, so its scales are layer {src}'s ({out[src]}); got {out[i]}"
-                )
-            out[i] = out[src]
-        return out
 
 
 @dataclass(frozen=True)

@@ -39,9 +39,10 @@ from chunkattn_server.errors import (
 )
 from chunkattn_server.kv.cache import KVCache
 from chunkattn_server.kv.manager import KVManager, Reservation, SequenceInfo, Truncation, Write
+from chunkattn_server.kv.manifest import ModelFingerprint
 from chunkattn_server.kv.scales import KVScaleTable, ScaleRange
 from chunkattn_server.kv.sequences import SequenceState
-from chunkattn_server.kv.transfer import KVTransfer, ModelFingerprint
+from chunkattn_server.kv.transfer import KVExchange
 
 # Tensors made from received bytes (requests, imported KV) are read-only views; the engine never writes into
 # them, so torch.frombuffer's warning about it says nothing.
@@ -159,7 +160,7 @@ class Engine:
             self.kv.group_of[i].layers.index(i if spec.kv_source is None else spec.kv_source)
             for i, spec in enumerate(model.layers)
         ]
-        self.transfer = KVTransfer(self.kv, self.cache, self._slot_of, self.fingerprint(), self.scales)
+        self.transfer = KVExchange(self.kv, self.cache, self._slot_of, self.fingerprint(), self.scales)
         self._on_cpu = self.device.type == "cpu"
         self.backend: Backend = backend if backend is not None else make_backend(config.backend, self.device)
         self._scales = [spec.scale or 1.0 / math.sqrt(model.head_size) for spec in model.layers]

@@ -25,7 +25,8 @@ from chunkattn_client.limits import MAX_ID_BYTES, id_problem, target_problem, to
 from chunkattn_server.config import ServerConfig
 from chunkattn_server.engine.core import Engine, EngineStats
 from chunkattn_server.errors import DataLoss, IncompatibleKV, InvalidArgument, InvalidBatch
-from chunkattn_server.kv.transfer import ImportSession, KVManifest, batches, record_bytes
+from chunkattn_server.kv.manifest import KVManifest, batches, record_bytes
+from chunkattn_server.kv.transfer import ImportSession
 from chunkattn_server.metrics import Metrics
 from chunkattn_server.service import kvwire
 from chunkattn_server.service.auth import Tenant

@@ -13,7 +13,7 @@ from google.protobuf.message import DecodeError
 from chunkattn_client import dtypes, wire
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_server.errors import IncompatibleKV
-from chunkattn_server.kv.transfer import BlockRecord, BlockView, KVManifest, ModelFingerprint, record_bytes
+from chunkattn_server.kv.manifest import BlockRecord, BlockView, KVManifest, ModelFingerprint, record_bytes
 
 
 def manifest_to_pb(m: KVManifest) -> pb.KVHeader:

@@ -53,7 +53,7 @@ class TorchBackend:
     """Attention with torch ops; runs wherever torch does.
 
     impl: "auto" uses the CPU flash kernel on the CPU and the float32 path elsewhere; "math" forces the
-        float32 path (it is what CUDA uses until the Triton backend lands, and tests pin it with this).
+        float32 path (the one ALiBi and non-CPU devices take; tests pin it with this).
     min_view_tokens: cache runs shorter than this are gathered rather than read as views.
     max_views: more long runs than this and the whole context is gathered in one copy.
     """
