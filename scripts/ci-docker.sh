@@ -151,7 +151,7 @@ $COMPOSE up -d --no-build server-1 server-2 envoy prometheus >"$D/compose.log" 2
     || fail "docker-compose up: $(tail -20 "$D/compose.log")"
 # Traffic only once Envoy routes to both replicas: a replica joining the ring moves the keys it takes over,
 # and sessions already started on another replica would lose their KV (docs/deployment.md).
-.venv/bin/python -c 'from chunkattn_server.tools.cluster import wait_routable as w; w("127.0.0.1:50051", "http://127.0.0.1:9901", 2, 120)' \
+.venv/bin/python -c 'from chunkattn_server.tools.probe import wait_routable as w; w("127.0.0.1:50051", "http://127.0.0.1:9901", 2, 120)' \
     || fail "Envoy did not route to both replicas: $($COMPOSE logs --tail 20 2>&1)"
 say "compose stack up in $(($(date +%s) - start)) s"
 bench=$($CLI bench --target 127.0.0.1:50051 --sequences 24 --concurrency 4 --prompt-len 64 --output-len 8 \

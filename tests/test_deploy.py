@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -25,7 +26,17 @@ import yaml
 
 from chunkattn_client import ChunkAttnClient, kvfile
 from chunkattn_client.cli import main as cli
-from chunkattn_server.tools.cluster import Cluster, compose_envoy_yaml, envoy_binary
+from chunkattn_server.config import DEFAULT_MAX_OPEN_CALLS
+from chunkattn_server.tools.cluster import Cluster
+from chunkattn_server.tools.envoy import (
+    COMPOSE_MAX_OPEN_CALLS,
+    COMPOSE_REPLICAS,
+    NO_LIMIT,
+    compose_envoy_yaml,
+    envoy_binary,
+    envoy_config,
+)
+from chunkattn_server.tools.replica_flags import max_open_calls
 from tests.server_process import SMALL, free_port
 from tests.test_topology import Session
 
@@ -55,6 +66,109 @@ def test_envoy_yaml_is_the_generators_output_and_envoy_accepts_it() -> None:
         timeout=60,
     )
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def breakers(config: dict[str, Any]) -> dict[str, int]:
+    """The circuit-breaker thresholds of an Envoy bootstrap's one cluster."""
+    (cluster,) = config["static_resources"]["clusters"]
+    (thresholds,) = cluster["circuit_breakers"]["thresholds"]
+    return dict(thresholds)
+
+
+REPLICAS = [("10.0.0.1", 50051, 9400), ("10.0.0.2", 50051, 9400), ("10.0.0.3", 50051, 9400)]
+
+
+@pytest.mark.parametrize(
+    ("per_replica", "replicas", "limit"),
+    [(100, 3, 300), (1, 3, 3), (DEFAULT_MAX_OPEN_CALLS, 2, 2 * DEFAULT_MAX_OPEN_CALLS), (0, 3, NO_LIMIT),
+     (0, 1, NO_LIMIT), (NO_LIMIT, 3, NO_LIMIT)],
+)  # fmt: skip
+def test_envoys_circuit_breakers_follow_the_replicas_max_open_calls(
+    per_replica: int, replicas: int, limit: int
+) -> None:
+    config = envoy_config(REPLICAS[:replicas], max_open_calls=per_replica)
+    assert breakers(config) == {"max_requests": limit, "max_pending_requests": limit, "max_connections": limit}
+    assert limit < 2**32  # Envoy's thresholds are uint32
+    with pytest.raises(ValueError, match=">= 0"):
+        envoy_config(REPLICAS[:replicas], max_open_calls=-1)
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """No CHUNKATTN_MAX_OPEN_CALLS or CHUNKATTN_CONFIG from the environment the tests run in."""
+    monkeypatch.delenv("CHUNKATTN_MAX_OPEN_CALLS", raising=False)
+    monkeypatch.delenv("CHUNKATTN_CONFIG", raising=False)
+    return monkeypatch
+
+
+def test_the_replicas_max_open_calls_is_read_as_the_server_reads_it(
+    clean_env: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The flag in either form (the last one wins) over CHUNKATTN_MAX_OPEN_CALLS over the --config file."""
+    config = tmp_path / "server.json"
+    config.write_text(json.dumps({"max_open_calls": 11, "kv_memory_mib": 64}))
+    assert max_open_calls([*SMALL, "--num-blocks", "64"]) == DEFAULT_MAX_OPEN_CALLS
+    assert max_open_calls(["--max-open-calls", "7"]) == 7
+    assert max_open_calls(["--max-open-calls=7"]) == 7
+    assert max_open_calls(["--max-open-calls", "0"]) == 0  # no limit
+    assert max_open_calls(["--max-open-calls=3", "--max-open-calls", "5"]) == 5
+    assert max_open_calls(["--config", str(config)]) == 11
+    assert max_open_calls([f"--config={config}", "--max-open-calls", "6"]) == 6
+    clean_env.setenv("CHUNKATTN_CONFIG", str(config))
+    assert max_open_calls([]) == 11
+    clean_env.setenv("CHUNKATTN_MAX_OPEN_CALLS", "9")
+    assert max_open_calls(["--config", str(config)]) == 9
+    assert max_open_calls(["--max-open-calls=8"]) == 8
+
+
+@pytest.mark.parametrize(
+    ("argv", "why"),
+    [
+        (["--max-open-calls", "many"], "invalid int value"),
+        (["--max-open-calls=-1"], ">= 0"),
+        (["--config", "/nonexistent/server.json"], "--config /nonexistent/server.json"),
+        (["--no-such-flag"], "unrecognized arguments"),
+    ],
+)
+def test_flags_the_server_would_refuse_are_refused_with_its_reason(
+    clean_env: pytest.MonkeyPatch, tmp_path: Path, argv: list[str], why: str
+) -> None:
+    with pytest.raises(ValueError, match=re.escape(why)):
+        max_open_calls(argv)
+    with pytest.raises(ValueError, match=re.escape(why)):
+        Cluster([(1, 2)], 3, 4, argv, workdir=tmp_path)
+
+
+def test_a_clusters_envoy_follows_its_replicas_max_open_calls(clean_env: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    cluster = Cluster([(1, 2), (3, 4), (5, 6)], 7, 8, ("--max-open-calls=100",), workdir=tmp_path)
+    assert cluster.max_open_calls == 100
+    assert breakers(json.loads((tmp_path / "envoy.json").read_text()))["max_requests"] == 300
+    clean_env.setenv("CHUNKATTN_MAX_OPEN_CALLS", "0")
+    cluster = Cluster([(1, 2), (3, 4)], 7, 8, SMALL, workdir=tmp_path)
+    assert cluster.max_open_calls == 0
+    assert breakers(json.loads((tmp_path / "envoy.json").read_text()))["max_requests"] == NO_LIMIT
+
+
+def compose_servers(path: Path) -> dict[str, dict[str, Any]]:
+    services = yaml.safe_load(path.read_text())["services"]
+    return {name: s for name, s in services.items() if name.startswith("server-")}
+
+
+def test_the_compose_stacks_envoy_follows_its_replicas_flags(clean_env: pytest.MonkeyPatch) -> None:
+    """deploy/envoy/envoy.yaml's circuit breakers are the compose replicas' --max-open-calls, as their
+    commands (docker-compose.yml, docker-compose.gpu.yml) give it to them, times the replicas."""
+    servers = compose_servers(ROOT / "docker-compose.yml")
+    assert sorted(servers) == sorted(host for host, _, _ in COMPOSE_REPLICAS)
+    for path in (ROOT / "docker-compose.yml", ROOT / "docker-compose.gpu.yml"):
+        for name, service in compose_servers(path).items():
+            # ${VAR:-default}: compose's substitution, with the default.
+            command = [re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", arg) for arg in service.get("command", [])]
+            environment = service.get("environment") or {}
+            assert "CHUNKATTN_MAX_OPEN_CALLS" not in str(environment), (path.name, name)
+            assert "CHUNKATTN_CONFIG" not in str(environment), (path.name, name)
+            assert max_open_calls(command) == COMPOSE_MAX_OPEN_CALLS, (path.name, name, command)
+    limit = COMPOSE_MAX_OPEN_CALLS * len(COMPOSE_REPLICAS)
+    assert breakers(yaml.safe_load((DEPLOY / "envoy" / "envoy.yaml").read_text()))["max_requests"] == limit
 
 
 @needs_prometheus
