@@ -15,7 +15,14 @@ import torch
 from chunkattn_client import BatchEntry
 from chunkattn_server import CacheConfig, Engine, EngineConfig
 from chunkattn_server.engine.scheduler import Scheduler
-from chunkattn_server.errors import InvalidBatch, InvalidTensor, OutOfBlocks, PositionMismatch, UnknownSequence
+from chunkattn_server.errors import (
+    InvalidBatch,
+    InvalidTensor,
+    OutOfBlocks,
+    PositionMismatch,
+    UnknownLayer,
+    UnknownSequence,
+)
 from chunkattn_server.metrics import Metrics
 from tests.harness import MODELS, Harness, snapshot
 
@@ -24,12 +31,16 @@ MODEL = MODELS["gqa"]
 
 @dataclass
 class E:
-    """An entry as the service hands it over (chunkattn.v1.AttendEntry's fields)."""
+    """A call's entry as a test writes it: its BatchEntry, and whether it ends its sequence."""
 
     seq_id: str
     position: int
     num_tokens: int
     end_of_sequence: bool = False
+
+    @property
+    def entry(self) -> BatchEntry:
+        return BatchEntry(self.seq_id, self.position, self.num_tokens)
 
 
 def make(num_blocks: int = 256, **kw: Any) -> tuple[Scheduler, Metrics]:
@@ -71,7 +82,8 @@ async def held(s: Scheduler, work: Callable[[], list[Awaitable[Any]]]) -> list[A
 
 def attend(s: Scheduler, layer: int, entries: list[E], seed: int, **bad: Any) -> Coroutine[Any, Any, Any]:
     q, k, v = tensors(seed, sum(e.num_tokens for e in entries))
-    return s.attend("Attend", layer, entries, bad.get("q", q), k, v)
+    ending = frozenset(e.seq_id for e in entries if e.end_of_sequence)
+    return s.attend("Attend", layer, [e.entry for e in entries], bad.get("q", q), k, v, ending=ending)
 
 
 def assert_as_alone(layer: int, calls: list[tuple[str, int, int]], outs: list[Any]) -> None:
@@ -81,7 +93,9 @@ def assert_as_alone(layer: int, calls: list[tuple[str, int, int]], outs: list[An
     for i, ((seq, pos, n), out) in enumerate(zip(calls, outs, strict=True)):
         q, k, v = tensors(i, n)
         expected = h.engine.attend(layer, [BatchEntry(seq, pos, n)], q, k, v)
-        torch.testing.assert_close(torch.frombuffer(out.output.data, dtype=torch.float32).view(q.shape), expected)
+        assert out.is_cpu  # the output in host memory, as the wire takes it
+        assert out.is_contiguous()
+        torch.testing.assert_close(out, expected)
 
 
 def test_queued_calls_of_one_layer_share_a_step_and_match_the_reference() -> None:
@@ -181,7 +195,7 @@ def test_a_bad_call_fails_alone_and_changes_nothing() -> None:
             calls: list[Awaitable[Any]] = [attend(s, 0, [E(f"g{i}", 0, 3)], seed=i) for i in range(3)]
             if with_bad:
                 q, k, v = tensors(9, 2)
-                calls.insert(1, s.attend("Attend", 0, [E("bad", 0, 2)], q[:, :1], k, v))  # wrong q shape
+                calls.insert(1, s.attend("Attend", 0, [BatchEntry("bad", 0, 2)], q[:, :1], k, v))  # wrong q shape
                 calls.insert(3, attend(s, 0, [E("late", 5, 2)], seed=10))  # unknown sequence not at 0
                 calls.append(attend(s, 0, [E("g9", 0, 1), E("g9", 1, 1)], seed=11))  # repeated sequence
             return calls
@@ -196,7 +210,7 @@ def test_a_bad_call_fails_alone_and_changes_nothing() -> None:
 
     async def s_attend_after(s: Scheduler) -> bytes:
         out = await attend(s, 0, [E("g0", 3, 1), E("g1", 3, 1)], seed=20)
-        return bytes(out.output.data)
+        return bytes(out.numpy().tobytes())
 
     clean, clean_state, clean_later = run(False)
     mixed, mixed_state, mixed_later = run(True)
@@ -206,7 +220,7 @@ def test_a_bad_call_fails_alone_and_changes_nothing() -> None:
     assert isinstance(bad[1], UnknownSequence)
     assert "'late'" in str(bad[1])
     assert "appears twice" in str(bad[2])
-    assert [bytes(o.output.data) for o in mixed] == [bytes(o.output.data) for o in clean]
+    assert [o.numpy().tobytes() for o in mixed] == [o.numpy().tobytes() for o in clean]
     assert mixed_state == clean_state
     assert mixed_later == clean_later
 
@@ -217,7 +231,7 @@ def test_a_call_short_of_blocks_runs_again_alone_and_gets_what_it_would_alone() 
     s, metrics = make(num_blocks=3)
     try:
         outs = asyncio.run(held(s, lambda: [attend(s, 0, [E(f"s{i}", 0, 4)], seed=i) for i in range(4)]))
-        assert [type(o).__name__ for o in outs[:3]] == ["AttendOutput"] * 3
+        assert [type(o).__name__ for o in outs[:3]] == ["Tensor"] * 3
         assert isinstance(outs[3], OutOfBlocks)
         assert "the pool has 0 free of 3" in str(outs[3])
         assert s.engine.stats().free_blocks == 0
@@ -376,7 +390,7 @@ def test_a_call_whose_event_loop_closed_holds_up_no_other_loop() -> None:
             await blocker
             return await asyncio.wait_for(call, 10)
 
-        assert loop_b.run_until_complete(b_side()).output
+        assert loop_b.run_until_complete(b_side()).numel()
         assert s.engine.sequence_ids() == ["b"]
         assert not left.done()
     finally:
@@ -403,3 +417,28 @@ async def _raising(call: Coroutine[Any, Any, Any]) -> BaseException:
     except Exception as e:
         return e
     raise AssertionError("the call succeeded")
+
+
+def test_end_of_sequence_must_name_a_sequence_of_the_call() -> None:
+    s, _ = make()
+    try:
+        q, k, v = tensors(1, 1)
+        call = s.attend("Attend", 0, [BatchEntry("a", 0, 1)], q, k, v, ending=frozenset({"b"}))
+        bad = asyncio.run(_raising(call))
+        assert isinstance(bad, InvalidBatch)
+        assert "'b'" in str(bad)
+        assert s.engine.sequence_ids() == []
+    finally:
+        s.stop()
+
+
+def test_an_unknown_layer_fails_before_it_is_queued_and_the_scheduler_goes_on() -> None:
+    s, metrics = make()
+    try:
+        bad = asyncio.run(_raising(attend(s, 99, [E("x", 0, 1)], seed=1)))
+        assert isinstance(bad, UnknownLayer)
+        assert steps(metrics) == [(0.0, 0.0)]  # no step ran
+        asyncio.run(attend(s, 0, [E("y", 0, 1)], seed=2))
+        assert s.engine.sequence_ids() == ["y"]
+    finally:
+        s.stop()

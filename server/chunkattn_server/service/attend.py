@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import grpc
 import torch
@@ -18,10 +18,12 @@ from google.protobuf.message import DecodeError
 
 from chunkattn_client import codec, dtypes, wire
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
+from chunkattn_client.batch import BatchEntry
 from chunkattn_client.limits import MAX_BATCH, MAX_ID_BYTES, bounded
 from chunkattn_server import __version__, torchtypes
-from chunkattn_server.config import ServerConfig
+from chunkattn_server.config import ModelShape, ServerConfig
 from chunkattn_server.engine.core import Engine, EngineStats
+from chunkattn_server.engine.entries import Entries
 from chunkattn_server.engine.scheduler import Scheduler
 from chunkattn_server.errors import InvalidArgument, InvalidBatch, InvalidTensor, ShuttingDown
 from chunkattn_server.metrics import Metrics
@@ -91,6 +93,49 @@ _REQUEST_TENSORS = {3: "q", 4: "k", 5: "v"}  # AttendRequest's Tensor fields
 _REQUEST_FIELDS = frozenset(_REQUEST_TENSORS)
 
 
+class AttendArgs(NamedTuple):
+    """An Attend request as the scheduler takes it (domain types only), checked where it was parsed: q
+    present, k and v both or neither, the layer one of the model's, the entries valid (``Entries``); ending:
+    the ids of the entries with ``end_of_sequence``, released after the call."""
+
+    layer: int
+    entries: Entries
+    ending: frozenset[str]
+    q: torch.Tensor
+    k: torch.Tensor | None
+    v: torch.Tensor | None
+
+
+def read_attend_request(raw: bytes, model: ModelShape) -> tuple[int, AttendArgs | InvalidArgument]:
+    """parse_attend_request, then the request as AttendArgs: (its request_id, the call or the
+    InvalidArgument it fails with). A request that parses keeps its id for its answer when its contents fail
+    their checks; one that does not parse raises as parse_attend_request does. The checks run in the order
+    the engine's would (tensors present, layer, entries), so a request wrong in several ways is told the
+    same first thing wherever it is checked."""
+    request, tensors = parse_attend_request(raw)
+    try:
+        return request.request_id, _attend_args(request, tensors, model)
+    except InvalidArgument as e:
+        return request.request_id, e
+
+
+def _attend_args(request: pb.AttendRequest, tensors: dict[str, torch.Tensor], model: ModelShape) -> AttendArgs:
+    if "q" not in tensors:
+        raise InvalidTensor("q is missing; send q [tokens, num_heads, head_size]")
+    q, k, v = tensors["q"], tensors.get("k"), tensors.get("v")
+    if (k is None) != (v is None):
+        raise InvalidTensor("send both k and v, or (for a KV-sharing layer) neither")
+    model.spec(request.layer)
+    entries: list[BatchEntry] = []
+    ending: list[str] = []
+    for e in request.entries:  # one pass: a decode-sized call's few microseconds count
+        seq_id = e.seq_id
+        entries.append(BatchEntry(seq_id, e.position, e.num_tokens))
+        if e.end_of_sequence:
+            ending.append(seq_id)
+    return AttendArgs(request.layer, Entries(entries), frozenset(ending), q, k, v)
+
+
 class ChunkAttnService:
     """Info, Attend, AttendStream and Release over one engine worker (and the KV RPCs, from KVService).
 
@@ -104,6 +149,7 @@ class ChunkAttnService:
         self._config = config
         self._auth = auth
         self._engine_info = _static_info(worker.engine, config.max_message_bytes)
+        self._model = worker.engine.config.model
         self._calibrating = any(x.k_scale == 0 for x in self._engine_info.layers)
         self._rpcs = Rpcs(self._count, Admission(config.max_concurrent_rpcs, config.inflight_bytes), auth)
         self._kv = KVService(self._run, self._rpcs, self._observe_pool, metrics, worker.engine, config)
@@ -153,7 +199,8 @@ class ChunkAttnService:
         return response
 
     async def Attend(self, raw: bytes, context: Context, tenant: Tenant) -> bytes:  # noqa: N802
-        return await self._attend("Attend", *await self._parse(raw), tenant)
+        request_id, args = await self._parse(raw)
+        return await self._attend("Attend", request_id, args, tenant)
 
     async def AttendStream(self, stream: Stream, context: Context, tenant: Tenant) -> None:  # noqa: N802
         """One answer per request, in order; a failed request is answered with its status and the stream
@@ -165,9 +212,8 @@ class ChunkAttnService:
             started = time.perf_counter()
             try:
                 with self._rpcs.admission.admit(len(raw), tenant=tenant):
-                    request, tensors = await self._parse(raw)
-                    request_id = request.request_id
-                    response = await self._attend("AttendStream", request, tensors, tenant)
+                    request_id, args = await self._parse(raw)
+                    response = await self._attend("AttendStream", request_id, args, tenant)
             except Exception as e:
                 code = status_code(e)
                 response = wire.encode_attend_response(request_id, None, code.value[0], bounded(str(e)))
@@ -187,23 +233,20 @@ class ChunkAttnService:
 
     # -- helpers -------------------------------------------------------------------------------------
 
-    async def _parse(self, raw: bytes) -> tuple[pb.AttendRequest, dict[str, torch.Tensor]]:
-        """parse_attend_request, off the event loop for a large request."""
+    async def _parse(self, raw: bytes) -> tuple[int, AttendArgs | InvalidArgument]:
+        """read_attend_request, off the event loop for a large request."""
         if len(raw) <= SMALL_REQUEST_BYTES:
-            return parse_attend_request(raw)
-        return await asyncio.get_running_loop().run_in_executor(self._rpcs.parser, parse_attend_request, raw)
+            return read_attend_request(raw, self._model)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._rpcs.parser, read_attend_request, raw, self._model)
 
-    async def _attend(
-        self, rpc: str, request: pb.AttendRequest, tensors: dict[str, torch.Tensor], tenant: Tenant
-    ) -> bytes:
-        if "q" not in tensors:
-            raise InvalidTensor("q is missing; send q [tokens, num_heads, head_size]")
-        q, k, v = tensors["q"], tensors.get("k"), tensors.get("v")
-        if (k is None) != (v is None):
-            raise InvalidTensor("send both k and v, or (for a KV-sharing layer) neither")
+    async def _attend(self, rpc: str, request_id: int, args: AttendArgs | InvalidArgument, tenant: Tenant) -> bytes:
+        if isinstance(args, InvalidArgument):
+            raise args
+        a = args
         with self._metrics.in_flight.track_inprogress():
-            result = await self._worker.attend(rpc, request.layer, request.entries, q, k, v, tenant.name)
-        return wire.encode_attend_response(request.request_id, result.output)
+            out = await self._worker.attend(rpc, a.layer, a.entries, a.q, a.k, a.v, tenant.name, a.ending)
+        return wire.encode_attend_response(request_id, codec.to_raw(out))
 
     async def _run(self, rpc: str, fn: Callable[[Engine], T]) -> T:
         with self._metrics.in_flight.track_inprogress():
@@ -256,4 +299,4 @@ def _static_info(engine: Engine, max_message_bytes: int) -> pb.InfoResponse:
     )
 
 
-__all__ = ["ChunkAttnService", "parse_attend_request"]
+__all__ = ["AttendArgs", "ChunkAttnService", "parse_attend_request", "read_attend_request"]

@@ -1,0 +1,107 @@
+"""The inline runner: on the CPU, the event loop's own thread runs a *small* step (attention work under
+INLINE_WORK, as a batch of decodes) when the engine thread is idle, and hands a larger one to the engine
+thread. Handing a small step to another thread and back cost more than the step: two wake-ups, and the two
+threads taking the GIL from each other around every torch op (each releases it), which nearly doubled the
+server's CPU per decode call on two cores. Small steps run on one torch thread there (no OpenMP team on
+the loop's thread)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Iterable
+
+import torch
+
+from chunkattn_server.engine import jobs
+from chunkattn_server.engine.jobs import Job, Result
+from chunkattn_server.engine.turn import Turn
+
+# How many turns of the event loop a step on it may wait behind other ready callbacks (see _drain).
+MAX_DEFERRALS = 32
+
+
+class InlineRunner:
+    """Runs small steps on the event loops whose calls are queued; ``small(step)`` says which steps are,
+    ``run_step(step, runner)`` serves one (the scheduler's). Shares the turn with the engine thread."""
+
+    def __init__(
+        self,
+        turn: Turn,
+        small: Callable[[list[Job]], bool],
+        run_step: Callable[[list[Job], str], list[Result]],
+    ) -> None:
+        self._turn = turn
+        self.small = small
+        self._run_step = run_step
+        self._loops: set[asyncio.AbstractEventLoop] = set()  # where a drain is pending (under turn.cond)
+
+    def wake(self, loop: asyncio.AbstractEventLoop) -> None:
+        """(Under turn.cond.) Have ``loop`` look at the queue soon, once. Soon, not now: the calls that arrive
+        in this turn of the loop join the step. Each loop gets its own drain, so that a loop that is not
+        running holds up nobody else's calls."""
+        if loop in self._loops:
+            return
+        try:
+            if asyncio.get_running_loop() is loop:
+                loop.call_soon(self._drain)
+                self._loops.add(loop)
+                return
+        except RuntimeError:  # no loop runs on this thread (the engine thread's case)
+            pass
+        with contextlib.suppress(RuntimeError):  # a closed loop: its jobs count as gone (Job.gone)
+            loop.call_soon_threadsafe(self._drain)
+            self._loops.add(loop)
+
+    def wake_all(self, queued: Iterable[Job]) -> None:
+        """(Under turn.cond.) The turn goes to the loops of these queued jobs."""
+        for loop in {job.future.get_loop() for job in queued}:
+            self.wake(loop)
+
+    def _drain(self, deferred: int = 0) -> None:
+        """On an event loop: the next step, run here when it is small, else handed to the engine thread."""
+        loop = asyncio.get_running_loop()
+        turn = self._turn
+        with turn.cond:
+            if not self._runnable(loop):
+                return
+        # Batch what the loop already holds: while other callbacks are ready (other calls' handlers among
+        # them, on their way to queue their calls), go behind them, a bounded number of times. Without
+        # this a step on the loop would hold one call, since each call reaches the queue in a turn of its
+        # own. asyncio has no public "when idle"; its default loop keeps the ready callbacks in _ready
+        # (other loops: no deferral).
+        if getattr(loop, "_ready", None) and deferred < MAX_DEFERRALS:
+            loop.call_soon(self._drain, deferred + 1)
+            return
+        with turn.cond:
+            if not self._runnable(loop):
+                return
+            self._loops.discard(loop)
+            step = turn.take()
+            if not self.small(step):
+                turn.hand_over(step)
+                return
+        threads = torch.get_num_threads()  # this thread's only, put back after: no OpenMP team on the loop's
+        if threads != 1:
+            torch.set_num_threads(1)
+        try:
+            results = self._run_step(step, "event_loop")
+        finally:
+            if threads != 1:
+                torch.set_num_threads(threads)
+            with turn.cond:
+                turn.busy = False
+                if turn.stopping:
+                    turn.cond.notify()  # stop() from another thread: the engine thread takes the rest
+                elif turn.queue.pending():
+                    self.wake(loop)
+        jobs.deliver(results)
+
+    def _runnable(self, loop: asyncio.AbstractEventLoop) -> bool:
+        """(Under turn.cond.) Whether ``loop``'s pending drain may take a step now; if not, the drain is over
+        (the engine thread gives the turn back when it is done, and stop() leaves the rest to it)."""
+        turn = self._turn
+        if not (turn.busy or turn.stopping) and turn.queue.pending():
+            return True
+        self._loops.discard(loop)
+        return False

@@ -1,0 +1,116 @@
+"""Serving one step on the engine, on the thread that runs it: a control job alone, or Attend calls of one
+layer merged into one ``Engine.attend_step``, their outputs copied to host memory there (a device tensor's
+copy waits for its compute: it belongs to the thread that owns the device), ``end_of_sequence`` releases
+after each call; and the step's metrics, observed here and nowhere else."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from chunkattn_server.engine.core import AttendCall, Engine, EngineStats, Retry
+from chunkattn_server.engine.jobs import Attend, Control, Job, Result
+from chunkattn_server.metrics import Metrics
+
+
+def serve(
+    engine: Engine, step: list[Job], metrics: Metrics | None, runner: str
+) -> tuple[list[Result], list[Job], EngineStats]:
+    """Run one step on the engine. Returns the answers, (job, ok, result or exception): an Attend call's
+    result is its output, a contiguous tensor in host memory; the calls to run again, first (engine.Retry);
+    and the engine's stats after it. The metrics are observed before the answers go: a client that reads
+    them after its call sees it counted."""
+    started = time.perf_counter()
+    results: list[Result] = []
+    retry: list[Job] = []
+    first = step[0]
+    if isinstance(first, Control):
+        try:
+            results.append((first, True, first.fn(engine)))
+        except Exception as e:
+            results.append((first, False, e))
+        calls: list[Attend] = []
+    else:
+        calls = [job for job in step if isinstance(job, Attend)]  # a step of calls holds nothing else
+        released = _serve_attend(engine, calls, results, retry)
+        if released and metrics is not None:
+            metrics.released.inc(released)
+    stats = engine.stats()
+    if metrics is not None:
+        observe(metrics, stats, calls, results, retry, started, time.perf_counter(), runner)
+    return results, retry, stats
+
+
+def _serve_attend(engine: Engine, step: list[Attend], results: list[Result], retry: list[Job]) -> int:
+    """The calls' answers and retries; returns how many sequences their ``ending`` released."""
+    calls = [AttendCall(job.entries, job.q, job.k, job.v, job.tenant) for job in step]
+    try:
+        outs = engine.attend_step(step[0].layer, calls)
+    except Exception as e:  # not one call's own error: every call of the step fails with it
+        results.extend((job, False, e) for job in step)
+        return 0
+    released = 0
+    for job, out in zip(step, outs, strict=True):
+        if isinstance(out, Retry):
+            retry.append(job)
+            continue
+        if isinstance(out, BaseException):
+            results.append((job, False, out))
+            continue
+        try:
+            if job.ending:
+                released += engine.release(list(job.ending), tenant=job.tenant)
+            results.append((job, True, _host(out)))
+        except Exception as e:
+            results.append((job, False, e))
+    return released
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in host memory, contiguous (the wire's layout): itself when it is already."""
+    if t.is_cpu and t.is_contiguous() and not t.requires_grad:
+        return t
+    return t.detach().to("cpu").contiguous()
+
+
+def observe(
+    m: Metrics,
+    stats: EngineStats,
+    calls: list[Attend],
+    results: list[Result],
+    retry: list[Job],
+    started: float,
+    finished: float,
+    runner: str,
+) -> None:
+    """A step's metrics, once per step where they can be: per call only what is labelled by its RPC.
+    ``calls``: the step's Attend calls (none for a control job's step)."""
+    m.jobs_running.set(0)
+    m.of(m.steps, runner).inc()
+    m.observe_pool(stats)
+    compute_s = finished - started
+    for job, _, _ in results:
+        m.of(m.queue_seconds, job.rpc).observe(started - job.submitted)
+        m.of(m.compute_seconds, job.rpc).observe(compute_s)
+    if not calls:
+        return
+    m.step_calls.observe(len(calls) - len(retry))
+    m.step_tokens.observe(sum(job.tokens for job in calls if job not in retry))
+    decode = prefill = received = sent = served = 0
+    for job, ok, value in results:
+        if not ok or not isinstance(job, Attend):
+            continue
+        served += 1
+        for e in job.entries:
+            if e.num_tokens == 1:
+                decode += 1
+            else:
+                prefill += e.num_tokens
+        received += sum(t.nbytes for t in (job.q, job.k, job.v) if t is not None)
+        sent += value.nbytes
+    if served:
+        m.of(m.tokens, "decode").inc(decode)
+        m.of(m.tokens, "prefill").inc(prefill)
+        m.bytes_received.inc(received)
+        m.bytes_sent.inc(sent)
