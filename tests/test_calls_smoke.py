@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -33,3 +35,13 @@ def test_calls_benchmark_smoke_run_writes_the_documented_json(tmp_path: Path) ->
             assert r["calls_per_step"] >= 1  # the batching server's step histogram was read
             for kind in ("ours", "ours_nobatch", "echo"):
                 assert set(r["cpu_ms_per_call"][kind]) == {kind, "client"}  # /proc exists where CI runs
+    # The printed table says what the JSON says: each row's ratios, and a verdict that follows the target.
+    rows = re.findall(r"^(unary|stream)\s+(\d+)\s.*?\s(\d+\.\d\d)x\s+(ok|MISS)\s+(\d+\.\d\d)x", result.stdout, re.M)
+    assert len(rows) == 4, result.stdout
+    for transport, clients, ratio, verdict, on_off in rows:
+        r = data[transport][clients]
+        assert math.isfinite(float(ratio))
+        assert float(ratio) > 0
+        assert float(ratio) == round(r["ours_cps"] / r["echo_cps"], 2)
+        assert float(on_off) == round(r["ours_cps"] / r["ours_nobatch_cps"], 2)
+        assert verdict == ("ok" if r["ours_cps"] / r["echo_cps"] >= 0.6 else "MISS")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -40,3 +42,15 @@ def test_transport_benchmark_smoke_run_writes_the_documented_json(tmp_path: Path
     assert all(ms >= 0 for ms in kv["cpu_ms"]["ours"].values())  # /proc counts 10 ms ticks: a smoke run may read 0
     assert set(kv["engine_cpu_ms"]) == {"export", "import"}
     assert all(ms > 0 for ms in kv["engine_cpu_ms"].values())  # thread_time: fine-grained, never 0 for real work
+    # The printed table says what the JSON says: ratios, and verdicts that follow the 0.8x target (1 MiB up).
+    rows = re.findall(r"^(unary|stream|kv)\s.*?\s(\d+\.\d\d)x\s+(ok|MISS|-)\s*$", result.stdout, re.M)
+    expected = [(m, r) for m in ("unary", "stream") for r in data[m].values()] + [("kv", kv)]
+    assert len(rows) == len(expected), result.stdout
+    for (mode, ratio, verdict), (want_mode, r) in zip(rows, expected, strict=True):
+        exact = r["ours_mbps"] / r["echo_mbps"]
+        assert mode == want_mode
+        assert math.isfinite(exact)
+        assert exact > 0
+        assert float(ratio) == round(exact, 2)
+        if verdict != "-":
+            assert verdict == ("ok" if exact >= 0.8 else "MISS")
