@@ -225,7 +225,7 @@ def test_a_non_finite_value_fails_its_own_call_of_a_merged_step_in_every_dtype(
 ) -> None:
     """Issue 27.7 and its review: a float16/bfloat16 inf under another compute dtype once crashed the check
     (IndexError) and failed every call merged into the step. Each bad call fails alone, naming its row."""
-    from chunkattn_server.engine.core import AttendCall
+    from chunkattn_server.engine.types import AttendCall
 
     h = Harness.build(MODEL, compute_dtype=compute)
     good = AttendCall((BatchEntry("good", 0, 3),), _q(3, wire), _kv(3, wire), _kv(3, wire), "")

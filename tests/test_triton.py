@@ -17,7 +17,7 @@ from chunkattn_server import CacheConfig, Engine, EngineConfig, LayerSpec, Model
 from chunkattn_server.attention.backends import TorchBackend
 from chunkattn_server.attention.backends.base import AttentionBatch
 from chunkattn_server.attention.backends.triton_backend import TritonBackend, TritonLaunchError
-from chunkattn_server.engine.core import make_backend
+from chunkattn_server.engine.device import make_backend
 from chunkattn_server.errors import ConfigError
 from tests.harness import MODELS, Harness
 

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from chunkattn_server.config import CacheConfig, EngineConfig, KVGroup, LayerSpec, ModelShape
-    from chunkattn_server.engine.core import Engine, EngineStats
+    from chunkattn_server.engine.core import Engine
+    from chunkattn_server.engine.types import EngineStats
     from chunkattn_server.kv.manager import SequenceInfo
 
 __all__ = [
@@ -34,7 +35,7 @@ _HOMES = {
     "LayerSpec": "chunkattn_server.config",
     "ModelShape": "chunkattn_server.config",
     "Engine": "chunkattn_server.engine.core",
-    "EngineStats": "chunkattn_server.engine.core",
+    "EngineStats": "chunkattn_server.engine.types",
     "SequenceInfo": "chunkattn_server.kv.manager",
 }
 

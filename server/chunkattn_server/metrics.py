@@ -19,7 +19,7 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from chunkattn_server.engine.core import EngineStats
+    from chunkattn_server.engine.types import EngineStats
 
 
 # Seconds: a decode call's queue wait and compute are tens of microseconds to a millisecond on a GPU.

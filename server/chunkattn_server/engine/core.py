@@ -20,8 +20,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -29,9 +28,11 @@ import torch
 from chunkattn_client import dtypes
 from chunkattn_client.batch import BatchEntry
 from chunkattn_server import torchtypes
-from chunkattn_server.attention.backends import AttentionBatch, Backend, TorchBackend
+from chunkattn_server.attention.backends import AttentionBatch, Backend
 from chunkattn_server.config import EngineConfig, LayerSpec
 from chunkattn_server.engine import checks
+from chunkattn_server.engine.device import make_backend, resolve_device
+from chunkattn_server.engine.types import AttendCall, EngineStats, Retry
 from chunkattn_server.errors import (
     ConfigError,
     InvalidTensor,
@@ -40,7 +41,7 @@ from chunkattn_server.errors import (
 from chunkattn_server.kv.cache import KVCache
 from chunkattn_server.kv.manager import KVManager, Reservation, SequenceInfo, Truncation, Write
 from chunkattn_server.kv.manifest import ModelFingerprint
-from chunkattn_server.kv.scales import KVScaleTable, ScaleRange
+from chunkattn_server.kv.scales import KVScaleTable
 from chunkattn_server.kv.sequences import SequenceState
 from chunkattn_server.kv.transfer import KVExchange
 
@@ -48,57 +49,6 @@ from chunkattn_server.kv.transfer import KVExchange
 # them, so torch.frombuffer's warning about it says nothing.
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """The pool and the sequences at a glance (what the info RPC and metrics report)."""
-
-    num_blocks: int
-    free_blocks: int
-    used_blocks: int
-    block_size: int
-    bytes_per_block: int
-    num_sequences: int
-    sequences_by_tenant: Mapping[str, int] = field(default_factory=dict)  # tenants holding none left out
-    blocks_by_tenant: Mapping[str, int] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class AttendCall:
-    """One Attend call of a step: its entries and tensors, as ``Engine.attend`` takes them, and its tenant."""
-
-    entries: Sequence[BatchEntry]
-    q: torch.Tensor
-    k: torch.Tensor | None = None
-    v: torch.Tensor | None = None
-    tenant: str = ""
-
-
-class Retry(Exception):
-    """A call of a step found too few free blocks while earlier calls of the step held theirs: run it again
-    in a step of its own, where it sees the pool as it would have alone (after their commits)."""
-
-
-def resolve_device(name: str) -> torch.device:
-    """ "auto" -> CUDA when available, else CPU. Asking for CUDA without one is a start-up error."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device {name!r} was asked for but torch sees no CUDA device; use --device cpu")
-    return device
-
-
-def make_backend(name: str, device: torch.device) -> Backend:
-    """ "auto": triton on CUDA, torch elsewhere; or the one named."""
-    if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
-    if name == "triton":
-        from chunkattn_server.attention.backends.triton_backend import TritonBackend  # imports triton
-
-        return TritonBackend(device)
-    return TorchBackend(device)
 
 
 class Engine:
@@ -112,20 +62,7 @@ class Engine:
         self.dtype = torchtypes.of(compute)  # attention computes in it; outputs come back in q's dtype
         self.cache_dtype = torchtypes.of(cache)
         self._converts = self.cache_dtype != self.dtype  # K/V go through torchtypes.store / load
-        # Per layer, the (k, v) scales of its cache: 1 but for a float8 cache, where they come from --kv-scales,
-        # or (None) are calibrated by the layer's first write.
-        fp8 = dtypes.BY_NAME[cache].fp8
-        scales = config.cache.scales
-        given = scales.per_layer(model) if scales is not None else [None] * model.num_layers
-        unscaled = None if scales is not None and scales.calibrate else (1.0, 1.0)
-        scale_range = ScaleRange(dtypes.BY_NAME[cache], dtypes.BY_NAME[compute]) if fp8 else None
-        for i, pair in enumerate(given if scale_range is not None else ()):
-            for name, scale in zip(("k_scale", "v_scale"), pair or (), strict=False):
-                problem = scale_range and scale_range.problem(scale, f"layer {i}'s {name}")
-                if problem:
-                    raise ConfigError(f"--kv-scales: {problem} (or compute in float32 or bfloat16: --dtype)")
-        sources = [i if spec.kv_source is None else spec.kv_source for i, spec in enumerate(model.layers)]
-        self.scales = KVScaleTable(sources, [g or unscaled for g in given], scale_range)
+        self.scales = KVScaleTable.starting(model, config.cache.scales, dtypes.BY_NAME[cache], dtypes.BY_NAME[compute])
         self.block_size = config.cache.block_size
         self.groups = config.kv_groups
         self.bytes_per_block = KVCache.bytes_per_block(
@@ -311,41 +248,10 @@ class Engine:
         group, slot, bs = self.kv.group_of[layer], self._slot_of[layer], self.block_size
         tables = [s.tables[group.index] for s in states]
         source = layer if spec.kv_source is None else spec.kv_source
-        if k is None or v is None:
-            # KV sharing: the new tokens' K/V come back from the source's cache.
-            slots = _concat(
-                [_slots(t, e.position, e.position + e.num_tokens, bs) for t, e in zip(tables, entries, strict=True)]
-            )
-            kc, vc = self.cache.read(slot, self._index(slots))
-            k_scale, v_scale = self._scales_of(source)
-            kc, vc = torchtypes.load(kc, k_scale, self.dtype), torchtypes.load(vc, v_scale, self.dtype)
+        if k is None or v is None:  # KV sharing: the new tokens' K/V come back from the source's cache
+            kc, vc = self._read_back(source, slot, tables, entries)
         else:
-            kc, vc = self._here(k), self._here(v)
-            if self._converts:
-                # The cache's values: what is stored, and (for attention now) what later calls will read.
-                k_scale, v_scale = self._write_scales(source, kc, vc)
-                kc = torchtypes.store(kc, k_scale, self.cache_dtype)
-                vc = torchtypes.store(vc, v_scale, self.cache_dtype)
-            # The rows of k/v to store and their cache slots; usually every row (a decode, a short prefill).
-            rows: list[tuple[int, int]] = []
-            slot_parts: list[np.ndarray] = []
-            full, row = True, 0
-            for table, e, w in zip(tables, entries, writes, strict=True):
-                if w.start < w.end:
-                    rows.append((row + w.start - e.position, row + e.num_tokens))
-                    slot_parts.append(_slots(table, w.start, w.end, bs))
-                full = full and w.start == e.position
-                row += e.num_tokens
-            if slot_parts:
-                slots_t = self._index(_concat(slot_parts))
-                if full:
-                    k_rows, v_rows = kc, vc
-                else:
-                    index = self._index(_concat([np.arange(a, b) for a, b in rows]))
-                    k_rows, v_rows = kc.index_select(0, index), vc.index_select(0, index)
-                self.backend.write(self.cache.k[slot], self.cache.v[slot], slots_t, k_rows, v_rows)
-            if self._converts:
-                kc, vc = torchtypes.load(kc, k_scale, self.dtype), torchtypes.load(vc, v_scale, self.dtype)
+            kc, vc = self._store(source, slot, tables, entries, writes, self._here(k), self._here(v))
         k_scale, v_scale = self._scales_of(source)
         spans, row = [], 0
         for e in entries:
@@ -369,6 +275,59 @@ class Engine:
         out = torch.empty(q.shape, dtype=self.dtype, device=self.device)
         self.backend.attend(batch, out)
         return out
+
+    def _read_back(
+        self, source: int, slot: int, tables: Sequence[dict[int, int]], entries: Sequence[BatchEntry]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The new tokens' K/V [T, Hkv, D] in the compute dtype, read from the source layer's cache (a
+        KV-sharing layer writes none)."""
+        bs = self.block_size
+        slots = _concat(
+            [_slots(t, e.position, e.position + e.num_tokens, bs) for t, e in zip(tables, entries, strict=True)]
+        )
+        kc, vc = self.cache.read(slot, self._index(slots))
+        k_scale, v_scale = self._scales_of(source)
+        return torchtypes.load(kc, k_scale, self.dtype), torchtypes.load(vc, v_scale, self.dtype)
+
+    def _store(
+        self,
+        source: int,
+        slot: int,
+        tables: Sequence[dict[int, int]],
+        entries: Sequence[BatchEntry],
+        writes: Sequence[Write],
+        kc: torch.Tensor,
+        vc: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the call's K/V ([T, Hkv, D], compute dtype) at its writes' cache slots, in the cache's dtype
+        (a float8 cache over the layer's scales, calibrated by this write if it is the first); returns the
+        values as the cache holds them, in the compute dtype: what this call attends over, as later calls will."""
+        bs = self.block_size
+        if self._converts:
+            k_scale, v_scale = self._write_scales(source, kc, vc)
+            kc = torchtypes.store(kc, k_scale, self.cache_dtype)
+            vc = torchtypes.store(vc, v_scale, self.cache_dtype)
+        # The rows of k/v to store and their cache slots; usually every row (a decode, a short prefill).
+        rows: list[tuple[int, int]] = []
+        slot_parts: list[np.ndarray] = []
+        full, row = True, 0
+        for table, e, w in zip(tables, entries, writes, strict=True):
+            if w.start < w.end:
+                rows.append((row + w.start - e.position, row + e.num_tokens))
+                slot_parts.append(_slots(table, w.start, w.end, bs))
+            full = full and w.start == e.position
+            row += e.num_tokens
+        if slot_parts:
+            slots_t = self._index(_concat(slot_parts))
+            if full:
+                k_rows, v_rows = kc, vc
+            else:
+                index = self._index(_concat([np.arange(a, b) for a, b in rows]))
+                k_rows, v_rows = kc.index_select(0, index), vc.index_select(0, index)
+            self.backend.write(self.cache.k[slot], self.cache.v[slot], slots_t, k_rows, v_rows)
+        if self._converts:
+            kc, vc = torchtypes.load(kc, k_scale, self.dtype), torchtypes.load(vc, v_scale, self.dtype)
+        return kc, vc
 
     def _scales_of(self, layer: int) -> tuple[float, float]:
         """A layer's cache scales (k, v), its first write having calibrated them where it had to."""

@@ -24,13 +24,14 @@ import torch
 from chunkattn_client.batch import BatchEntry
 from chunkattn_client.limits import quote
 from chunkattn_server.engine import jobs
-from chunkattn_server.engine.core import Engine, EngineStats
+from chunkattn_server.engine.core import Engine
 from chunkattn_server.engine.entries import checked
 from chunkattn_server.engine.inline import InlineRunner
 from chunkattn_server.engine.jobs import Attend, Control, Job, Result
 from chunkattn_server.engine.serve import serve
 from chunkattn_server.engine.step_queue import StepQueue
 from chunkattn_server.engine.turn import Turn
+from chunkattn_server.engine.types import EngineStats
 from chunkattn_server.errors import InvalidBatch
 from chunkattn_server.metrics import Metrics
 

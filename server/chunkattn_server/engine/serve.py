@@ -9,8 +9,9 @@ import time
 
 import torch
 
-from chunkattn_server.engine.core import AttendCall, Engine, EngineStats, Retry
+from chunkattn_server.engine.core import Engine
 from chunkattn_server.engine.jobs import Attend, Control, Job, Result
+from chunkattn_server.engine.types import AttendCall, EngineStats, Retry
 from chunkattn_server.metrics import Metrics
 
 

@@ -262,6 +262,22 @@ class KVScaleTable:
         self._sources = sources
         self._scales: list[tuple[float, float] | None] = list(given) if scale_range is not None else []
 
+    @classmethod
+    def starting(cls, model: ModelShape, scales: KVScales | None, cache: DType, compute: DType) -> KVScaleTable:
+        """The table a cache of dtype ``cache`` read in ``compute`` starts with: --kv-scales' (``scales``) for a
+        float8 cache, 1 where none is given, None (to calibrate) where it says so. ConfigError for a given
+        scale outside the range the cache can be read back over."""
+        given = scales.per_layer(model) if scales is not None else [None] * model.num_layers
+        unscaled = None if scales is not None and scales.calibrate else (1.0, 1.0)
+        scale_range = ScaleRange(cache, compute) if cache.fp8 else None
+        for i, pair in enumerate(given if scale_range is not None else ()):
+            for name, scale in zip(("k_scale", "v_scale"), pair or (), strict=False):
+                problem = scale_range and scale_range.problem(scale, f"layer {i}'s {name}")
+                if problem:
+                    raise ConfigError(f"--kv-scales: {problem} (or compute in float32 or bfloat16: --dtype)")
+        sources = [i if spec.kv_source is None else spec.kv_source for i, spec in enumerate(model.layers)]
+        return cls(sources, [g or unscaled for g in given], scale_range)
+
     @property
     def fp8(self) -> bool:
         return self.range is not None

@@ -22,9 +22,10 @@ from chunkattn_client.batch import BatchEntry
 from chunkattn_client.limits import MAX_BATCH, MAX_ID_BYTES, bounded
 from chunkattn_server import __version__, torchtypes
 from chunkattn_server.config import ModelShape, ServerConfig
-from chunkattn_server.engine.core import Engine, EngineStats
+from chunkattn_server.engine.core import Engine
 from chunkattn_server.engine.entries import Entries
 from chunkattn_server.engine.scheduler import Scheduler
+from chunkattn_server.engine.types import EngineStats
 from chunkattn_server.errors import InvalidArgument, InvalidBatch, InvalidTensor, ShuttingDown
 from chunkattn_server.metrics import Metrics
 from chunkattn_server.service.auth import Authenticator, Tenant

@@ -23,7 +23,8 @@ from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2_grpc as pb_grpc
 from chunkattn_client.client import bearer, channel_options
 from chunkattn_client.limits import MAX_ID_BYTES, id_problem, target_problem, token_problem
 from chunkattn_server.config import ServerConfig
-from chunkattn_server.engine.core import Engine, EngineStats
+from chunkattn_server.engine.core import Engine
+from chunkattn_server.engine.types import EngineStats
 from chunkattn_server.errors import DataLoss, IncompatibleKV, InvalidArgument, InvalidBatch
 from chunkattn_server.kv.manifest import KVManifest, batches, record_bytes
 from chunkattn_server.kv.transfer import ImportSession

@@ -1,0 +1,29 @@
+"""The device the engine owns and the attention backend that runs on it."""
+
+from __future__ import annotations
+
+import torch
+
+from chunkattn_server.attention.backends import Backend, TorchBackend
+from chunkattn_server.errors import ConfigError
+
+
+def resolve_device(name: str) -> torch.device:
+    """ "auto" -> CUDA when available, else CPU. Asking for CUDA without one is a start-up error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {name!r} was asked for but torch sees no CUDA device; use --device cpu")
+    return device
+
+
+def make_backend(name: str, device: torch.device) -> Backend:
+    """ "auto": triton on CUDA, torch elsewhere; or the one named."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "triton":
+        from chunkattn_server.attention.backends.triton_backend import TritonBackend  # imports triton
+
+        return TritonBackend(device)
+    return TorchBackend(device)

@@ -1,0 +1,40 @@
+"""What the engine takes and gives besides tensors: a call of a step, the Retry signal, and the pool's stats."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from chunkattn_client.batch import BatchEntry
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The pool and the sequences at a glance (what the info RPC and metrics report)."""
+
+    num_blocks: int
+    free_blocks: int
+    used_blocks: int
+    block_size: int
+    bytes_per_block: int
+    num_sequences: int
+    sequences_by_tenant: Mapping[str, int] = field(default_factory=dict)  # tenants holding none left out
+    blocks_by_tenant: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class AttendCall:
+    """One Attend call of a step: its entries and tensors, as ``Engine.attend`` takes them, and its tenant."""
+
+    entries: Sequence[BatchEntry]
+    q: torch.Tensor
+    k: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+    tenant: str = ""
+
+
+class Retry(Exception):
+    """A call of a step found too few free blocks while earlier calls of the step held theirs: run it again
+    in a step of its own, where it sees the pool as it would have alone (after their commits)."""
