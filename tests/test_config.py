@@ -71,7 +71,7 @@ def test_sharers_join_their_source_group_and_pool_is_sized_from_the_budget() -> 
         (0, (2,), ()),
     ]
     engine = Engine(config)
-    # one storage slot per group layer: 2 (K, V) x 16 tokens x 2 KV heads x 8 dims x 2 bytes
+    # one plane per group layer: 2 (K, V) x 16 tokens x 2 KV heads x 8 dims x 2 bytes
     assert engine.bytes_per_block == 2 * 16 * 2 * 8 * 2
     assert engine.stats().num_blocks == (1 << 20) // engine.bytes_per_block
 

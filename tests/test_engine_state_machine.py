@@ -6,7 +6,7 @@ block owned twice, every used block owned); each sequence's KV groups hold exact
 layers still need, computed here from the spec; in-step chunked groups hold at most C / block_size
 blocks. A refused call (out of blocks, a KV-sharing layer ahead of its source) changes nothing.
 
-Isolation: after every step every free block, in every slot, is filled with NaN, as if the sequences that
+Isolation: after every step every free block, in every plane, is filled with NaN, as if the sequences that
 held it had written NaN. A sequence that ever read a byte it did not write (attention over a position it
 never stored, a block handed over with an earlier holder's data) would give NaN or disagree with the
 reference; an export that carried such a byte would carry a NaN. Neither happens, in the engine or in a
@@ -181,7 +181,7 @@ class EngineMachine(RuleBasedStateMachine):
 
 
 def poison(engine: Engine) -> None:
-    """NaN in every free block of every slot, K and V."""
+    """NaN in every free block of every plane, K and V."""
     free = torch.tensor([b for b in range(engine.pool.num_blocks) if engine.pool.is_free(b)], dtype=torch.int64)
     if len(free):
         for pages in (*engine.cache.k, *engine.cache.v):

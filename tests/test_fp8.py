@@ -416,13 +416,13 @@ def _move(src: Engine, dst: Engine, seq_id: str = "s") -> None:
 
 
 def _pages(engine: Engine, seq_id: str) -> list[bytes]:
-    """The float8 bytes of every block the sequence holds, per storage slot, in logical order."""
+    """The float8 bytes of every block the sequence holds, per plane, in logical order."""
     info = engine.sequence(seq_id)
     out = []
     for group, table in zip(engine.groups, info.tables, strict=True):
-        for slot in range(len(group.layers)):
+        for plane in range(len(group.layers)):
             for b in sorted(table):
-                for pages in (engine.cache.k[slot], engine.cache.v[slot]):
+                for pages in (engine.cache.k[plane], engine.cache.v[plane]):
                     out.append(pages[:, table[b]].view(torch.uint8).numpy().tobytes())
     return out
 

@@ -42,7 +42,7 @@ class LayerSpec:
 class KVGroup:
     """Layers that share one block table per sequence (same chunk size), as vLLM's hybrid allocator does.
 
-    ``layers`` write K/V; layer ``layers[r]`` keeps its pages in storage slot r. ``sharers`` read the
+    ``layers`` write K/V; layer ``layers[r]`` keeps its pages in plane r of the cache. ``sharers`` read the
     cache of one of ``layers`` and write nothing.
     """
 

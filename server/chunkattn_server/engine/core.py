@@ -66,7 +66,7 @@ class Engine:
         self.block_size = config.cache.block_size
         self.groups = config.kv_groups
         self.bytes_per_block = KVCache.bytes_per_block(
-            num_slots=config.group_size,
+            num_planes=config.group_size,
             block_size=self.block_size,
             num_kv_heads=model.num_kv_heads,
             head_size=model.head_size,
@@ -82,7 +82,7 @@ class Engine:
                     f" {self.bytes_per_block} bytes; raise the budget or lower block_size"
                 )
         self.cache = KVCache(
-            num_slots=config.group_size,
+            num_planes=config.group_size,
             num_blocks=num_blocks,
             block_size=self.block_size,
             num_kv_heads=model.num_kv_heads,
@@ -92,12 +92,12 @@ class Engine:
         )
         self.kv = KVManager(config, num_blocks, self.cache.copy_block)
         self.pool = self.kv.pool
-        # Per layer: its storage slot in its KV group (a KV-sharing layer's is its source's).
-        self._slot_of = [
+        # Per layer: its plane in its KV group (its pages' storage) (a KV-sharing layer's is its source's).
+        self._plane_of = [
             self.kv.group_of[i].layers.index(i if spec.kv_source is None else spec.kv_source)
             for i, spec in enumerate(model.layers)
         ]
-        self.transfer = KVExchange(self.kv, self.cache, self._slot_of, self.fingerprint(), self.scales)
+        self.transfer = KVExchange(self.kv, self.cache, self._plane_of, self.fingerprint(), self.scales)
         self._on_cpu = self.device.type == "cpu"
         self.backend: Backend = backend if backend is not None else make_backend(config.backend, self.device)
         self._scales = [spec.scale or 1.0 / math.sqrt(model.head_size) for spec in model.layers]
@@ -245,13 +245,13 @@ class Engine:
         v: torch.Tensor | None,
     ) -> torch.Tensor:
         """Write the call's K/V into the cache and run the backend; returns [T, H, D] in the compute dtype."""
-        group, slot, bs = self.kv.group_of[layer], self._slot_of[layer], self.block_size
+        group, plane, bs = self.kv.group_of[layer], self._plane_of[layer], self.block_size
         tables = [s.tables[group.index] for s in states]
         source = layer if spec.kv_source is None else spec.kv_source
         if k is None or v is None:  # KV sharing: the new tokens' K/V come back from the source's cache
-            kc, vc = self._read_back(source, slot, tables, entries)
+            kc, vc = self._read_back(source, plane, tables, entries)
         else:
-            kc, vc = self._store(source, slot, tables, entries, writes, self._here(k), self._here(v))
+            kc, vc = self._store(source, plane, tables, entries, writes, self._here(k), self._here(v))
         k_scale, v_scale = self._scales_of(source)
         spans, row = [], 0
         for e in entries:
@@ -261,8 +261,8 @@ class Engine:
             q=self._here(q),
             k=kc,
             v=vc,
-            k_pages=self.cache.k[slot],
-            v_pages=self.cache.v[slot],
+            k_pages=self.cache.k[plane],
+            v_pages=self.cache.v[plane],
             spans=spans,
             tables=tables,
             chunk_size=spec.chunk_size,
@@ -277,7 +277,7 @@ class Engine:
         return out
 
     def _read_back(
-        self, source: int, slot: int, tables: Sequence[dict[int, int]], entries: Sequence[BatchEntry]
+        self, source: int, plane: int, tables: Sequence[dict[int, int]], entries: Sequence[BatchEntry]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The new tokens' K/V [T, Hkv, D] in the compute dtype, read from the source layer's cache (a
         KV-sharing layer writes none)."""
@@ -285,14 +285,14 @@ class Engine:
         slots = _concat(
             [_slots(t, e.position, e.position + e.num_tokens, bs) for t, e in zip(tables, entries, strict=True)]
         )
-        kc, vc = self.cache.read(slot, self._index(slots))
+        kc, vc = self.cache.read(plane, self._index(slots))
         k_scale, v_scale = self._scales_of(source)
         return torchtypes.load(kc, k_scale, self.dtype), torchtypes.load(vc, v_scale, self.dtype)
 
     def _store(
         self,
         source: int,
-        slot: int,
+        plane: int,
         tables: Sequence[dict[int, int]],
         entries: Sequence[BatchEntry],
         writes: Sequence[Write],
@@ -324,7 +324,7 @@ class Engine:
             else:
                 index = self._index(_concat([np.arange(a, b) for a, b in rows]))
                 k_rows, v_rows = kc.index_select(0, index), vc.index_select(0, index)
-            self.backend.write(self.cache.k[slot], self.cache.v[slot], slots_t, k_rows, v_rows)
+            self.backend.write(self.cache.k[plane], self.cache.v[plane], slots_t, k_rows, v_rows)
         if self._converts:
             kc, vc = torchtypes.load(kc, k_scale, self.dtype), torchtypes.load(vc, v_scale, self.dtype)
         return kc, vc

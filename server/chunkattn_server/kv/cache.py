@@ -1,7 +1,7 @@
 """The K/V page tensors, and the byte views KV transfer reads and writes (attention writes go through Backend.write).
 
-Layout: one K and one V tensor per storage slot, each [num_kv_heads, num_blocks, block_size, head_size].
-Layer ``group.layers[r]`` of every KV group keeps its pages in slot r, so a block id is used by exactly one
+Layout: one K and one V tensor per plane (a layer's storage within its KV group), each
+[num_kv_heads, num_blocks, block_size, head_size]. Layer ``group.layers[r]`` of every KV group keeps its pages in plane r, so a block id is used by exactly one
 group and no storage sits idle. Head-major pages make a run of consecutive blocks one strided view
 [num_kv_heads, tokens, head_size] whose rows are contiguous per head, which the CPU attention kernel
 reads at close to the speed of a contiguous tensor (a token-major layout is 1.2x slower in fp32 and
@@ -17,12 +17,12 @@ import torch
 
 
 class KVCache:
-    """K/V pages for every storage slot, on one device, in one dtype."""
+    """K/V pages for every plane, on one device, in one dtype."""
 
     def __init__(
         self,
         *,
-        num_slots: int,
+        num_planes: int,
         num_blocks: int,
         block_size: int,
         num_kv_heads: int,
@@ -34,59 +34,59 @@ class KVCache:
         self.block_size = block_size
         shape = (num_kv_heads, num_blocks, block_size, head_size)
         # Zero-filled so that the pages are really allocated now, not on first touch in a request.
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_slots)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_slots)]
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_planes)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_planes)]
         # KV transfer reads and writes CPU pages through numpy: torch hands each ~100 KiB strided copy to its
         # intra-op thread pool, which on a busy machine costs milliseconds per copy instead of microseconds.
         # The views are made once, not per copy.
-        self._host: list[tuple[Any, Any]] | None = None  # per slot: K and V bytes [Hkv, num_blocks, bs * D * itemsize]
-        self._heads: list[tuple[list[memoryview], list[memoryview]]] = []  # per slot: K and V, per head
+        self._host: list[tuple[Any, Any]] | None = None  # per plane: K and V bytes [Hkv, num_blocks, bs * D * itemsize]
+        self._heads: list[tuple[list[memoryview], list[memoryview]]] = []  # per plane: K and V, per head
         if device.type == "cpu":
             self._host = [(_bytes_of(k), _bytes_of(v)) for k, v in zip(self.k, self.v, strict=True)]
             self._heads = [(_rows(k), _rows(v)) for k, v in self._host]
 
     @staticmethod
-    def bytes_per_block(*, num_slots: int, block_size: int, num_kv_heads: int, head_size: int, itemsize: int) -> int:
-        """Bytes of K and V pages one block id costs across all storage slots."""
-        return 2 * num_slots * block_size * num_kv_heads * head_size * itemsize
+    def bytes_per_block(*, num_planes: int, block_size: int, num_kv_heads: int, head_size: int, itemsize: int) -> int:
+        """Bytes of K and V pages one block id costs across all planes."""
+        return 2 * num_planes * block_size * num_kv_heads * head_size * itemsize
 
     def copy_block(self, src: int, dst: int) -> None:
-        """Copy block ``src`` into ``dst`` in every slot (a copy-on-write of a shared block)."""
+        """Copy block ``src`` into ``dst`` in every plane (a copy-on-write of a shared block)."""
         for pages in (*self.k, *self.v):
             pages[:, dst].copy_(pages[:, src])
 
-    def block_views(self, slot: int, blocks: list[int]) -> list[tuple[list[memoryview], list[memoryview]]]:
-        """K and V of each of ``blocks`` in ``slot``, each as pieces whose concatenation is its bytes
+    def block_views(self, plane: int, blocks: list[int]) -> list[tuple[list[memoryview], list[memoryview]]]:
+        """K and V of each of ``blocks`` in ``plane``, each as pieces whose concatenation is its bytes
         [Hkv, bs, D]. On the CPU: one piece per head, views of the pages (they show later writes); on a
         device: one piece, a view of a host copy of the blocks."""
         if not blocks:
             return []
         if self._host is not None:
-            k_heads, v_heads = self._heads[slot]
-            n = self._host[slot][0].shape[2]  # bytes of one head's rows of one block
+            k_heads, v_heads = self._heads[plane]
+            n = self._host[plane][0].shape[2]  # bytes of one head's rows of one block
             return [
                 ([h[b * n : (b + 1) * n] for h in k_heads], [h[b * n : (b + 1) * n] for h in v_heads]) for b in blocks
             ]
-        k, v = _gather_device(self.k[slot], blocks), _gather_device(self.v[slot], blocks)
+        k, v = _gather_device(self.k[plane], blocks), _gather_device(self.v[plane], blocks)
         size = len(k) // len(blocks)
         return [([k[i * size : (i + 1) * size]], [v[i * size : (i + 1) * size]]) for i in range(len(blocks))]
 
-    def write_block(self, slot: int, block: int, k: bytes | memoryview, v: bytes | memoryview) -> None:
-        """Write one block's K and V, bytes laid out [Hkv, bs, D] each, into ``slot``."""
+    def write_block(self, plane: int, block: int, k: bytes | memoryview, v: bytes | memoryview) -> None:
+        """Write one block's K and V, bytes laid out [Hkv, bs, D] each, into ``plane``."""
         if self._host is not None:
-            for pages, data in zip(self._host[slot], (k, v), strict=True):
+            for pages, data in zip(self._host[plane], (k, v), strict=True):
                 dst = pages[:, block]
                 np.copyto(dst, np.frombuffer(data, dtype=np.uint8).reshape(dst.shape))
             return
-        for pages, data in ((self.k[slot], k), (self.v[slot], v)):
+        for pages, data in ((self.k[plane], k), (self.v[plane], v)):
             src = torch.frombuffer(data, dtype=torch.uint8).view(pages.dtype).view(pages[:, block].shape)
             pages[:, block] = src.to(pages.device)
 
-    def read(self, slot: int, token_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies k, v [n, num_kv_heads, head_size] of the tokens at slots [n] int64."""
-        heads, blocks, bs, dim = self.k[slot].shape
-        k = self.k[slot].view(heads, blocks * bs, dim).index_select(1, token_slots)
-        v = self.v[slot].view(heads, blocks * bs, dim).index_select(1, token_slots)
+    def read(self, plane: int, token_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies k, v [n, num_kv_heads, head_size] of the tokens at cache slots ``token_slots`` [n] int64."""
+        heads, blocks, bs, dim = self.k[plane].shape
+        k = self.k[plane].view(heads, blocks * bs, dim).index_select(1, token_slots)
+        v = self.v[plane].view(heads, blocks * bs, dim).index_select(1, token_slots)
         return k.transpose(0, 1), v.transpose(0, 1)
 
 

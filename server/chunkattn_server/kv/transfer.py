@@ -53,7 +53,7 @@ class ImportSession:
 
 class KVExchange:
     """Exports and imports of one engine's sequences: ``kv`` holds their state, ``cache`` their pages;
-    ``slot_of[layer]`` is the layer's storage slot in its KV group, ``fingerprint`` the engine's model;
+    ``plane_of[layer]`` is the layer's plane (its pages' storage) in its KV group, ``fingerprint`` the engine's model;
     ``scales`` the cache's scale table (the engine's own: an import into a calibrating layer gives it the
     stream's scales, as its first write would have).
 
@@ -63,13 +63,13 @@ class KVExchange:
         self,
         kv: KVManager,
         cache: KVCache,
-        slot_of: Sequence[int],
+        plane_of: Sequence[int],
         fingerprint: ModelFingerprint,
         scales: KVScaleTable,
     ) -> None:
         self._kv = kv
         self._cache = cache
-        self._slot_of = slot_of
+        self._plane_of = plane_of
         self._model = kv.config.model
         self.fingerprint = fingerprint
         self._scales = scales
@@ -172,7 +172,7 @@ class KVExchange:
         for layer in dict.fromkeys(x for x, _ in items):
             logicals = [b for x, b in items if x == layer]
             table = state.tables[self._kv.group_of[layer].index]
-            pieces = self._cache.block_views(self._slot_of[layer], [table[b] for b in logicals])
+            pieces = self._cache.block_views(self._plane_of[layer], [table[b] for b in logicals])
             lo, hi = manifest.kept_from[layer], manifest.lengths[layer]
             for b, (k, v) in zip(logicals, pieces, strict=True):
                 first, end = min(max(lo - b * bs, 0), bs), min(max(hi - b * bs, 0), bs)
@@ -281,8 +281,7 @@ class KVExchange:
                     " finite (as Attend refuses such q/k/v, an import does)"
                 )
             block = session.tables[self._kv.group_of[r.layer].index][r.logical]
-            slot = self._slot_of[r.layer]
-            self._cache.write_block(slot, block, r.k, r.v)
+            self._cache.write_block(self._plane_of[r.layer], block, r.k, r.v)
             session.received.add(key)
 
     def commit_import(self, session: ImportSession) -> int:

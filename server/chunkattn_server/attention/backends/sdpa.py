@@ -33,7 +33,7 @@ from chunkattn_server.attention.plan import Piece
 Part = tuple[torch.Tensor, torch.Tensor]  # (output [nq, H, D], log-sum-exp [nq, H] float32)
 
 
-_MAX_KNOWN = 256  # page tensors whose views are kept (an engine has two per storage slot)
+_MAX_KNOWN = 256  # page tensors whose views are kept (an engine has two per plane)
 
 
 class _Views(NamedTuple):
