@@ -1,11 +1,11 @@
 """The K/V page tensors, and the byte views KV transfer reads and writes (attention writes go through Backend.write).
 
 Layout: one K and one V tensor per plane (a layer's storage within its KV group), each
-[num_kv_heads, num_blocks, block_size, head_size]. Layer ``group.layers[r]`` of every KV group keeps its pages in plane r, so a block id is used by exactly one
-group and no storage sits idle. Head-major pages make a run of consecutive blocks one strided view
-[num_kv_heads, tokens, head_size] whose rows are contiguous per head, which the CPU attention kernel
-reads at close to the speed of a contiguous tensor (a token-major layout is 1.2x slower in fp32 and
-2.8x in bf16 on the dev machines).
+[num_kv_heads, num_blocks, block_size, head_size]. Layer ``group.layers[r]`` of every KV group keeps its
+pages in plane r, so a block id is used by exactly one group and no storage sits idle. Head-major pages
+make a run of consecutive blocks one strided view [num_kv_heads, tokens, head_size] whose rows are
+contiguous per head, which the CPU attention kernel reads at close to the speed of a contiguous tensor (a
+token-major layout is 1.2x slower in fp32 and 2.8x in bf16 on the dev machines).
 """
 
 from __future__ import annotations
