@@ -23,9 +23,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from chunkattn_client import BatchEntry, ChunkAttnClient, ChunkAttnError, ReferenceModel, codec
+from chunkattn_client._channel import MIN_KEEPALIVE_S, channel_options
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2_grpc as pb_grpc
-from chunkattn_client.client import MIN_KEEPALIVE_S, channel_options
 from chunkattn_client.reference import within_tolerance
 from chunkattn_server.config import DEFAULT_MAX_MESSAGE_MIB
 from tests.server_process import SMALL, ServerProcess, connections

@@ -10,9 +10,9 @@ import grpc
 import pytest
 
 from chunkattn_client import ChunkAttnClient
+from chunkattn_client._channel import ROUTE_HEADER
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_client.cli import main
-from chunkattn_client.client import ROUTE_HEADER
 from chunkattn_client.limits import MAX_ROUTE_CHARS
 
 

@@ -1,4 +1,4 @@
-"""The asyncio client: the same methods as ``ChunkAttnClient``, awaitable.
+"""The asyncio client: the same methods as ``ChunkAttnClient``, awaitable; both send the calls of ``_requests``.
 
 async with AsyncChunkAttnClient("localhost:50051") as c:
     out = await c.attend(0, [BatchEntry("s", 0, 100)], q, k, v)
@@ -8,63 +8,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import weakref
 from collections.abc import AsyncIterable, AsyncIterator, Sequence
-from typing import Any
+from typing import Any, ClassVar, TypeVar, Unpack
 
 import grpc
-import numpy.typing as npt
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from chunkattn_client import wire
+from chunkattn_client import _requests as calls
+from chunkattn_client._base import ClientBase
+from chunkattn_client._errors import rpc_errors
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
-from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2_grpc as pb_grpc
-from chunkattn_client.batch import BatchEntry
-from chunkattn_client.client import (
-    ATTEND,
-    ATTEND_STREAM,
-    DEFAULT_MAX_MESSAGE_BYTES,
-    ChunkAttnError,
-    Credentials,
-    KVImport,
-    KVTransfer,
-    Routed,
-    ServerInfo,
-    Truncated,
-    attend_request,
-    decode_attend_response,
-    open_channel,
-    renamed,
-    rpc_errors,
-    transfer_request,
-)
+from chunkattn_client._requests import AttendOptions, Entries, Output, TransferOptions
+from chunkattn_client._stream import Answer, StreamState, failure
+from chunkattn_client._types import KVImport, KVTransfer, ServerInfo, Truncated
+
+T = TypeVar("T")
 
 
-class AsyncChunkAttnClient(Routed):
+class AsyncChunkAttnClient(ClientBase):
     """An asyncio client; see ``ChunkAttnClient`` for the arguments and each method's contract."""
 
-    def __init__(
-        self,
-        target: str,
-        *,
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        keepalive_s: float | None = None,
-        root_certificates: bytes | None = None,
-        certificate_chain: bytes | None = None,
-        private_key: bytes | None = None,
-        token: str | None = None,
-        timeout_s: float | None = None,
-        route: str | None = None,
-    ) -> None:
-        credentials = Credentials(root_certificates, certificate_chain, private_key, token)
-        self._set_metadata(token, route)
-        self._channel: grpc.aio.Channel = open_channel(grpc.aio, target, max_message_bytes, keepalive_s, credentials)
-        self._stub = pb_grpc.ChunkAttnStub(self._channel)
-        self._attend = self._channel.unary_unary(
-            ATTEND, request_serializer=wire.identity, response_deserializer=wire.identity
-        )
-        self._health = health_pb2_grpc.HealthStub(self._channel)
-        self.timeout_s = timeout_s
-        self.max_message_bytes = max_message_bytes
+    api: ClassVar[Any] = grpc.aio
 
     async def __aenter__(self) -> AsyncChunkAttnClient:
         return self
@@ -76,115 +40,71 @@ class AsyncChunkAttnClient(Routed):
         if self._owns_channel:
             await self._channel.close()
 
-    async def info(self) -> ServerInfo:
+    async def _unary(self, call: calls.Call[T]) -> T:
         with rpc_errors():
-            return ServerInfo.from_pb(
-                await self._stub.Info(pb.InfoRequest(), timeout=self.timeout_s, metadata=self._metadata)
-            )
+            return call.decode(await self._start(call))
+
+    async def info(self) -> ServerInfo:
+        return await self._unary(calls.info())
 
     async def health(self, service: str = "") -> str:
-        with rpc_errors():
-            r = await self._health.Check(
-                health_pb2.HealthCheckRequest(service=service), timeout=self.timeout_s, metadata=self._metadata
-            )
-        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(r.status))
+        return await self._unary(calls.health(service))
 
     async def attend(
-        self,
-        layer: int,
-        entries: Sequence[BatchEntry],
-        q: Any,
-        k: Any = None,
-        v: Any = None,
-        *,
-        end_of_sequence: Sequence[str] = (),
-        dtype: str | None = None,
-    ) -> npt.NDArray[Any]:
-        request = attend_request(layer, entries, q, k, v, end_of_sequence=end_of_sequence, dtype=dtype)
-        with rpc_errors():
-            response = await self._attend(request, timeout=self.timeout_s, metadata=self._metadata)
-        return decode_attend_response(response)
+        self, layer: int, entries: Entries, q: Any, k: Any = None, v: Any = None, **options: Unpack[AttendOptions]
+    ) -> Output:
+        return await self._unary(calls.attend(layer, entries, q, k, v, **options))
 
     async def release(self, seq_ids: Sequence[str], *, missing_ok: bool = False) -> int:
-        request = pb.ReleaseRequest(seq_ids=list(seq_ids), missing_ok=missing_ok)
-        with rpc_errors():
-            r = await self._stub.Release(request, timeout=self.timeout_s, metadata=self._metadata)
-        return int(r.released)
+        return await self._unary(calls.release(seq_ids, missing_ok))
 
     async def fork(self, parent: str, child: str) -> int:
-        with rpc_errors():
-            r = await self._stub.Fork(
-                pb.ForkRequest(parent=parent, child=child), timeout=self.timeout_s, metadata=self._metadata
-            )
-        return int(r.shared_blocks)
+        return await self._unary(calls.fork(parent, child))
 
     async def truncate(self, seq_id: str, length: int) -> Truncated:
         """ChunkAttnClient.truncate: take a sequence back to its first ``length`` tokens in every layer."""
-        with rpc_errors():
-            r = await self._stub.Truncate(
-                pb.TruncateRequest(seq_id=seq_id, length=length), timeout=self.timeout_s, metadata=self._metadata
-            )
-        return Truncated.from_pb(r)
+        return await self._unary(calls.truncate(seq_id, length))
 
     async def export_kv(
         self, seq_id: str, *, layers: Sequence[int] = (), max_message_bytes: int = 0
     ) -> AsyncIterator[pb.KVChunk]:
-        request = pb.ExportKVRequest(seq_id=seq_id, layers=list(layers), max_message_bytes=max_message_bytes)
         with rpc_errors():
-            async for chunk in self._stub.ExportKV(request, timeout=self.timeout_s, metadata=self._metadata):
+            async for chunk in self._start(calls.export_kv(seq_id, layers, max_message_bytes)):
                 yield chunk
 
     async def import_kv(self, chunks: AsyncIterable[pb.KVChunk], *, seq_id: str | None = None) -> KVImport:
-        async def feed() -> AsyncIterator[pb.KVChunk]:
-            async for c in chunks:
-                yield renamed(c, seq_id)
+        return await self._unary(calls.import_kv(calls.renaming_async(chunks, seq_id)))
 
-        with rpc_errors():
-            r = await self._stub.ImportKV(feed(), timeout=self.timeout_s, metadata=self._metadata)
-        return KVImport(r.seq_id, r.blocks, r.records, r.bytes)
-
-    async def transfer_kv(
-        self,
-        seq_id: str,
-        target: str,
-        *,
-        new_seq_id: str = "",
-        release_after: bool = False,
-        layers: Sequence[int] = (),
-        target_token: str = "",
-    ) -> KVTransfer:
-        request = transfer_request(seq_id, target, new_seq_id, release_after, layers, target_token)
-        with rpc_errors():
-            return KVTransfer.from_pb(
-                await self._stub.TransferKV(request, timeout=self.timeout_s, metadata=self._metadata)
-            )
+    async def transfer_kv(self, seq_id: str, target: str, **options: Unpack[TransferOptions]) -> KVTransfer:
+        return await self._unary(calls.transfer_kv(seq_id, target, **options))
 
     def stream(self) -> AsyncAttendStream:
-        return AsyncAttendStream(
-            self._channel.stream_stream(
-                ATTEND_STREAM, request_serializer=wire.identity, response_deserializer=wire.identity
-            ),
-            self._metadata,
-        )
+        """ChunkAttnClient.stream; call it with the event loop running (its reader is a task)."""
+        return AsyncAttendStream(self._attend_stream, timeout_s=self.timeout_s, metadata=self._metadata)
 
 
 class AsyncAttendStream:
-    """Calls over one AttendStream RPC, answered in order; ``async with`` closes it."""
+    """Calls over one AttendStream RPC, answered in order; ``async with`` closes it. The contract is
+    AttendStream's (``_stream``): per-call ``timeout_s``, the broken-stream state, cancellation of a call
+    that times out or whose task is cancelled, ``close()`` and ``cancel()``."""
 
     def __init__(
         self,
         method: grpc.aio.StreamStreamMultiCallable[bytes, bytes],
+        *,
+        timeout_s: float | None = None,
         metadata: tuple[tuple[str, str], ...] | None = None,
     ) -> None:
         self._requests: asyncio.Queue[bytes | None] = asyncio.Queue()
-        self._call = method(self._feed(), metadata=metadata)
-        self._responses: AsyncIterator[bytes] = self._call.__aiter__()
-        self._next_id = 0
+        self._call: Any = method(_feed(self._requests), metadata=metadata)
+        # A reader task hands answers over, as AttendStream's reader thread does: a call waits on the queue,
+        # which a timeout or a cancelled task leaves intact (a read of the call cut short would not be).
+        self._answers: asyncio.Queue[Answer] = asyncio.Queue()
+        self._reader = asyncio.get_running_loop().create_task(_read_answers(self._call, self._answers))
+        finalizer = weakref.finalize(self, _end_stream, self._call, self._requests)
+        finalizer.atexit = False  # at exit the loop is gone, and the call with it
+        self._state = StreamState(timeout_s, self._call.cancel)
         self._lock = asyncio.Lock()
-
-    async def _feed(self) -> AsyncIterator[bytes]:
-        while (request := await self._requests.get()) is not None:
-            yield request
 
     async def __aenter__(self) -> AsyncAttendStream:
         return self
@@ -193,37 +113,49 @@ class AsyncAttendStream:
         await self.close()
 
     async def close(self) -> None:
-        """End the stream. Never raises: a stream that already failed has nothing left to close."""
+        """End the stream. Never raises: a stream that already failed has nothing left to close. With
+        ``timeout_s`` None and a server that never ends the RPC this waits; ``cancel()`` does not."""
         async with self._lock:
-            await self._requests.put(None)
-            with contextlib.suppress(grpc.RpcError):
-                async for _ in self._responses:  # drain so the RPC ends cleanly
-                    pass
+            self._requests.put_nowait(None)
+            _, pending = await asyncio.wait([self._reader], timeout=self._state.timeout_s)
+            if pending:
+                self._call.cancel()
+                await asyncio.wait([self._reader])
 
     def cancel(self) -> None:
-        """End the RPC at once, answered or not (e.g. after a call on it timed out)."""
+        """End the RPC at once, answered or not (takes no lock: works while a call waits)."""
         self._call.cancel()
 
     async def attend(
-        self,
-        layer: int,
-        entries: Sequence[BatchEntry],
-        q: Any,
-        k: Any = None,
-        v: Any = None,
-        *,
-        end_of_sequence: Sequence[str] = (),
-        dtype: str | None = None,
-    ) -> npt.NDArray[Any]:
+        self, layer: int, entries: Entries, q: Any, k: Any = None, v: Any = None, **options: Unpack[AttendOptions]
+    ) -> Output:
+        """ChunkAttnClient.attend, over the stream."""
         async with self._lock:
-            self._next_id += 1
-            rid = self._next_id
-            await self._requests.put(
-                attend_request(layer, entries, q, k, v, end_of_sequence=end_of_sequence, dtype=dtype, request_id=rid)
-            )
-            try:
-                with rpc_errors():
-                    response = await self._responses.__anext__()
-            except StopAsyncIteration:
-                raise ChunkAttnError(grpc.StatusCode.UNAVAILABLE, "the stream ended") from None
-        return decode_attend_response(response, rid)
+            rid, request = self._state.request(layer, entries, q, k, v, **options)
+            self._requests.put_nowait(request)
+            with self._state.waiting():
+                answer = await asyncio.wait_for(self._answers.get(), self._state.timeout_s)
+            return self._state.answer(rid, answer)
+
+
+async def _feed(requests: asyncio.Queue[bytes | None]) -> AsyncIterator[bytes]:
+    """The stream's requests, until None (it holds the queue, not the stream)."""
+    while (request := await requests.get()) is not None:
+        yield request
+
+
+async def _read_answers(call: Any, answers: asyncio.Queue[Answer]) -> None:
+    """The reader task: every answer of ``call`` into ``answers``, then None, or the error that ended it."""
+    try:
+        async for answer in call:
+            answers.put_nowait(answer)
+        answers.put_nowait(None)
+    except BaseException as e:  # never leave a waiting call without an answer (a cancelled call included)
+        answers.put_nowait(failure(e))
+
+
+def _end_stream(call: Any, requests: asyncio.Queue[bytes | None]) -> None:
+    """Finalizer of a dropped AsyncAttendStream: end the request feed and cancel the RPC."""
+    with contextlib.suppress(Exception):  # the loop may be closed already
+        requests.put_nowait(None)
+        call.cancel()

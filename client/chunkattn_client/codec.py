@@ -9,15 +9,18 @@ module never imports it unless handed one).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 
-from chunkattn_client import dtypes
+from chunkattn_client import dtypes, wire
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
+from chunkattn_client.limits import SMALL_MESSAGE_BYTES
 from chunkattn_client.wire import Buffer, RawTensor
+
+M = TypeVar("M", bound=Message)
 
 __all__ = [
     "WIRE_DTYPES",
@@ -30,6 +33,7 @@ __all__ = [
     "float32_to_bf16",
     "from_parts",
     "numpy_dtype",
+    "parse_tensors",
     "read_header",
     "to_raw",
 ]
@@ -38,7 +42,6 @@ __all__ = [
 _NUMPY: dict[int, np.dtype[Any]] = {d.wire: d.numpy for d in dtypes.WIRE}
 # Dtype name -> wire dtype, for every dtype tensors travel in.
 WIRE_DTYPES: dict[str, pb.DType] = {d.name: d.wire for d in dtypes.WIRE}  # type: ignore[misc]
-_NAMES: dict[int, str] = {d.wire: d.name for d in dtypes.WIRE}
 _EXPECTED = dtypes.names(dtypes.WIRE)
 # numpy arrays whose dtype names their wire dtype (bfloat16's uint16 words must say dtype="bfloat16").
 _OF_NUMPY = {d.numpy.newbyteorder("="): d.name for d in dtypes.WIRE if d.numpy.kind == "f"}
@@ -50,12 +53,12 @@ class CodecError(ValueError):
 
 def dtype_name(dtype: int) -> str:
     """ "float32", "float16" or "bfloat16" for a wire dtype; CodecError otherwise (a cache-only dtype too)."""
-    d = dtypes.BY_WIRE.get(dtype)
-    if d is None:
+    name = dtypes.wire_name(dtype)
+    if dtype in _NUMPY:
+        return name
+    if dtype not in dtypes.BY_WIRE:
         raise CodecError(f"unknown tensor dtype {dtype}; expected {_EXPECTED}")
-    if not d.on_wire:
-        raise CodecError(f"tensor dtype {dtype} ({d.name}) is a KV cache dtype only; tensors travel in {_EXPECTED}")
-    return d.name
+    raise CodecError(f"tensor dtype {dtype} ({name}) is a KV cache dtype only; tensors travel in {_EXPECTED}")
 
 
 def numpy_dtype(name: str) -> np.dtype[Any]:
@@ -123,6 +126,33 @@ def read_header(header: bytes, nbytes: int) -> tuple[int, tuple[int, ...]]:
     return t.dtype, shape
 
 
+def parse_tensors(
+    message: type[M], raw: bytes, fields: frozenset[int], max_fields: int | None = None
+) -> tuple[M, dict[int, RawTensor]]:
+    """A serialized message with Tensor fields, and its tensors in ``fields`` by field number (those it has).
+
+    The small/large path of both sides: a message of at most SMALL_MESSAGE_BYTES goes through protobuf's C
+    parser, its tensors copied (nothing at this size); a larger one is taken apart by ``wire.split`` without
+    copying its tensors' bytes (a Python scan of its fields: at most ``max_fields`` of them, else
+    wire.TooManyFields) and each tensor's header is checked against its bytes (``read_header``). Raises
+    wire.WireError or DecodeError when it does not parse, CodecError for a large message's bad tensor.
+    """
+    tensors: dict[int, RawTensor] = {}
+    if len(raw) <= SMALL_MESSAGE_BYTES:
+        parsed = message.FromString(raw)
+        for field in fields:
+            name = parsed.DESCRIPTOR.fields_by_number[field].name
+            if parsed.HasField(name):
+                t = getattr(parsed, name)
+                tensors[field] = RawTensor(t.dtype, tuple(t.shape), t.data)  # t.data read once: each read copies
+        return parsed, tensors
+    parts = wire.split(raw, fields, max_fields)
+    parsed = message.FromString(parts.rest)
+    for field, (header, data) in parts.tensors.items():
+        tensors[field] = RawTensor(*read_header(header, len(data)), data)
+    return parsed, tensors
+
+
 def view(dtype: int, shape: tuple[int, ...], data: Buffer) -> npt.NDArray[Any]:
     """A read-only numpy view (no copy) of a tensor's bytes: float32 / float16, or uint16 for bfloat16.
 
@@ -161,7 +191,8 @@ def check(dtype: int, shape: tuple[int, ...], nbytes: int) -> None:
         raise CodecError(f"tensor shape {list(shape)} has a negative dimension")
     want = math.prod(shape) * dt.itemsize
     if nbytes != want:
-        raise CodecError(f"tensor of shape {list(shape)} and dtype {_NAMES[dtype]} needs {want} bytes, got {nbytes}")
+        name = dtypes.wire_name(dtype)
+        raise CodecError(f"tensor of shape {list(shape)} and dtype {name} needs {want} bytes, got {nbytes}")
 
 
 def float32_to_bf16(x: npt.ArrayLike) -> npt.NDArray[np.uint16]:

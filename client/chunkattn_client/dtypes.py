@@ -36,6 +36,8 @@ __all__ = [
     "fp8_decode",
     "fp8_round",
     "lookup",
+    "of_wire",
+    "wire_name",
 ]
 
 
@@ -140,6 +142,14 @@ def of_wire(value: int, allowed: tuple[DType, ...] = TABLE, what: str = "tensor 
         name = "unknown" if d is None else d.name
         raise DTypeError(f"{what} {value} ({name}) is not one of {names(allowed)}")
     return d
+
+
+def wire_name(value: int) -> str:
+    """A wire enum value's name, never failing: "unknown(N)" for one this version does not know (a newer
+    peer's). The one mapping of wire values to names: ``of_wire`` and ``codec.dtype_name`` are the strict
+    lookups, for values that must be known."""
+    d = BY_WIRE.get(value)
+    return f"unknown({value})" if d is None else d.name
 
 
 def all_finite(raw: bytes | memoryview, d: DType) -> bool:

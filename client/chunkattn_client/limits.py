@@ -27,6 +27,11 @@ MAX_TOKEN_CHARS = 4096
 # A routing key's characters (the x-chunkattn-route header that Envoy hashes).
 MAX_ROUTE_CHARS = 256
 
+# A message of at most this many bytes parses through protobuf's C parser, its tensors' bytes copied (nothing
+# at this size); a larger one is taken apart without copying them (``codec.parse_tensors``), and the server
+# parses it off its event loop. The one threshold of both sides.
+SMALL_MESSAGE_BYTES = 64 << 10
+
 # How much of a client's string an error message quotes, and how many of its ids.
 QUOTE_CHARS = 64
 QUOTE_IDS = 3

@@ -22,7 +22,7 @@ import sys
 from typing import Any
 
 from chunkattn_client import hfconfig
-from chunkattn_client.client import MAX_KEEPALIVE_S, MIN_KEEPALIVE_S, check_keepalive
+from chunkattn_client._channel import MAX_KEEPALIVE_S, MIN_KEEPALIVE_S, check_keepalive
 from chunkattn_client.limits import token_problem
 from chunkattn_server import allocator, jsonfile
 from chunkattn_server.config import (

@@ -20,8 +20,8 @@ from collections.abc import Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from chunkattn_client._channel import MIN_KEEPALIVE_S, channel_options
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
-from chunkattn_client.client import MIN_KEEPALIVE_S, channel_options
 from chunkattn_server import http, reflection
 from chunkattn_server.config import EngineConfig, ServerConfig, check_together
 from chunkattn_server.engine.core import Engine

@@ -54,28 +54,12 @@ def tensor(name: str, dtype: int, shape: tuple[int, ...], data: wire.Buffer) -> 
 
 
 def parse_attend_request(raw: bytes) -> tuple[pb.AttendRequest, dict[str, torch.Tensor]]:
-    """The request's small fields (protobuf) and its tensors by name. A small request (rpc.SMALL_REQUEST_BYTES)
-    goes through protobuf's C parser, its tensors copied (nothing at this size); a large one is taken apart
-    without copying its tensors (wire.split, a Python scan of its fields, bounded by MAX_BATCH: the caller
-    runs it in a thread). InvalidArgument naming the field when it does not parse; InvalidBatch past
-    MAX_BATCH entries."""
+    """The request's small fields (protobuf) and its tensors by name, through the client's and the server's
+    one small/large path (``codec.parse_tensors``: a large request's tensors are not copied, and its fields
+    are scanned in Python, bounded by MAX_BATCH: the caller runs it in a thread). InvalidArgument naming the
+    field when it does not parse; InvalidBatch past MAX_BATCH entries."""
     try:
-        if len(raw) <= SMALL_REQUEST_BYTES:
-            request = pb.AttendRequest.FromString(raw)
-            tensors = {}
-            for name in _REQUEST_TENSORS.values():
-                if request.HasField(name):
-                    t = getattr(request, name)
-                    tensors[name] = tensor(name, t.dtype, tuple(t.shape), t.data)
-        else:
-            parts = wire.split(raw, _REQUEST_FIELDS, max_fields=MAX_BATCH + 8)
-            request = pb.AttendRequest.FromString(parts.rest)
-            tensors = {}
-            for field, name in _REQUEST_TENSORS.items():
-                if field in parts.tensors:
-                    header, data = parts.tensors[field]
-                    dtype, shape = codec.read_header(header, len(data))
-                    tensors[name] = tensor(name, dtype, shape, data)
+        request, raws = codec.parse_tensors(pb.AttendRequest, raw, _REQUEST_FIELDS, max_fields=MAX_BATCH + 8)
     except wire.TooManyFields:
         raise InvalidBatch(
             f"the request has more fields than a batch can: at most {MAX_BATCH} sequences per call"
@@ -87,10 +71,14 @@ def parse_attend_request(raw: bytes) -> tuple[pb.AttendRequest, dict[str, torch.
         raise InvalidTensor(str(e)) from None
     if len(request.entries) > MAX_BATCH:
         raise InvalidBatch(f"the batch has {len(request.entries)} sequences; at most {MAX_BATCH} per call")
+    tensors = {_REQUEST_TENSORS[field]: tensor(_REQUEST_TENSORS[field], *t) for field, t in raws.items()}
     return request, tensors
 
 
-_REQUEST_TENSORS = {3: "q", 4: "k", 5: "v"}  # AttendRequest's Tensor fields
+# AttendRequest's Tensor fields (q, k, v), by number: read from the descriptor, never written twice.
+_REQUEST_TENSORS = {
+    f.number: f.name for f in pb.AttendRequest.DESCRIPTOR.fields if f.message_type is pb.Tensor.DESCRIPTOR
+}
 _REQUEST_FIELDS = frozenset(_REQUEST_TENSORS)
 
 

@@ -18,9 +18,9 @@ from typing import Any, TypeVar
 import grpc
 
 from chunkattn_client import wire
+from chunkattn_client._channel import bearer, channel_options
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2_grpc as pb_grpc
-from chunkattn_client.client import bearer, channel_options
 from chunkattn_client.limits import MAX_ID_BYTES, id_problem, target_problem, token_problem
 from chunkattn_server.config import ServerConfig
 from chunkattn_server.engine.core import Engine

@@ -33,7 +33,7 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from chunkattn_client import wire
-from chunkattn_client.limits import bounded
+from chunkattn_client.limits import SMALL_MESSAGE_BYTES, bounded
 from chunkattn_server.errors import InvalidArgument, Overloaded, ShuttingDown, StreamStalled, TooManyCalls
 from chunkattn_server.service.auth import ANONYMOUS, Authenticator, Tenant
 from chunkattn_server.service.status import status_code
@@ -42,11 +42,11 @@ Context = grpc.aio.ServicerContext[Any, Any]
 DRAINING = "this server is shutting down (draining); reconnect elsewhere"
 M = TypeVar("M", bound=Message)
 
-# A request of at most this many bytes is small: parsed by protobuf's C parser on the event loop (the worst,
-# 32K empty AttendRequest entries, takes ~0.4 ms) and never refused for the byte budget (decode-sized calls go
-# on while large prefills are shed), though it counts in it. Control RPCs (Fork, ExportKV, TransferKV) take
-# only small requests.
-SMALL_REQUEST_BYTES = 64 << 10
+# A request of at most this many bytes (the client's and the server's one threshold) is small: parsed by
+# protobuf's C parser on the event loop (the worst, 32K empty AttendRequest entries, takes ~0.4 ms) and never
+# refused for the byte budget (decode-sized calls go on while large prefills are shed), though it counts in
+# it. Control RPCs (Fork, ExportKV, TransferKV) take only small requests.
+SMALL_REQUEST_BYTES = SMALL_MESSAGE_BYTES
 
 
 class Count(Protocol):

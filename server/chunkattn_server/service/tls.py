@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import grpc
 
-from chunkattn_client.client import Credentials
+from chunkattn_client._channel import Credentials
 from chunkattn_server.config import ServerConfig
 from chunkattn_server.errors import ConfigError
 

@@ -21,7 +21,7 @@ import shutil
 from collections.abc import Sequence
 from typing import Any
 
-from chunkattn_client.client import ROUTE_HEADER
+from chunkattn_client._channel import ROUTE_HEADER
 from chunkattn_server.config import DEFAULT_MAX_OPEN_CALLS, DEFAULT_STREAM_IDLE_S
 from chunkattn_server.server import MAX_STREAMS_PER_CONNECTION
 from chunkattn_server.tools import blockyaml

@@ -14,7 +14,7 @@ import urllib.request
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from chunkattn_client.client import ROUTE_HEADER
+from chunkattn_client._channel import ROUTE_HEADER
 
 
 def get(url: str, timeout_s: float = 2.0) -> tuple[int, str]:

@@ -1,0 +1,210 @@
+"""The calls of both clients, written once: each builds its request and names how its response decodes
+(``Call``); ``ChunkAttnClient`` and ``AsyncChunkAttnClient`` only send it, blocking or awaited.
+
+Attend requests are serialized by ``wire.encode_attend_request`` and responses read by
+``decode_attend_response`` (protobuf's own serializer and parser are slow on MiBs of tensor bytes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypedDict, TypeVar
+
+import grpc
+import numpy.typing as npt
+from google.protobuf.message import DecodeError
+from grpc_health.v1 import health_pb2
+
+from chunkattn_client import codec, wire
+from chunkattn_client._errors import ChunkAttnError
+from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
+from chunkattn_client._types import KVImport, KVTransfer, ServerInfo, Truncated
+from chunkattn_client.batch import BatchEntry
+
+T = TypeVar("T")
+Output = npt.NDArray[Any]
+Entries = Sequence[BatchEntry]
+
+ATTEND = "/chunkattn.v1.ChunkAttn/Attend"
+ATTEND_STREAM = "/chunkattn.v1.ChunkAttn/AttendStream"
+
+
+class AttendOptions(TypedDict, total=False):
+    """The keyword arguments of every ``attend``: sequences to release after the call, and the dtype q/k/v
+    travel in (see ``ChunkAttnClient.attend``)."""
+
+    end_of_sequence: Sequence[str]
+    dtype: str | None
+
+
+class TransferOptions(TypedDict, total=False):
+    """The keyword arguments of every ``transfer_kv`` (see ``ChunkAttnClient.transfer_kv``)."""
+
+    new_seq_id: str
+    release_after: bool
+    layers: Sequence[int]
+    target_token: str
+
+
+@dataclass(frozen=True)
+class Call(Generic[T]):
+    """One call: the stub ("ChunkAttn", "Health", or "Raw": Attend, serialized by ``wire``) and method that
+    take it, its request, and what its response becomes."""
+
+    stub: str
+    method: str
+    request: Any
+    decode: Callable[[Any], T]
+
+
+def _same(response: Any) -> Any:
+    return response
+
+
+def info() -> Call[ServerInfo]:
+    return Call("ChunkAttn", "Info", pb.InfoRequest(), ServerInfo.from_pb)
+
+
+def health(service: str) -> Call[str]:
+    def status(r: health_pb2.HealthCheckResponse) -> str:
+        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(r.status))
+
+    return Call("Health", "Check", health_pb2.HealthCheckRequest(service=service), status)
+
+
+def attend(layer: int, entries: Entries, q: Any, k: Any, v: Any, **options: Any) -> Call[Output]:
+    return Call("Raw", "Attend", attend_request(layer, entries, q, k, v, **options), decode_attend_response)
+
+
+def release(seq_ids: Sequence[str], missing_ok: bool) -> Call[int]:
+    return Call("ChunkAttn", "Release", pb.ReleaseRequest(seq_ids=list(seq_ids), missing_ok=missing_ok), _released)
+
+
+def _released(r: pb.ReleaseResponse) -> int:
+    return int(r.released)
+
+
+def fork(parent: str, child: str) -> Call[int]:
+    return Call("ChunkAttn", "Fork", pb.ForkRequest(parent=parent, child=child), _shared)
+
+
+def _shared(r: pb.ForkResponse) -> int:
+    return int(r.shared_blocks)
+
+
+def truncate(seq_id: str, length: int) -> Call[Truncated]:
+    return Call("ChunkAttn", "Truncate", pb.TruncateRequest(seq_id=seq_id, length=length), Truncated.from_pb)
+
+
+def export_kv(seq_id: str, layers: Sequence[int], max_message_bytes: int) -> Call[Any]:
+    """The call whose response is the stream of KVChunks."""
+    request = pb.ExportKVRequest(seq_id=seq_id, layers=list(layers), max_message_bytes=max_message_bytes)
+    return Call("ChunkAttn", "ExportKV", request, _same)
+
+
+def import_kv(chunks: Iterable[pb.KVChunk] | AsyncIterable[pb.KVChunk]) -> Call[KVImport]:
+    """The call that sends ``chunks`` (see ``renaming``)."""
+    return Call("ChunkAttn", "ImportKV", chunks, KVImport.from_pb)
+
+
+def transfer_kv(seq_id: str, target: str, **options: Any) -> Call[KVTransfer]:
+    """``options``: TransferOptions."""
+    request = transfer_request(seq_id, target, **options)
+    return Call("ChunkAttn", "TransferKV", request, KVTransfer.from_pb)
+
+
+def transfer_request(
+    seq_id: str,
+    target: str,
+    new_seq_id: str = "",
+    release_after: bool = False,
+    layers: Sequence[int] = (),
+    target_token: str = "",
+) -> pb.TransferKVRequest:
+    return pb.TransferKVRequest(
+        seq_id=seq_id,
+        target=target,
+        new_seq_id=new_seq_id,
+        release_after=release_after,
+        layers=list(layers),
+        target_token=target_token,
+    )
+
+
+def renamed(chunk: pb.KVChunk, seq_id: str | None) -> pb.KVChunk:
+    """The chunk, with its header's sequence id replaced when ``seq_id`` is given (import under a new id)."""
+    if not seq_id or chunk.WhichOneof("part") != "header":
+        return chunk
+    copy = pb.KVChunk()
+    copy.CopyFrom(chunk)
+    copy.header.seq_id = seq_id
+    return copy
+
+
+def renaming(chunks: Iterable[pb.KVChunk], seq_id: str | None) -> Iterator[pb.KVChunk]:
+    return (renamed(c, seq_id) for c in chunks)
+
+
+async def renaming_async(chunks: AsyncIterable[pb.KVChunk], seq_id: str | None) -> AsyncIterator[pb.KVChunk]:
+    async for c in chunks:
+        yield renamed(c, seq_id)
+
+
+def attend_request(
+    layer: int,
+    entries: Entries,
+    q: Any,
+    k: Any = None,
+    v: Any = None,
+    *,
+    end_of_sequence: Sequence[str] = (),
+    dtype: str | None = None,
+    request_id: int = 0,
+) -> bytes:
+    """The serialized AttendRequest of one call (see ``ChunkAttnClient.attend``)."""
+    ending = set(end_of_sequence)
+    unknown = ending - {e.seq_id for e in entries}
+    if unknown:
+        raise ValueError(f"end_of_sequence names sequences not in the batch: {sorted(unknown)}")
+    return wire.encode_attend_request(
+        layer,
+        [
+            pb.SequenceEntry(
+                seq_id=e.seq_id, position=e.position, num_tokens=e.num_tokens, end_of_sequence=e.seq_id in ending
+            )
+            for e in entries
+        ],
+        codec.to_raw(q, dtype),
+        None if k is None else codec.to_raw(k, dtype),
+        None if v is None else codec.to_raw(v, dtype),
+        request_id,
+    )
+
+
+def decode_attend_response(raw: bytes, request_id: int | None = None) -> Output:
+    """The output of a serialized AttendResponse (a view of its bytes when large), or its failure as
+    ChunkAttnError.
+
+    With ``request_id`` (streams), a response to another request is an error in itself, checked first.
+    """
+    try:
+        response, tensors = codec.parse_tensors(pb.AttendResponse, raw, _RESPONSE_TENSORS)
+    except (wire.WireError, DecodeError) as e:
+        raise ChunkAttnError(grpc.StatusCode.INTERNAL, f"the server's response does not parse: {e}") from None
+    except codec.CodecError as e:
+        raise ChunkAttnError(grpc.StatusCode.INTERNAL, f"the server's output does not decode: {e}") from None
+    unparsed_request = response.status.code and response.request_id == 0  # the server could not read its id
+    if request_id is not None and response.request_id != request_id and not unparsed_request:
+        raise ChunkAttnError(grpc.StatusCode.INTERNAL, f"response {response.request_id} answers request {request_id}")
+    if response.status.code:
+        raise ChunkAttnError.from_status(response.status.code, response.status.message)
+    if 1 not in tensors:
+        raise ChunkAttnError(grpc.StatusCode.INTERNAL, "the server's response has no output")
+    try:
+        return codec.view(*tensors[1])
+    except codec.CodecError as e:
+        raise ChunkAttnError(grpc.StatusCode.INTERNAL, f"the server's output does not decode: {e}") from None
+
+
+_RESPONSE_TENSORS = frozenset({1})
