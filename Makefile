@@ -61,7 +61,7 @@ proto: install  ## regenerate the checked-in stubs from proto/ (with mypy stubs)
 	$(BIN)/python scripts/gen_proto.py client
 
 fuzz: install  ## the fuzz test with FUZZ_EXAMPLES (10,000) generated requests; prints the statuses seen (CI runs 300)
-	FUZZ_EXAMPLES=$${FUZZ_EXAMPLES:-10000} $(BIN)/python -m pytest -s -o addopts= -p no:cacheprovider --timeout=0 tests/test_fuzz.py
+	FUZZ_EXAMPLES=$${FUZZ_EXAMPLES:-10000} $(BIN)/python -m pytest -s -o addopts= -p no:cacheprovider --timeout=0 tests/service/test_fuzz.py
 
 soak: install  ## the soak test for SOAK_S (600) seconds; prints operations and RSS (CI runs 20 s)
-	SOAK_S=$${SOAK_S:-600} $(BIN)/python -m pytest -s -o addopts= -p no:cacheprovider --timeout=0 tests/test_soak.py
+	SOAK_S=$${SOAK_S:-600} $(BIN)/python -m pytest -s -o addopts= -p no:cacheprovider --timeout=0 tests/service/test_soak.py

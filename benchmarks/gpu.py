@@ -22,7 +22,7 @@ on an H200.
 
 --dry-run runs the same code at tiny shapes on the CPU under TRITON_INTERPRET=1 (fp16 and fp32 only, as
 the interpreter's bf16 math is wrong; FlexAttention eager instead of compiled; no CUDA graph), so that
-tests/test_gpu_benchmark.py keeps this script from rotting.
+tests/benchmarks/test_gpu_benchmark.py keeps this script from rotting.
 """
 
 from __future__ import annotations

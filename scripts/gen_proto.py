@@ -2,7 +2,7 @@
 
 One protoc run (grpc_tools' bundled protoc) writes messages (_pb2.py), their typing stubs (.pyi), the
 gRPC stubs (_pb2_grpc.py) and mypy stubs for those (mypy-protobuf). `make proto` runs it on client/;
-tests/test_proto.py runs it into a temporary directory and compares, so the checked-in code cannot drift.
+tests/service/test_proto.py runs it into a temporary directory and compares, so the checked-in code cannot drift.
 """
 
 from __future__ import annotations

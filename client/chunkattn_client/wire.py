@@ -5,7 +5,7 @@ costs ten times a gRPC round trip's worth of copying (docs/results.md). So the t
 ``encode_*`` write the wire format with the small fields through protobuf and each tensor's bytes joined in
 once; ``split`` takes a received message apart so the small fields parse through protobuf and each
 tensor's data stays a view of the received bytes.
-The bytes are plain protobuf either way (tests/test_wire.py checks both directions against protobuf).
+The bytes are plain protobuf either way (tests/client/test_wire.py checks both directions against protobuf).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ own cap on open calls (--max-open-calls) refuses health checks too: a replica bu
 leave the ring, and its sessions with it.
 
 ``deploy/envoy/envoy.yaml`` is ``compose_envoy_yaml()``: ``python -m chunkattn_server.tools.cluster
---envoy-yaml`` prints it, and tests/test_deploy.py keeps the file equal to it.
+--envoy-yaml`` prints it, and tests/deploy/test_deploy.py keeps the file equal to it.
 """
 
 from __future__ import annotations
@@ -201,7 +201,7 @@ def envoy_binary() -> str:
 
 
 # The compose stack (docker-compose.yml and docker-compose.gpu.yml): two replicas reached by their service
-# names, started without --max-open-calls (the default). tests/test_deploy.py reads both files' server
+# names, started without --max-open-calls (the default). tests/deploy/test_deploy.py reads both files' server
 # commands with the server's own parser and checks them against this.
 COMPOSE_REPLICAS = (("server-1", 50051, 9400), ("server-2", 50051, 9400))
 COMPOSE_MAX_OPEN_CALLS = DEFAULT_MAX_OPEN_CALLS

@@ -1,0 +1,1 @@
+"""The benchmarks' smoke runs: their JSON and the relations their tables print."""

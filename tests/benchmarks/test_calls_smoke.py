@@ -1,0 +1,47 @@
+"""benchmarks/calls.py runs end to end with short rounds (three servers as subprocesses), so it cannot rot."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+KEYS = {"ours_cps", "ours_nobatch_cps", "echo_cps", "ours_p50_ms", "ours_p99_ms"}
+
+
+def test_calls_benchmark_smoke_run_writes_the_documented_json(tmp_path: Path) -> None:
+    out = tmp_path / "calls.json"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "calls.py"), "--smoke", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "ours/echo" in result.stdout
+    data = json.loads(out.read_text())
+    assert {"date", "machine", "request_bytes", "response_bytes"} <= set(data)
+    assert data["verify_max_abs_err"] <= 1e-5  # the sessions were checked against the float64 reference
+    assert set(data["unary"]) == set(data["stream"]) == {"1", "4"}
+    for transport in ("unary", "stream"):
+        for clients, r in data[transport].items():
+            assert set(r) >= KEYS, (transport, clients)
+            assert all(r[k] > 0 for k in KEYS), (transport, clients, r)
+            assert r["ours_p50_ms"] <= r["ours_p99_ms"]
+            assert r["calls_per_step"] >= 1  # the batching server's step histogram was read
+            for kind in ("ours", "ours_nobatch", "echo"):
+                assert set(r["cpu_ms_per_call"][kind]) == {kind, "client"}  # /proc exists where CI runs
+    # The printed table says what the JSON says: each row's ratios, and a verdict that follows the target.
+    rows = re.findall(r"^(unary|stream)\s+(\d+)\s.*?\s(\d+\.\d\d)x\s+(ok|MISS)\s+(\d+\.\d\d)x", result.stdout, re.M)
+    assert len(rows) == 4, result.stdout
+    for transport, clients, ratio, verdict, on_off in rows:
+        r = data[transport][clients]
+        assert math.isfinite(float(ratio))
+        assert float(ratio) > 0
+        assert float(ratio) == round(r["ours_cps"] / r["echo_cps"], 2)
+        assert float(on_off) == round(r["ours_cps"] / r["ours_nobatch_cps"], 2)
+        assert verdict == ("ok" if r["ours_cps"] / r["echo_cps"] >= 0.6 else "MISS")

@@ -1,0 +1,1 @@
+"""The thin client, its CLI and bench, the wire codecs, transformers offload."""

@@ -1,0 +1,1 @@
+"""Deployment and docs: Envoy, the compose stack, the docs' examples."""

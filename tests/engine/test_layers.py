@@ -1,0 +1,90 @@
+"""The house's import rules, checked on the source (what each module imports itself) and by importing:
+
+- gRPC and protobuf stop at the service edge: nothing in engine/, kv/ or attention/ imports grpc, protobuf,
+  the generated stubs, the wire codecs, the client's transport or the service; errors.py and config.py import
+  neither grpc nor torch (they are shared by every layer);
+- the block pool and the retention rule are plain Python: importing them imports no torch.
+(The client's own rule, no torch in ``import chunkattn_client``, is tests/client/test_client_thin.py.)
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "server" / "chunkattn_server"
+CORE = ("engine", "kv", "attention")
+TRANSPORT = (
+    "grpc",
+    "grpc_health",
+    "grpc_reflection",
+    "google.protobuf",
+    "chunkattn_client._pb",
+    "chunkattn_client.wire",
+    "chunkattn_client.codec",
+    "chunkattn_client.client",
+    "chunkattn_client.aio",
+    "chunkattn_client._channel",
+    "chunkattn_client._errors",
+    "chunkattn_server.service",
+    "chunkattn_server.server",
+    "chunkattn_server.http",
+    "chunkattn_server.reflection",
+    "chunkattn_server.tools",
+)
+
+
+def imports(path: Path) -> set[str]:
+    """Every module ``path`` imports, anywhere in it (``from a import b`` counts as a and a.b); relative
+    imports are refused outright: they would hide where an arrow goes."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{path}: a relative import (from {'.' * node.level}{node.module or ''})"
+            assert node.module is not None
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def banned(found: set[str], prefixes: tuple[str, ...]) -> list[str]:
+    return sorted(m for m in found if any(m == p or m.startswith(p + ".") for p in prefixes))
+
+
+def core_modules() -> list[Path]:
+    return sorted(p for layer in CORE for p in (PACKAGE / layer).rglob("*.py"))
+
+
+def test_the_rule_sees_what_it_must() -> None:
+    """The checker itself: the core has modules, and a service module would break the rule."""
+    assert len(core_modules()) >= 12
+    assert banned(imports(PACKAGE / "service" / "attend.py"), TRANSPORT)
+
+
+@pytest.mark.parametrize("path", core_modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_the_core_imports_no_grpc_protobuf_or_service(path: Path) -> None:
+    assert not banned(imports(path), TRANSPORT), f"{path.relative_to(PACKAGE)} reaches the transport"
+
+
+@pytest.mark.parametrize("name", ["errors.py", "config.py", "jsonfile.py", "kv/scales.py", "kv/block_pool.py"])
+def test_shared_plain_modules_import_neither_grpc_nor_torch(name: str) -> None:
+    assert not banned(imports(PACKAGE / name), (*TRANSPORT, "torch", "triton"))
+
+
+def test_the_block_pool_and_the_retention_rule_import_no_torch() -> None:
+    code = (
+        "import sys\n"
+        "import chunkattn_server.kv.block_pool, chunkattn_server.kv.sequences, chunkattn_server.kv.scales\n"
+        "import chunkattn_server.errors, chunkattn_server.config\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton'))\n"
+        "print(heavy)\n"
+        "sys.exit(1 if heavy else 0)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, f"importing them pulled in {result.stdout.strip()}\n{result.stderr}"

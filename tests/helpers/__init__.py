@@ -1,0 +1,1 @@
+"""Shared test helpers: real server subprocesses, the engine harness, raw gRPC, certificates, a resetting relay."""

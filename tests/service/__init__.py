@@ -1,0 +1,1 @@
+"""The gRPC service through real servers: RPC scaffolding, hostile input, security, streams, batching."""
