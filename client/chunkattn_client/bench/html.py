@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from html import escape
 from typing import Any
 
+from chunkattn_client.bench.recorder import RunResult
 from chunkattn_client.bench.report import KINDS, LATENCY_KEYS, fmt_ms, fmt_tokens, server_tokens_unit
-from chunkattn_client.bench.runner import RunResult
 from chunkattn_client.bench.svg import Series, line_chart
 
 # One colour per series, and no colour in two charts, so a test can find each chart's lines on a screenshot.

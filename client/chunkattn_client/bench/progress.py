@@ -6,7 +6,7 @@ import sys
 import time
 from typing import Any, TextIO
 
-from chunkattn_client.bench.runner import Recorder
+from chunkattn_client.bench.recorder import Recorder
 
 
 def _live(rec: Recorder) -> tuple[float, str, int]:

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from chunkattn_client import __version__
-from chunkattn_client.bench.runner import RunResult
+from chunkattn_client.bench.recorder import RunResult
 from chunkattn_client.bench.stats import PERCENTILES, summarize
 
 KINDS = ("prefill", "decode", "sequence")  # latency kinds: prefill piece, decode step, whole sequence

@@ -1,24 +1,7 @@
-"""Remote attention offload for Hugging Face transformers: the attention implementation "chunkattn".
-
-Install with ``pip install 'chunkattn-client[hf]'`` (adds torch and transformers; the rest of the client
-never imports them). The model keeps its weights and runs everything but attention; each layer's
-attention, and the KV it needs, lives on a chunkattn server started with the model's shape
-(``chunkattn-server --hf-config config.json``)::
-
-    with ChunkAttnClient("localhost:50051") as client, OffloadSession(client, model) as session:
-        result = session.generate([prompt_a, prompt_b], max_new_tokens=64)
-
-How a forward maps to the server: each batch row is a sequence of its own on the server (ids
-``<session prefix>-<row>``), and rows may bring different numbers of new tokens: the model sees them
-padded at the end, but only each row's real tokens go to the server (no padding is sent, nothing is
-padded on the left), and padded positions get zeros. The model runs with ``use_cache=False`` and
-explicit ``position_ids``: the server holds the KV, so each forward sends only the new tokens' q/k/v,
-one Attend call per layer, unary or over one AttendStream per session.
-
-Llama 4's NoPE layers scale queries by a factor of the position ("attention temperature tuning"). Without
-a transformers cache the model computes it from position 0 in every forward; the attention function
-corrects it to the true positions (it changes nothing below ``floor_scale - 1``, 8191 by default).
-"""
+"""OffloadSession: a transformers model's attention offloaded to a chunkattn server while open. It checks the
+server against the model, switches the model's attention implementation, keeps each row's sequence and
+positions on the server, and runs forward, truncate and greedy generate; ``attend_layer`` is where the
+"chunkattn" attention function sends each layer."""
 
 from __future__ import annotations
 
@@ -26,74 +9,28 @@ import contextlib
 import contextvars
 import time
 import uuid
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, Literal
 
-import numpy as np
 import torch
-from transformers import AttentionInterface, PreTrainedModel
+from transformers import PreTrainedModel
 
 from chunkattn_client import hfconfig
 from chunkattn_client.batch import BatchEntry
 from chunkattn_client.client import AttendStream, ChunkAttnClient, ServerInfo, Truncated
+from chunkattn_client.hf.attention import (
+    MESSAGE_HEADROOM,
+    NAME,
+    SessionError,
+    active,
+    split_calls,
+    temperature_corrected,
+    to_torch,
+)
+from chunkattn_client.hf.generate import Generation, greedy
 
-NAME = "chunkattn"
-UNSUPPORTED = ("sliding_window", "softcap", "s_aux")  # attention variants some models pass; none served here
-MESSAGE_HEADROOM = 64 << 10  # an Attend request's bytes beyond q, k and v: entries and framing
 Transport = Literal["unary", "stream"]
-
-_active: contextvars.ContextVar[OffloadSession | None] = contextvars.ContextVar("chunkattn_hf_session", default=None)
-
-
-class SessionError(RuntimeError):
-    """The session cannot go on: used outside ``forward``, out of step after a failed forward, or closed."""
-
-
-@dataclass
-class Generation:
-    """Greedy generation's result.
-
-    tokens: per row, the new tokens.
-    logits: per row, float32 [new tokens, vocab]: the logits each token was chosen from (with keep_logits).
-    seconds: wall time of the whole generation, prefill included; decode_seconds: the decode steps only.
-    calls: Attend calls made (one per layer per forward).
-    """
-
-    tokens: list[list[int]]
-    logits: list[torch.Tensor] | None
-    seconds: float
-    decode_seconds: float
-    calls: int = 0
-    decode_tokens: int = field(default=0)
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
-
-
-def _attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """transformers' attention seam: query [B, H, T, D], key/value [B, Hkv, T, D] -> ([B, T, H, D], None)."""
-    session = _active.get()
-    if session is None:
-        raise SessionError(f"attention {NAME!r} ran outside an OffloadSession; open one around the model's calls")
-    for name in UNSUPPORTED:
-        if kwargs.get(name) is not None:
-            raise SessionError(f"the model asks for attention with {name}={kwargs[name]!r}; chunkattn does not have it")
-    return session.attend_layer(module, query, key, value, scaling), None
-
-
-AttentionInterface.register(NAME, _attention)
 
 
 class OffloadSession:
@@ -139,7 +76,7 @@ class OffloadSession:
     def __enter__(self) -> OffloadSession:
         self._previous = self.model.config._attn_implementation
         self.model.set_attn_implementation(NAME)
-        self._token = _active.set(self)
+        self._token = active.set(self)
         if self.transport == "stream":
             self._stream = self.client.stream()
         return self
@@ -169,7 +106,7 @@ class OffloadSession:
                 try:
                     self.model.set_attn_implementation(self._previous)
                 finally:
-                    _active.reset(token)
+                    active.reset(token)
 
     @property
     def seq_ids(self) -> list[str]:
@@ -310,11 +247,11 @@ class OffloadSession:
         served = self.info.layers[layer].scale
         if scaling is not None and abs(scaling - served) > 1e-6 * served:
             raise SessionError(f"layer {layer}'s softmax scale is {scaling}; the server uses {served}")
-        query = _temperature_corrected(module, query, [held[layer] for held in self._lengths])
+        query = temperature_corrected(module, query, [held[layer] for held in self._lengths])
         per_token = (heads + 2 * key.shape[1]) * dim * query.element_size()
         limit = min(self.info.max_message_bytes, self.client.max_message_bytes) - MESSAGE_HEADROOM
         result = query.new_zeros((batch, width, heads, dim))
-        for pieces in _calls(lengths, max(1, limit // per_token)):
+        for pieces in split_calls(lengths, max(1, limit // per_token)):
             entries = [BatchEntry(self._ids[r], self._lengths[r][layer], n) for r, _, n in pieces]
 
             def packed(t: torch.Tensor, pieces: list[tuple[int, int, int]] = pieces) -> torch.Tensor:
@@ -326,7 +263,7 @@ class OffloadSession:
             else:
                 out = self.client.attend(layer, entries, q, k, v)
             self.calls += 1
-            answer = _to_torch(out, query.dtype).to(query.device)
+            answer = to_torch(out, query.dtype).to(query.device)
             offset = 0
             for r, at, n in pieces:
                 self._lengths[r][layer] += n
@@ -341,86 +278,6 @@ class OffloadSession:
                     f"row {r}'s layers hold {held} tokens on the server: a forward failed part-way;"
                     " close this session and start again in a new one"
                 )
-
-
-def _calls(lengths: list[int], budget: int) -> list[list[tuple[int, int, int]]]:
-    """Rows' tokens cut into calls of at most ``budget`` tokens: per call, (row, first token, count)."""
-    calls: list[list[tuple[int, int, int]]] = []
-    current: list[tuple[int, int, int]] = []
-    used = 0
-    for r, total in enumerate(lengths):
-        done = 0
-        while done < total:
-            n = min(total - done, budget - used)
-            current.append((r, done, n))
-            used, done = used + n, done + n
-            if used == budget:
-                calls.append(current)
-                current, used = [], 0
-    if current:
-        calls.append(current)
-    return calls
-
-
-def generate_locally(
-    model: PreTrainedModel, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, keep_logits: bool = False
-) -> Generation:
-    """The same greedy generation run by transformers alone, with its own KV cache, one row at a time
-    (so no padding is involved): the reference that offloaded generation is compared against."""
-    if model.config._attn_implementation == NAME:
-        raise SessionError("the model is switched to chunkattn; run this outside an OffloadSession")
-    tokens: list[list[int]] = []
-    logits: list[torch.Tensor] = []
-    started, decode_s = time.perf_counter(), 0.0
-    with torch.no_grad():
-        for prompt in prompts:
-            row = _LocalRow(model, prompt)
-            decode_started = time.perf_counter()
-            row_tokens, row_logits = greedy(row.last, max_new_tokens, row.step)
-            decode_s += time.perf_counter() - decode_started
-            tokens += row_tokens
-            logits += row_logits
-    return Generation(
-        tokens=tokens,
-        logits=logits if keep_logits else None,
-        seconds=time.perf_counter() - started,
-        decode_seconds=decode_s,
-        decode_tokens=len(prompts) * (max_new_tokens - 1),
-    )
-
-
-class _LocalRow:
-    """One prompt run by transformers with its own cache: ``last`` after the prefill, then ``step``."""
-
-    def __init__(self, model: PreTrainedModel, prompt: Sequence[int]) -> None:
-        self.model = model
-        out = model(input_ids=torch.tensor([list(prompt)], device=model.device), use_cache=True, logits_to_keep=1)
-        self.cache = out.past_key_values
-        self.last = [out.logits[0, -1].float()]
-
-    def step(self, chosen: list[int]) -> list[torch.Tensor]:
-        out = self.model(
-            input_ids=torch.tensor([chosen], device=self.model.device), past_key_values=self.cache, use_cache=True
-        )
-        self.cache = out.past_key_values
-        return [out.logits[0, -1].float()]
-
-
-def greedy(
-    last: list[torch.Tensor], max_new_tokens: int, step: Callable[[list[int]], list[torch.Tensor]]
-) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """Greedy decoding from each row's last logits; ``step(chosen tokens) -> next last logits``. Returns the
-    tokens per row and, per row, the logits each was chosen from [max_new_tokens, vocab]."""
-    tokens: list[list[int]] = [[] for _ in last]
-    kept: list[list[torch.Tensor]] = [[] for _ in last]
-    for i in range(max_new_tokens):
-        chosen = [int(x.argmax()) for x in last]
-        for r, t in enumerate(chosen):
-            tokens[r].append(t)
-            kept[r].append(last[r])
-        if i + 1 < max_new_tokens:
-            last = step(chosen)
-    return tokens, [torch.stack(k) for k in kept]
 
 
 def _check_server(info: ServerInfo, model: PreTrainedModel) -> None:
@@ -444,28 +301,3 @@ def _check_server(info: ServerInfo, model: PreTrainedModel) -> None:
             f"the model computes in {dtype} and the server's attention in {computes}: start the server with"
             f" --dtype {dtype} (a float8 KV cache, --kv-cache-dtype fp8, computes in that dtype too)"
         )
-
-
-def _temperature_corrected(module: torch.nn.Module, query: torch.Tensor, starts: list[int]) -> torch.Tensor:
-    """Llama 4 NoPE layers' queries rescaled from positions 0.. (what the model assumed without a cache)
-    to each row's true positions ``starts[r]``.."""
-    if not getattr(module, "attn_temperature_tuning", False) or getattr(module, "use_rope", True):
-        return query
-    floor_scale, attn_scale = float(module.floor_scale), float(module.attn_scale)  # type: ignore[arg-type]
-
-    def scales(positions: torch.Tensor) -> torch.Tensor:  # as modeling_llama4 computes them, in float32
-        return torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
-
-    width, device = query.shape[2], query.device
-    assumed = scales(torch.arange(width, device=device))
-    true = scales(torch.tensor(starts, device=device).unsqueeze(1) + torch.arange(width, device=device))  # [B, T]
-    if torch.equal(true, assumed.expand_as(true)):
-        return query
-    return (query * (true / assumed)[:, None, :, None]).to(query.dtype)
-
-
-def _to_torch(out: np.ndarray[Any, Any], dtype: torch.dtype) -> torch.Tensor:
-    """The server's answer [N, H, D] (float32/float16, or uint16 words of bfloat16) as a torch tensor."""
-    if out.dtype == np.uint16:
-        return torch.from_numpy(out.copy()).view(torch.bfloat16).to(dtype)
-    return torch.from_numpy(out.copy()).to(dtype)

@@ -1,0 +1,96 @@
+"""What defines a bench run: BenchConfig (the options, their checks, the report's parameters)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from chunkattn_client.bench.workload import Lengths, SequenceSpec, WorkloadError
+from chunkattn_client.limits import route_problem
+
+TRANSPORTS = ("unary", "stream")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Everything that defines a run (the report prints it as the run's parameters)."""
+
+    target: str
+    concurrency: int = 1
+    rate: float | None = None  # sequences per second (open loop); None: closed loop
+    max_concurrency: int = 256  # open loop: sequences in flight at most
+    prompt: Lengths = field(default_factory=lambda: Lengths(128, 128))
+    output: Lengths = field(default_factory=lambda: Lengths(32, 32))
+    trace: tuple[SequenceSpec, ...] | None = None
+    trace_path: str | None = None
+    layers: str = "all"
+    prefill_chunk: int = 0  # tokens per prefill piece; 0: the whole prompt in one call per layer
+    transport: str = "unary"
+    dtype: str = "float32"
+    warmup_s: float = 0.0
+    duration_s: float | None = None
+    sequences: int | None = None
+    seed: int = 0
+    verify: int = 0
+    timeout_s: float = 60.0
+    max_errors: int = 100
+    metrics_url: str | None = None
+    route: str | None = None  # every sequence's x-chunkattn-route; None: each sequence's id
+    spec_tokens: int = 0  # speculative decoding: drafts per verify call (0: plain one-token decode steps)
+    accept_rate: float = 0.7  # the probability that each draft is accepted (while every earlier one was)
+
+    def check(self) -> None:
+        """Raise WorkloadError naming the first option that cannot work."""
+        if self.duration_s is None and self.sequences is None and self.trace is None:
+            raise WorkloadError("say how long to run: --duration SECONDS or --sequences N (or a --trace)")
+        if self.duration_s is not None and self.duration_s <= 0:
+            raise WorkloadError(f"--duration must be > 0, got {self.duration_s}")
+        if self.sequences is not None and self.sequences < 1:
+            raise WorkloadError(f"--sequences must be >= 1, got {self.sequences}")
+        if self.concurrency < 1 or self.max_concurrency < 1:
+            raise WorkloadError("--concurrency and --max-concurrency must be >= 1")
+        if self.rate is not None and self.rate <= 0:
+            raise WorkloadError(f"--rate must be > 0 sequences per second, got {self.rate}")
+        if self.prefill_chunk < 0:
+            raise WorkloadError(f"--prefill-chunk must be >= 0 (0: whole prompt), got {self.prefill_chunk}")
+        if self.route is not None and (problem := route_problem(self.route)):
+            raise WorkloadError(f"--route: {problem}")
+        if self.transport not in TRANSPORTS:
+            raise WorkloadError(f"--transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if self.spec_tokens < 0 or not 0 <= self.accept_rate <= 1:
+            raise WorkloadError(
+                f"--spec-tokens must be >= 0 and --accept-rate in [0, 1], got {self.spec_tokens} and {self.accept_rate}"
+            )
+        if self.warmup_s < 0 or self.verify < 0 or self.timeout_s <= 0 or self.max_errors < 1:
+            raise WorkloadError("--warmup and --verify must be >= 0, --timeout > 0 and --max-errors >= 1")
+
+    def max_sequences(self) -> int | None:
+        """The measured phase's sequence count: --sequences, else one pass over a trace without --duration."""
+        if self.sequences is not None:
+            return self.sequences
+        if self.trace is not None and self.duration_s is None:
+            return len(self.trace)
+        return None
+
+    def params(self) -> dict[str, Any]:
+        return {
+            "target": self.target,
+            "mode": f"open loop, {self.rate}/s" if self.rate else f"closed loop, concurrency {self.concurrency}",
+            "concurrency": None if self.rate else self.concurrency,
+            "rate": self.rate,
+            "max_concurrency": self.max_concurrency if self.rate else None,
+            "prompt_len": f"trace {self.trace_path}" if self.trace else str(self.prompt),
+            "output_len": f"trace {self.trace_path}" if self.trace else str(self.output),
+            "layers": self.layers,
+            "prefill_chunk": self.prefill_chunk,
+            "transport": self.transport,
+            "dtype": self.dtype,
+            "warmup_s": self.warmup_s,
+            "duration_s": self.duration_s,
+            "sequences": self.max_sequences(),
+            "seed": self.seed,
+            "verify": self.verify,
+            "timeout_s": self.timeout_s,
+            "spec_tokens": self.spec_tokens,
+            "accept_rate": self.accept_rate if self.spec_tokens else None,
+        }
