@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from chunkattn_server.config import CacheConfig, EngineConfig, KVGroup, LayerSpec, ModelShape
     from chunkattn_server.engine.core import Engine
     from chunkattn_server.engine.types import EngineStats
-    from chunkattn_server.kv.manager import SequenceInfo
+    from chunkattn_server.kv.records import SequenceInfo
 
 __all__ = [
     "CacheConfig",
@@ -36,7 +36,7 @@ _HOMES = {
     "ModelShape": "chunkattn_server.config",
     "Engine": "chunkattn_server.engine.core",
     "EngineStats": "chunkattn_server.engine.types",
-    "SequenceInfo": "chunkattn_server.kv.manager",
+    "SequenceInfo": "chunkattn_server.kv.records",
 }
 
 

@@ -15,7 +15,7 @@ from chunkattn_client.reference import within_tolerance
 from chunkattn_server import CacheConfig, Engine, EngineConfig, LayerSpec, ModelShape, torchtypes
 from chunkattn_server.attention.backends import AttentionBatch, Backend, TorchBackend
 from chunkattn_server.attention.backends.triton_backend import TritonBackend
-from chunkattn_server.kv.manager import Truncation
+from chunkattn_server.kv.records import Truncation
 from chunkattn_server.kv.scales import KVScales
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

@@ -17,7 +17,7 @@ from chunkattn_server import CacheConfig, Engine, EngineConfig
 from chunkattn_server.__main__ import main
 from chunkattn_server.errors import ConfigError, QuotaExceeded, SequenceExists, Unauthenticated, UnknownSequence
 from chunkattn_server.kv.block_pool import BlockPool
-from chunkattn_server.kv.manager import Quota
+from chunkattn_server.kv.records import Quota
 from chunkattn_server.service.auth import ANONYMOUS, Authenticator, Tenants, token_digest
 from tests.helpers.harness import MODELS
 

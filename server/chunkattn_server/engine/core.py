@@ -34,13 +34,13 @@ from chunkattn_server.engine import checks
 from chunkattn_server.engine.device import make_backend, resolve_device
 from chunkattn_server.engine.types import AttendCall, EngineStats, Retry
 from chunkattn_server.errors import (
-    ConfigError,
     InvalidTensor,
     OutOfBlocks,
 )
 from chunkattn_server.kv.cache import KVCache
-from chunkattn_server.kv.manager import KVManager, Reservation, SequenceInfo, Truncation, Write
+from chunkattn_server.kv.manager import KVManager
 from chunkattn_server.kv.manifest import ModelFingerprint
+from chunkattn_server.kv.records import Reservation, SequenceInfo, Truncation, Write
 from chunkattn_server.kv.scales import KVScaleTable
 from chunkattn_server.kv.sequences import SequenceState
 from chunkattn_server.kv.transfer import KVExchange
@@ -72,15 +72,7 @@ class Engine:
             head_size=model.head_size,
             itemsize=self.cache_dtype.itemsize,
         )
-        num_blocks = config.cache.num_blocks
-        if num_blocks is None:
-            assert config.cache.memory_bytes is not None  # CacheConfig guarantees one of the two
-            num_blocks = config.cache.memory_bytes // self.bytes_per_block
-            if num_blocks < 1:
-                raise ConfigError(
-                    f"a KV memory budget of {config.cache.memory_bytes} bytes holds no block of"
-                    f" {self.bytes_per_block} bytes; raise the budget or lower block_size"
-                )
+        num_blocks = KVCache.blocks_for(config.cache, self.bytes_per_block)
         self.cache = KVCache(
             num_planes=config.group_size,
             num_blocks=num_blocks,

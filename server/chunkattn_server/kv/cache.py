@@ -15,6 +15,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from chunkattn_server.config import CacheConfig
+from chunkattn_server.errors import ConfigError
+
 
 class KVCache:
     """K/V pages for every plane, on one device, in one dtype."""
@@ -49,6 +52,20 @@ class KVCache:
     def bytes_per_block(*, num_planes: int, block_size: int, num_kv_heads: int, head_size: int, itemsize: int) -> int:
         """Bytes of K and V pages one block id costs across all planes."""
         return 2 * num_planes * block_size * num_kv_heads * head_size * itemsize
+
+    @staticmethod
+    def blocks_for(cache: CacheConfig, bytes_per_block: int) -> int:
+        """The pool's block count: the one given, or as many blocks as the memory budget holds (ConfigError
+        when it holds none)."""
+        if cache.num_blocks is not None:
+            return cache.num_blocks
+        assert cache.memory_bytes is not None  # CacheConfig guarantees one of the two
+        if cache.memory_bytes < bytes_per_block:
+            raise ConfigError(
+                f"a KV memory budget of {cache.memory_bytes} bytes holds no block of {bytes_per_block} bytes;"
+                " raise the budget or lower block_size"
+            )
+        return cache.memory_bytes // bytes_per_block
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy block ``src`` into ``dst`` in every plane (a copy-on-write of a shared block)."""

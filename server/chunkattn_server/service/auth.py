@@ -42,7 +42,7 @@ import grpc
 
 from chunkattn_server import jsonfile
 from chunkattn_server.errors import ConfigError, Unauthenticated
-from chunkattn_server.kv.manager import Quota
+from chunkattn_server.kv.records import Quota
 
 log = logging.getLogger(__name__)
 
