@@ -32,6 +32,7 @@ from chunkattn_server.attention.backends import AttentionBatch, Backend
 from chunkattn_server.config import EngineConfig, LayerSpec
 from chunkattn_server.engine import checks
 from chunkattn_server.engine.device import make_backend, resolve_device
+from chunkattn_server.engine.entries import Entries
 from chunkattn_server.engine.types import AttendCall, EngineStats, Retry
 from chunkattn_server.errors import (
     InvalidTensor,
@@ -189,7 +190,9 @@ class Engine:
 
     def _plan(self, layer: int, spec: LayerSpec, call: AttendCall) -> tuple[list[SequenceState | None], list[Write]]:
         """A call's checks (everything is checked before anything changes) and its write plan."""
-        total = checks.check_entries(call.entries)
+        # Entries were checked where they were built (the service's parser): only a plain list is checked here.
+        entries = call.entries
+        total = sum(e.num_tokens for e in entries) if isinstance(entries, Entries) else checks.check_entries(entries)
         checks.check_tensors(self.config.model, layer, spec, call.entries, total, call.q, call.k, call.v, self.dtype)
         if call.k is not None and call.v is not None and self.scales.calibrating(layer):
             self._check_calibration(self._here(call.k), self._here(call.v))
