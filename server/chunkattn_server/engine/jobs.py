@@ -26,6 +26,7 @@ class Job:
     rpc: str  # the RPC the client called, for the metrics
     future: asyncio.Future[Any]
     submitted: float = field(default_factory=time.perf_counter)
+    alone: bool = False  # requeued (the step queue's requeue): runs again in a step of its own
 
     def touches(self) -> frozenset[tuple[str, str]] | None:
         """The sequences (tenant, seq_id) the job reads or changes; None: possibly any (a barrier)."""

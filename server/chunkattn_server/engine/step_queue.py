@@ -39,7 +39,6 @@ class StepQueue:
         self.max_batch_tokens = max_batch_tokens
         self.scan_limit = scan_limit
         self._jobs: collections.deque[Job] = collections.deque()
-        self._alone: set[int] = set()  # ids of requeued jobs: each runs again in a step of its own
 
     def __len__(self) -> int:
         return len(self._jobs)
@@ -51,13 +50,14 @@ class StepQueue:
     def requeue(self, jobs: Sequence[Job]) -> None:
         """Put ``jobs`` (calls of a step to run again) first in line, in their order, each to run in a step of
         its own."""
+        for job in jobs:
+            job.alone = True
         self._jobs.extendleft(reversed(jobs))
-        self._alone.update(map(id, jobs))
 
     def pending(self) -> bool:
         """Whether a job waits; drops the first ones whose caller went away (as if they had never come)."""
         while self._jobs and self._jobs[0].gone():
-            self._alone.discard(id(self._jobs.popleft()))
+            self._jobs.popleft()
         return bool(self._jobs)
 
     def first(self) -> Job:
@@ -78,7 +78,7 @@ class StepQueue:
         touching no sequence that a job it would overtake touches, and none that an earlier call of the step
         touches; the scan ends at a barrier or after ``scan_limit`` jobs. A requeued call is a step alone."""
         first = self._jobs[0]
-        if not (self.batching and isinstance(first, Attend)) or (self._alone and id(first) in self._alone):
+        if not (self.batching and isinstance(first, Attend)) or first.alone:
             return [first]
         step: list[Job] = [first]
         tokens = first.tokens
@@ -105,8 +105,7 @@ class StepQueue:
         step = step or self.peek()
         if len(step) == 1:
             self._jobs.popleft()
-            if self._alone:
-                self._alone.discard(id(step[0]))
+            step[0].alone = False  # once: a call requeued later is alone again only if it is requeued again
         else:
             taken = set(map(id, step))
             self._jobs = collections.deque(j for j in self._jobs if id(j) not in taken)
