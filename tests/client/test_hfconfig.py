@@ -9,9 +9,10 @@ from typing import Any
 import pytest
 
 from chunkattn_client.hfconfig import AttentionLayout, HFConfigError, first_difference, layout, load
-from chunkattn_server.__main__ import engine_config, parse
+from chunkattn_server.__main__ import engine_config
 from chunkattn_server.config import LayerSpec
 from chunkattn_server.errors import ConfigError
+from chunkattn_server.flags import parse
 from examples.hf_offload import example_config
 
 TEXT: dict[str, Any] = {

@@ -26,7 +26,7 @@ from typing import NamedTuple
 import pytest
 
 from chunkattn_client.cli import _parser as client_parser
-from chunkattn_server.__main__ import build_parser as server_parser
+from chunkattn_server.flags import build_parser as server_parser
 from chunkattn_server.service.auth import Tenants
 from tests.helpers.server_process import ServerProcess
 

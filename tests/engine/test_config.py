@@ -8,9 +8,9 @@ import pytest
 
 from chunkattn_client import AsyncChunkAttnClient, ChunkAttnClient
 from chunkattn_server import CacheConfig, Engine, EngineConfig, LayerSpec, ModelShape
-from chunkattn_server.__main__ import check, parse
 from chunkattn_server.config import demo_model
 from chunkattn_server.errors import ConfigError
+from chunkattn_server.flags import check, parse
 
 
 def _model(*layers: LayerSpec, heads: int = 4, kv: int = 2, dim: int = 8) -> ModelShape:

@@ -164,7 +164,7 @@ def test_a_config_file_that_gives_an_option_twice_is_a_usage_error(
 ) -> None:
     """As the token and scales files: --config's JSON keeps no last-wins (auth_tokens then null would switch
     authentication off)."""
-    from chunkattn_server.__main__ import parse
+    from chunkattn_server.flags import parse
 
     path = tmp_path / "config.json"
     path.write_text('{"auth_tokens": "tokens.json", "port": 1, "auth_tokens": null}')

@@ -8,12 +8,12 @@ import contextlib
 import io
 from collections.abc import Sequence
 
-from chunkattn_server import __main__ as server_main
+from chunkattn_server import flags
 
 
 def max_open_calls(server_args: Sequence[str]) -> int:
     """The --max-open-calls of a replica started with ``server_args`` and this process's environment (which
-    the replicas inherit), read by ``chunkattn_server.__main__.parse`` as the replica itself will read it:
+    the replicas inherit), read by ``chunkattn_server.flags.parse`` as the replica itself will read it:
 
     - the flag, ``--max-open-calls N`` or ``--max-open-calls=N`` (or an unambiguous prefix; the last one
       given wins), over
@@ -27,7 +27,7 @@ def max_open_calls(server_args: Sequence[str]) -> int:
     said = io.StringIO()
     try:
         with contextlib.redirect_stderr(said), contextlib.redirect_stdout(said):
-            args = server_main.parse(list(server_args))
+            args = flags.parse(list(server_args))
     except SystemExit as e:
         lines = said.getvalue().strip().splitlines()
         why = "they ask for help, not a server" if e.code == 0 else (lines[-1] if lines else f"exit {e.code}")
