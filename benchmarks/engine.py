@@ -116,14 +116,14 @@ def bench_prefill(dtype: str, s: Shapes, repeats: int, flex: bool) -> dict[str, 
     engine = _engine(c, (h, hkv), d, n // s.block_size + 8, dtype, s.block_size)
 
     def ours() -> torch.Tensor:
-        engine.release(["p"], missing_ok=True)
-        return engine.attend(0, [BatchEntry("p", 0, n)], q, k, v)
+        engine.kv.release(["p"], missing_ok=True, tenant="")
+        return engine.attend(0, [BatchEntry("p", 0, n)], q, k, v, tenant="")
 
     def ours_pieces() -> None:
-        engine.release(["p"], missing_ok=True)
+        engine.kv.release(["p"], missing_ok=True, tenant="")
         for start in range(0, n, s.prefill_piece):
             rows = slice(start, min(n, start + s.prefill_piece))
-            engine.attend(0, [BatchEntry("p", start, rows.stop - start)], q[rows], k[rows], v[rows])
+            engine.attend(0, [BatchEntry("p", start, rows.stop - start)], q[rows], k[rows], v[rows], tenant="")
 
     # Baselines get their ideal layout up front: [chunks, heads, C, D] contiguous, or [1, heads, S, D].
     qc = q.view(n // c, c, h, d).transpose(1, 2).contiguous()
@@ -200,7 +200,7 @@ def bench_decode(dtype: str, s: Shapes, repeats: int) -> dict[str, float]:
     for layout in ("", "_scattered"):
         held = []
         if layout:  # every other block taken: each sequence block lands alone
-            held = engine.pool.allocate(engine.pool.num_free)
+            held = engine.pool.allocate(engine.pool.num_free, account="")
             engine.pool.free(held[::2])
             held = held[1::2]
         _fill(engine, b, ctx - 1, s.run_tokens, (h, hkv), d, dt)
@@ -209,10 +209,10 @@ def bench_decode(dtype: str, s: Shapes, repeats: int) -> dict[str, float]:
         def step(pos: list[int] = pos) -> torch.Tensor:
             entries = [BatchEntry(f"s{i}", pos[0], 1) for i in range(b)]
             pos[0] += 1
-            return engine.attend(0, entries, q1, k1, v1)
+            return engine.attend(0, entries, q1, k1, v1, tenant="")
 
         out[f"ours{layout}_s"] = rounds({"ours": step}, repeats)["ours"]
-        engine.release(engine.sequence_ids())
+        engine.kv.release(engine.kv.sequence_ids(tenant=""), tenant="")
         engine.pool.free(held)
 
     out["kv_gbps"] = kv_bytes / out["ours_s"] / 1e9
@@ -231,7 +231,7 @@ def _fill(engine: Engine, seqs: int, tokens: int, piece: int, heads: tuple[int, 
             for i in range(seqs):
                 q = torch.randn(n, heads[0], d, generator=g).to(dt)
                 kv = torch.randn(n, heads[1], d, generator=g).to(dt)
-                engine.attend(0, [BatchEntry(f"s{i}", start, n)], q, kv, kv)
+                engine.attend(0, [BatchEntry(f"s{i}", start, n)], q, kv, kv, tenant="")
     finally:
         engine.backend = backend
 
@@ -261,16 +261,16 @@ def bench_fp8(s: Shapes, repeats: int) -> dict[str, dict[str, float]]:
             for i in range(b):
                 rows = slice(start, start + n)
                 q = torch.zeros(n, h, d, dtype=torch.bfloat16)
-                engine.attend(0, [BatchEntry(f"s{i}", start, n)], q, k_all[i, rows], v_all[i, rows])
+                engine.attend(0, [BatchEntry(f"s{i}", start, n)], q, k_all[i, rows], v_all[i, rows], tenant="")
         engine.backend = backend
         engines[cache] = engine
     out: dict[str, dict[str, float]] = {}
     last = (k_all[:, -1], v_all[:, -1])
     for cache, engine in engines.items():
         # Correctness first: one step against float64, on K/V as sent and as this cache holds them.
-        got = engine.attend(0, [BatchEntry(f"s{i}", ctx - 1, 1) for i in range(b)], q1, *last)
-        engine.release(engine.sequence_ids())
-        scales = engine.kv_scales(0) or (1.0, 1.0)
+        got = engine.attend(0, [BatchEntry(f"s{i}", ctx - 1, 1) for i in range(b)], q1, *last, tenant="")
+        engine.kv.release(engine.kv.sequence_ids(tenant=""), tenant="")
+        scales = engine.scales.of(0) or (1.0, 1.0)
         held = _decode_reference(q1[:checked], k_all[:checked], v_all[:checked], cache, scales)
         ours = got[:checked].double().numpy()
         out[cache] = {
@@ -287,7 +287,7 @@ def bench_fp8(s: Shapes, repeats: int) -> dict[str, dict[str, float]]:
         def step(engine: Engine = engine, pos: list[int] = pos) -> torch.Tensor:
             entries = [BatchEntry(f"s{i}", pos[0], 1) for i in range(b)]
             pos[0] += 1
-            return engine.attend(0, entries, q1, *last)
+            return engine.attend(0, entries, q1, *last, tenant="")
 
         times[cache] = step
     medians = rounds(times, repeats)
@@ -328,10 +328,10 @@ def bench_memory(s: Shapes) -> dict[str, int]:
     for start in range(0, s.memory_tokens, s.memory_piece):
         n = min(s.memory_piece, s.memory_tokens - start)
         x = torch.randn(n, 1, 4)
-        engine.attend(0, [BatchEntry("long", start, n)], x, x, x)
-        peak = max(peak, engine.sequence("long").num_blocks)
+        engine.attend(0, [BatchEntry("long", start, n)], x, x, x, tenant="")
+        peak = max(peak, engine.kv.sequence("long", tenant="").num_blocks)
     return {
-        "blocks_held": engine.sequence("long").num_blocks,
+        "blocks_held": engine.kv.sequence("long", tenant="").num_blocks,
         "peak_blocks": peak,
         "bound": s.memory_chunk // s.block_size,
     }

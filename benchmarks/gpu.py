@@ -164,7 +164,7 @@ def _check_one(dev: Device, s: Shapes, model: ModelShape, dtype: str) -> float:
         q = torch.randn(t, model.num_heads, model.head_size, generator=g).to(dt)
         k = torch.randn(t, model.num_kv_heads, model.head_size, generator=g).to(dt)
         v = torch.randn(t, model.num_kv_heads, model.head_size, generator=g).to(dt)
-        out = engine.attend(layer, entries, q.to(dev.dev), k.to(dev.dev), v.to(dev.dev))
+        out = engine.attend(layer, entries, q.to(dev.dev), k.to(dev.dev), v.to(dev.dev), tenant="")
         want = ref.attend(layer, entries, *(x.double().numpy() for x in (q, k, v)))
         ok, err = within_tolerance(out.double().cpu().numpy(), want, dtype)
         worst = max(worst, err)

@@ -78,7 +78,8 @@ from chunkattn_client import BatchEntry, chunked_attention, codec, wire
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_client.client import ChunkAttnClient, attend_request, channel_options
 from chunkattn_server import Engine, allocator
-from chunkattn_server.__main__ import engine_config, parse
+from chunkattn_server.__main__ import engine_config
+from chunkattn_server.flags import parse
 from chunkattn_server.service import kvwire
 from chunkattn_server.service.kv import DEFAULT_KV_MESSAGE_BYTES, exporter, message_batches
 
@@ -478,8 +479,8 @@ def engine_work(model: Model, plan: Plan) -> tuple[dict[str, float], str]:
     config = engine_config(parse(model.kv_server_args()))
     source, target = Engine(config), Engine(config)
     for pos, n, q, k, v in _kv_prompt(model, plan):
-        source.attend(0, [BatchEntry("kv-src", pos, n)], *(torch.from_numpy(x) for x in (q, k, v)))
-    manifest = source.transfer.export_manifest("kv-src", None)
+        source.attend(0, [BatchEntry("kv-src", pos, n)], *(torch.from_numpy(x) for x in (q, k, v)), tenant="")
+    manifest = source.transfer.export_manifest("kv-src", None, tenant="")
     jobs = [exporter(manifest, batch) for batch in message_batches(manifest, DEFAULT_KV_MESSAGE_BYTES)]
     export_s: list[float] = []
     import_s: list[float] = []
@@ -488,7 +489,7 @@ def engine_work(model: Model, plan: Plan) -> tuple[dict[str, float], str]:
         for job in jobs:
             job(source)
         export_s.append(time.thread_time() - started)
-        session = target.transfer.begin_import(manifest)
+        session = target.transfer.begin_import(manifest, tenant="")
         spent = 0.0
         for job in jobs:
             received = bytes(memoryview(job(source)[0]))  # a copy: fresh memory, as gRPC's receive makes

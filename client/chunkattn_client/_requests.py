@@ -103,9 +103,9 @@ def export_kv(seq_id: str, layers: Sequence[int], max_message_bytes: int) -> Cal
     return Call("ChunkAttn", "ExportKV", request, _same)
 
 
-def import_kv(chunks: Iterable[pb.KVChunk] | AsyncIterable[pb.KVChunk]) -> Call[KVImport]:
-    """The call that sends ``chunks`` (see ``renaming``)."""
-    return Call("ChunkAttn", "ImportKV", chunks, KVImport.from_pb)
+def import_kv(messages: Iterable[pb.KVChunk] | AsyncIterable[pb.KVChunk]) -> Call[KVImport]:
+    """The call that sends ``messages`` (see ``renaming``)."""
+    return Call("ChunkAttn", "ImportKV", messages, KVImport.from_pb)
 
 
 def transfer_kv(seq_id: str, target: str, **options: Any) -> Call[KVTransfer]:
@@ -132,22 +132,22 @@ def transfer_request(
     )
 
 
-def renamed(chunk: pb.KVChunk, seq_id: str | None) -> pb.KVChunk:
-    """The chunk, with its header's sequence id replaced when ``seq_id`` is given (import under a new id)."""
-    if not seq_id or chunk.WhichOneof("part") != "header":
-        return chunk
+def renamed(message: pb.KVChunk, seq_id: str | None) -> pb.KVChunk:
+    """The message, with its header's sequence id replaced when ``seq_id`` is given (import under a new id)."""
+    if not seq_id or message.WhichOneof("part") != "header":
+        return message
     copy = pb.KVChunk()
-    copy.CopyFrom(chunk)
+    copy.CopyFrom(message)
     copy.header.seq_id = seq_id
     return copy
 
 
-def renaming(chunks: Iterable[pb.KVChunk], seq_id: str | None) -> Iterator[pb.KVChunk]:
-    return (renamed(c, seq_id) for c in chunks)
+def renaming(messages: Iterable[pb.KVChunk], seq_id: str | None) -> Iterator[pb.KVChunk]:
+    return (renamed(c, seq_id) for c in messages)
 
 
-async def renaming_async(chunks: AsyncIterable[pb.KVChunk], seq_id: str | None) -> AsyncIterator[pb.KVChunk]:
-    async for c in chunks:
+async def renaming_async(messages: AsyncIterable[pb.KVChunk], seq_id: str | None) -> AsyncIterator[pb.KVChunk]:
+    async for c in messages:
         yield renamed(c, seq_id)
 
 
@@ -199,12 +199,13 @@ def decode_attend_response(raw: bytes, request_id: int | None = None) -> Output:
         raise ChunkAttnError(grpc.StatusCode.INTERNAL, f"response {response.request_id} answers request {request_id}")
     if response.status.code:
         raise ChunkAttnError.from_status(response.status.code, response.status.message)
-    if 1 not in tensors:
+    if _OUTPUT not in tensors:
         raise ChunkAttnError(grpc.StatusCode.INTERNAL, "the server's response has no output")
     try:
-        return codec.view(*tensors[1])
+        return codec.view(*tensors[_OUTPUT])
     except codec.CodecError as e:
         raise ChunkAttnError(grpc.StatusCode.INTERNAL, f"the server's output does not decode: {e}") from None
 
 
-_RESPONSE_TENSORS = frozenset({1})
+_OUTPUT = wire.field_number(pb.AttendResponse, "output")
+_RESPONSE_TENSORS = frozenset({_OUTPUT})

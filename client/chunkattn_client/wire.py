@@ -43,6 +43,35 @@ def _varint(n: int) -> bytes:
         out.append(byte | 0x80)
 
 
+_VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5  # wire types
+
+
+def field_number(message: Any, field: str) -> int:
+    """A field's number, from the generated descriptor (never written twice)."""
+    return int(message.DESCRIPTOR.fields_by_name[field].number)
+
+
+def _key(message: Any, field: str, wire_type: int) -> bytes:
+    """A field's key (number << 3 | wire type) as it is written."""
+    return _varint(field_number(message, field) << 3 | wire_type)
+
+
+_Q, _K, _V = (field_number(pb.AttendRequest, f) for f in ("q", "k", "v"))
+_OUTPUT = field_number(pb.AttendResponse, "output")
+_TENSOR_DATA = field_number(pb.Tensor, "data")
+_TENSOR_DATA_KEY = _key(pb.Tensor, "data", _LEN)
+_HEADER, _BLOCKS, _TRAILER = (field_number(pb.KVChunk, f) for f in ("header", "blocks", "trailer"))
+_BLOCKS_KEY = _key(pb.KVChunk, "blocks", _LEN)
+_BLOCK = field_number(pb.KVBlocks, "blocks")
+_BLOCK_KEY = _key(pb.KVBlocks, "blocks", _LEN)
+_LAYER, _LOGICAL = field_number(pb.KVBlock, "layer"), field_number(pb.KVBlock, "logical")
+_LAYER_KEY, _LOGICAL_KEY = _key(pb.KVBlock, "layer", _VARINT), _key(pb.KVBlock, "logical", _VARINT)
+_BLOCK_K, _BLOCK_V, _CHECKSUM = (field_number(pb.KVBlock, f) for f in ("k", "v", "checksum"))
+_BLOCK_K_KEY, _BLOCK_V_KEY = _key(pb.KVBlock, "k", _LEN), _key(pb.KVBlock, "v", _LEN)
+_CHECKSUM_KEY = _key(pb.KVBlock, "checksum", _I64)
+_OLD_CRC32 = 3  # KVBlock's field 3, reserved: a CRC-32 in exports of older versions
+
+
 def _tensor(field: int, t: RawTensor) -> list[Buffer]:
     """Wire parts of a Tensor submessage in `field`: everything before the data, then the data."""
     key = (field, t.dtype, t.shape, len(t.data))
@@ -56,11 +85,11 @@ def _tensor(field: int, t: RawTensor) -> list[Buffer]:
 
 
 def _tensor_prefix(field: int, dtype: int, shape: tuple[int, ...], size: int) -> bytes:
-    """The field's key and length, dtype and shape via protobuf, and the data field's (3) key and length."""
+    """The field's key and length, dtype and shape via protobuf, and the data field's key and length."""
     head = pb.Tensor(dtype=dtype, shape=shape).SerializeToString()  # type: ignore[arg-type]
     data_key = _varint(size)
-    body = len(head) + 1 + len(data_key) + size
-    return b"".join([_varint(field << 3 | 2), _varint(body), head, b"\x1a", data_key])
+    body = len(head) + len(_TENSOR_DATA_KEY) + len(data_key) + size
+    return b"".join([_varint(field << 3 | _LEN), _varint(body), head, _TENSOR_DATA_KEY, data_key])
 
 
 # A decoding model runner sends the same shapes call after call: their prefixes are made once (~5 us each).
@@ -78,7 +107,7 @@ def encode_attend_request(
 ) -> bytes:
     """A serialized AttendRequest; each tensor's bytes are copied once."""
     parts: list[Buffer] = [pb.AttendRequest(layer=layer, entries=entries, request_id=request_id).SerializeToString()]
-    for field, t in ((3, q), (4, k), (5, v)):
+    for field, t in ((_Q, q), (_K, k), (_V, v)):
         if t is not None:
             parts += _tensor(field, t)
     return b"".join(parts)
@@ -89,7 +118,7 @@ def encode_attend_response(request_id: int, output: RawTensor | None, code: int 
     status = pb.Status(code=code, message=message) if code else None
     parts: list[Buffer] = [pb.AttendResponse(request_id=request_id, status=status).SerializeToString()]
     if output is not None:
-        parts += _tensor(1, output)
+        parts += _tensor(_OUTPUT, output)
     return b"".join(parts)
 
 
@@ -105,36 +134,36 @@ def encode_kv_blocks(records: Sequence[KVPieces]) -> bytes:
     pieces are copied once, into the message."""
     parts: list[Buffer] = []
     for layer, logical, checksum, k, v in records:
-        head = b"".join([b"\x08", _varint(layer), b"\x10", _varint(logical)])
+        head = b"".join([_LAYER_KEY, _varint(layer), _LOGICAL_KEY, _varint(logical)])
         k_size, v_size = sum(len(p) for p in k), sum(len(p) for p in v)
-        k_key, v_key = _varint(k_size), _varint(v_size)
-        size = len(head) + 1 + len(k_key) + k_size + 1 + len(v_key) + v_size + 9
-        parts += [b"\x0a", _varint(size), head, b"\x22", k_key, *k, b"\x2a", v_key, *v]
-        parts.append(b"\x31" + checksum.to_bytes(8, "little"))
+        k_len, v_len = _varint(k_size), _varint(v_size)
+        tail = _CHECKSUM_KEY + checksum.to_bytes(8, "little")
+        size = len(head) + len(_BLOCK_K_KEY) + len(k_len) + k_size + len(_BLOCK_V_KEY) + len(v_len) + v_size + len(tail)
+        parts += [_BLOCK_KEY, _varint(size), head, _BLOCK_K_KEY, k_len, *k, _BLOCK_V_KEY, v_len, *v, tail]
     body_size = sum(len(p) for p in parts)
-    return b"".join([b"\x12", _varint(body_size), *parts])
+    return b"".join([_BLOCKS_KEY, _varint(body_size), *parts])
 
 
-def decode_kv_chunk(data: bytes, max_records: int | None = None) -> tuple[str, memoryview | list[KVRecord]]:
+def decode_kv_message(data: bytes, max_records: int | None = None) -> tuple[str, memoryview | list[KVRecord]]:
     """A serialized KVChunk: ("blocks", its records, the K/V as views of ``data``), or ("header" or
     "trailer", the submessage's bytes), or ("", empty) for a message with none. WireError when malformed,
     or when it holds more than ``max_records`` records (found before reading more than that many)."""
     buf = memoryview(data)
     found: tuple[str, memoryview | list[KVRecord]] = ("", memoryview(b""))
     for field, kind, start, end in _fields(buf, 8):
-        if kind != 2 or field not in (1, 2, 3):
+        if kind != _LEN or field not in (_HEADER, _BLOCKS, _TRAILER):
             continue
         body = _payload(buf, start, end)
-        if field == 2:
+        if field == _BLOCKS:
             try:
                 fields = _fields(body, max_records)
             except TooManyFields:
                 raise WireError(
                     f"a KV message of {len(data)} bytes has more than the {max_records} blocks that fit"
                 ) from None
-            found = ("blocks", [_kv_record(_payload(body, s, e)) for f, k, s, e in fields if f == 1 and k == 2])
+            found = ("blocks", [_kv_record(_payload(body, s, e)) for f, k, s, e in fields if f == _BLOCK and k == _LEN])
         else:
-            found = ("header" if field == 1 else "trailer", body)
+            found = ("header" if field == _HEADER else "trailer", body)
     return found
 
 
@@ -144,22 +173,21 @@ def _kv_record(body: memoryview) -> KVRecord:
     k = v = memoryview(b"")
     for f, kind, s, e in _fields(body, 16):
         _, value_at = _read_varint(body, s)
-        if f == 1 and kind == 0:
+        if f == _LAYER and kind == _VARINT:
             layer = _read_varint(body, value_at)[0]
-        elif f == 2 and kind == 0:
+        elif f == _LOGICAL and kind == _VARINT:
             logical = _read_varint(body, value_at)[0]
-        elif f == 6 and kind == 1:
+        elif f == _CHECKSUM and kind == _I64:
             checksum = int.from_bytes(body[value_at : value_at + 8], "little")
-        elif f == 3:
+        elif f == _OLD_CRC32:
             raise WireError(
                 "a KV block in the older format (a CRC-32 in field 3) where XXH3-64 checksums (field 6) are read:"
                 " export it again with this version"
             )
-        elif f in (4, 5) and kind == 2:
-            if f == 4:
-                k = _payload(body, s, e)
-            else:
-                v = _payload(body, s, e)
+        elif f == _BLOCK_K and kind == _LEN:
+            k = _payload(body, s, e)
+        elif f == _BLOCK_V and kind == _LEN:
+            v = _payload(body, s, e)
     return layer, logical, checksum, k, v
 
 
@@ -209,14 +237,14 @@ def _fields(buf: memoryview, limit: int | None = None) -> list[tuple[int, int, i
         start = pos
         key, pos = _read_varint(buf, pos)
         field, kind = key >> 3, key & 7
-        if kind == 0:
+        if kind == _VARINT:
             _, pos = _read_varint(buf, pos)
-        elif kind == 1:
+        elif kind == _I64:
             pos += 8
-        elif kind == 2:
+        elif kind == _LEN:
             size, pos = _read_varint(buf, pos)
             pos += size
-        elif kind == 5:
+        elif kind == _I32:
             pos += 4
         else:
             raise WireError(f"unsupported wire type {kind} in field {field}")
@@ -242,7 +270,7 @@ def split(data: bytes, tensor_fields: frozenset[int], max_fields: int | None = N
     rest: list[memoryview] = []
     tensors: dict[int, tuple[bytes, memoryview]] = {}
     for field, kind, start, end in _fields(buf, max_fields):
-        if field not in tensor_fields or kind != 2:
+        if field not in tensor_fields or kind != _LEN:
             rest.append(buf[start:end])
             continue
         if field in tensors:
@@ -255,7 +283,7 @@ def split(data: bytes, tensor_fields: frozenset[int], max_fields: int | None = N
         except TooManyFields:
             raise WireError(f"the tensor in field {field} has more than 64 fields; a Tensor has 3") from None
         for f, k, s, e in inner:
-            if f == 3 and k == 2:  # Tensor.data: keep a view of the bytes, no copy
+            if f == _TENSOR_DATA and k == _LEN:  # keep a view of the bytes, no copy
                 payload = _payload(body, s, e)
             else:
                 header.append(body[s:e])
@@ -265,7 +293,6 @@ def split(data: bytes, tensor_fields: frozenset[int], max_fields: int | None = N
 
 # -- why bytes do not parse ------------------------------------------------------------------------------
 
-_VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
 _WIRE_NAMES = {_VARINT: "varint", _I64: "64-bit", _LEN: "length-delimited", _I32: "32-bit"}
 
 

@@ -287,7 +287,7 @@ async def _evict_idle(worker: Scheduler, metrics: Metrics, idle_timeout_s: float
     while True:
         await asyncio.sleep(period)
         try:
-            evicted, stats = await worker.run("evict", lambda e: (e.evict_idle(idle_timeout_s), e.stats()))
+            evicted, stats = await worker.run("evict", lambda e: (e.kv.evict_idle(idle_timeout_s), e.stats()))
         except Exception:  # a failed sweep must not end eviction (or later the shutdown)
             log.exception("idle eviction failed; trying again in %.1f s", period)
             continue

@@ -84,24 +84,24 @@ def test_kv_blocks_encode_as_protobuf_does_and_decode_as_views() -> None:
     same = pb.KVChunk(
         blocks=pb.KVBlocks(blocks=[pb.KVBlock(layer=a, logical=b, checksum=c, k=k, v=v) for a, b, c, k, v in records])
     )
-    part, decoded = wire.decode_kv_chunk(same.SerializeToString())
+    part, decoded = wire.decode_kv_message(same.SerializeToString())
     assert part == "blocks"
     assert isinstance(decoded, list)
     assert [(a, b, c, bytes(k), bytes(v)) for a, b, c, k, v in decoded] == records
     header = pb.KVChunk(header=pb.KVHeader(seq_id="s", num_records=2)).SerializeToString()
-    part, body = wire.decode_kv_chunk(header)
+    part, body = wire.decode_kv_message(header)
     assert part == "header"
     assert pb.KVHeader.FromString(bytes(body)).seq_id == "s"  # type: ignore[arg-type]
-    assert wire.decode_kv_chunk(b"")[0] == ""
+    assert wire.decode_kv_message(b"")[0] == ""
     with pytest.raises(wire.WireError):
-        wire.decode_kv_chunk(data[:-5])
+        wire.decode_kv_message(data[:-5])
 
 
 def test_kv_blocks_of_the_older_crc32_format_are_refused_by_name() -> None:
     block = b"\x08\x00\x10\x00\x1d\x00\x00\x00\x00\x22\x01k\x2a\x01v"  # field 3: a fixed32 CRC-32
     blocks = b"\x0a" + bytes([len(block)]) + block
     with pytest.raises(wire.WireError, match="older format"):
-        wire.decode_kv_chunk(b"\x12" + bytes([len(blocks)]) + blocks)
+        wire.decode_kv_message(b"\x12" + bytes([len(blocks)]) + blocks)
 
 
 # 2 and 40,000 rows of 4 floats: a small response (parsed by protobuf) and one past 64 KiB (taken apart)

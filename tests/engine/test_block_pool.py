@@ -38,12 +38,12 @@ class PoolMachine(RuleBasedStateMachine):
         free_before = self.pool.num_free
         if n > free_before:
             with pytest.raises(OutOfBlocks, match=f"{free_before} free blocks of {SIZE}; {n} are needed"):
-                self.pool.allocate(n, after=after)
+                self.pool.allocate(n, after=after, account="")
             assert self.pool.num_free == free_before
             return
         continues_at = after + 1 if after is not None and n > 0 and self.pool.is_free(after + 1) else None
         largest = _largest_free_extent(self.pool)
-        blocks = self.pool.allocate(n, after=after)
+        blocks = self.pool.allocate(n, after=after, account="")
         assert len(blocks) == n
         if continues_at is not None:
             assert blocks[0] == continues_at  # a growing sequence continues its run
@@ -101,11 +101,11 @@ TestPool.settings = TestPool.settings.__class__(TestPool.settings, max_examples=
 
 def test_runs_continue_in_place_and_new_runs_start_mid_extent() -> None:
     pool = BlockPool(100)
-    first = pool.allocate(4)
+    first = pool.allocate(4, account="")
     assert first == [48, 49, 50, 51]  # the middle of the one free extent [0, 100)
-    assert pool.allocate(2, after=51) == [52, 53]  # continues its run
-    second = pool.allocate(4)  # a new run: the middle of the largest extent left, [0, 48)
+    assert pool.allocate(2, after=51, account="") == [52, 53]  # continues its run
+    second = pool.allocate(4, account="")  # a new run: the middle of the largest extent left, [0, 48)
     assert second == [22, 23, 24, 25]
-    assert pool.allocate(3, after=53) == [54, 55, 56]  # room to grow in place
+    assert pool.allocate(3, after=53, account="") == [54, 55, 56]  # room to grow in place
     pool.free([*first, 52, 53, 54, 55, 56])
-    assert pool.allocate(60) == [*range(33, 93)]  # [26, 100) merged back into one extent; centred in it
+    assert pool.allocate(60, account="") == [*range(33, 93)]  # [26, 100) merged back into one extent; centred in it

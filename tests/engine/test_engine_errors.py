@@ -55,87 +55,101 @@ def _continue(h: Harness) -> list[torch.Tensor]:
 
 BAD: dict[str, tuple[Callable[[Engine], object], type[EngineError], str]] = {
     "unknown layer": (
-        lambda e: e.attend(7, [BatchEntry("b", 3, 1)], _q(1), _kv(1), _kv(1)),
+        lambda e: e.attend(7, [BatchEntry("b", 3, 1)], _q(1), _kv(1), _kv(1), tenant=""),
         UnknownLayer,
         "layers 0..3",
     ),
     "negative layer": (
-        lambda e: e.attend(-1, [BatchEntry("b", 3, 1)], _q(1), _kv(1), _kv(1)),
+        lambda e: e.attend(-1, [BatchEntry("b", 3, 1)], _q(1), _kv(1), _kv(1), tenant=""),
         UnknownLayer,
         "layer -1",
     ),
-    "empty batch": (lambda e: e.attend(0, [], _q(0), _kv(0), _kv(0)), InvalidBatch, "empty"),
+    "empty batch": (lambda e: e.attend(0, [], _q(0), _kv(0), _kv(0), tenant=""), InvalidBatch, "empty"),
     "zero tokens": (
-        lambda e: e.attend(0, [BatchEntry("b", 3, 1), BatchEntry("a", 10, 0)], _q(1), _kv(1), _kv(1)),
+        lambda e: e.attend(0, [BatchEntry("b", 3, 1), BatchEntry("a", 10, 0)], _q(1), _kv(1), _kv(1), tenant=""),
         InvalidBatch,
         "num_tokens must be an integer >= 1",
     ),
-    "negative position": (lambda e: e.attend(0, [BatchEntry("z", -1, 1)], _q(1), _kv(1), _kv(1)), InvalidBatch, ">= 0"),
+    "negative position": (
+        lambda e: e.attend(0, [BatchEntry("z", -1, 1)], _q(1), _kv(1), _kv(1), tenant=""),
+        InvalidBatch,
+        ">= 0",
+    ),
     "not a BatchEntry": (
-        lambda e: e.attend(0, [BatchEntry("b", 3, 1), ("a", 10, 1)], _q(2), _kv(2), _kv(2)),  # type: ignore[list-item]
+        lambda e: e.attend(0, [BatchEntry("b", 3, 1), ("a", 10, 1)], _q(2), _kv(2), _kv(2), tenant=""),  # type: ignore[list-item]
         InvalidBatch,
         "entry 1 is a tuple; expected a BatchEntry",
     ),
-    "empty id": (lambda e: e.attend(0, [BatchEntry("", 0, 1)], _q(1), _kv(1), _kv(1)), InvalidBatch, "non-empty"),
+    "empty id": (
+        lambda e: e.attend(0, [BatchEntry("", 0, 1)], _q(1), _kv(1), _kv(1), tenant=""),
+        InvalidBatch,
+        "non-empty",
+    ),
     "duplicate sequence": (
-        lambda e: e.attend(0, [BatchEntry("b", 3, 1), BatchEntry("b", 3, 1)], _q(2), _kv(2), _kv(2)),
+        lambda e: e.attend(0, [BatchEntry("b", 3, 1), BatchEntry("b", 3, 1)], _q(2), _kv(2), _kv(2), tenant=""),
         InvalidBatch,
         "appears twice",
     ),
     "q token count": (
-        lambda e: e.attend(0, [BatchEntry("b", 3, 2)], _q(3), _kv(2), _kv(2)),
+        lambda e: e.attend(0, [BatchEntry("b", 3, 2)], _q(3), _kv(2), _kv(2), tenant=""),
         InvalidTensor,
         "expected [2, 4, 8]",
     ),
     "k head count": (
-        lambda e: e.attend(0, [BatchEntry("b", 3, 2)], _q(2), torch.randn(2, 4, D), _kv(2)),
+        lambda e: e.attend(0, [BatchEntry("b", 3, 2)], _q(2), torch.randn(2, 4, D), _kv(2), tenant=""),
         InvalidTensor,
         "expected [2, 2, 8]",
     ),
     "v head size": (
-        lambda e: e.attend(0, [BatchEntry("b", 3, 2)], _q(2), _kv(2), torch.randn(2, HKV, 4)),
+        lambda e: e.attend(0, [BatchEntry("b", 3, 2)], _q(2), _kv(2), torch.randn(2, HKV, 4), tenant=""),
         InvalidTensor,
         "v has shape",
     ),
     "q dtype": (
-        lambda e: e.attend(0, [BatchEntry("b", 3, 1)], _q(1, torch.float64), _kv(1), _kv(1)),
+        lambda e: e.attend(0, [BatchEntry("b", 3, 1)], _q(1, torch.float64), _kv(1), _kv(1), tenant=""),
         InvalidTensor,
         "expected float32, float16 or bfloat16",
     ),
     "k dtype differs from q": (
-        lambda e: e.attend(0, [BatchEntry("b", 3, 1)], _q(1), _kv(1, torch.float16), _kv(1)),
+        lambda e: e.attend(0, [BatchEntry("b", 3, 1)], _q(1), _kv(1, torch.float16), _kv(1), tenant=""),
         InvalidTensor,
         "expected q's dtype",
     ),
-    "missing k/v": (lambda e: e.attend(0, [BatchEntry("b", 3, 1)], _q(1)), InvalidTensor, "k and v are required"),
+    "missing k/v": (
+        lambda e: e.attend(0, [BatchEntry("b", 3, 1)], _q(1), tenant=""),
+        InvalidTensor,
+        "k and v are required",
+    ),
     "k/v to a KV-sharing layer": (
-        lambda e: e.attend(1, [BatchEntry("b", 3, 1)], _q(1), _kv(1), _kv(1)),
+        lambda e: e.attend(1, [BatchEntry("b", 3, 1)], _q(1), _kv(1), _kv(1), tenant=""),
         InvalidTensor,
         "KV sharing",
     ),
     "unknown sequence": (
-        lambda e: e.attend(0, [BatchEntry("b", 3, 1), BatchEntry("ghost", 5, 1)], _q(2), _kv(2), _kv(2)),
+        lambda e: e.attend(0, [BatchEntry("b", 3, 1), BatchEntry("ghost", 5, 1)], _q(2), _kv(2), _kv(2), tenant=""),
         UnknownSequence,
         "'ghost' does not exist",
     ),
     "position behind": (
-        lambda e: e.attend(0, [BatchEntry("b", 3, 1), BatchEntry("a", 9, 1)], _q(2), _kv(2), _kv(2)),
+        lambda e: e.attend(0, [BatchEntry("b", 3, 1), BatchEntry("a", 9, 1)], _q(2), _kv(2), _kv(2), tenant=""),
         PositionMismatch,
         "next position is 10; got position 9",
     ),
     "position ahead": (
-        lambda e: e.attend(2, [BatchEntry("a", 11, 1)], _q(1), _kv(1), _kv(1)),
+        lambda e: e.attend(2, [BatchEntry("a", 11, 1)], _q(1), _kv(1), _kv(1), tenant=""),
         PositionMismatch,
         "next position is 10",
     ),
     "KV-sharing layer ahead of its source": (
-        lambda e: e.attend(3, [BatchEntry("b", 3, 1)], _q(1)),
+        lambda e: e.attend(3, [BatchEntry("b", 3, 1)], _q(1), tenant=""),
         PositionMismatch,
         "layer 2 to be called first",
     ),
     "out of blocks": (
         # 'b' fits; the 400-token newcomer on the global layer needs 100 blocks of 4 and the pool has 64.
-        lambda e: e.attend(2, [BatchEntry("b", 3, 1), BatchEntry("big", 0, 400)], _q(401), _kv(401), _kv(401)),
+        lambda e: e.attend(
+            2, [BatchEntry("b", 3, 1), BatchEntry("big", 0, 400)], _q(401), _kv(401), _kv(401), tenant=""
+        ),
         OutOfBlocks,
         "needs 100 new KV blocks",
     ),
@@ -192,7 +206,7 @@ def test_failure_inside_the_call_rolls_back() -> None:
     h.engine.backend = Exploding(torch.device("cpu"))
     with pytest.raises(RuntimeError, match="fell over"):
         # New sequence + growth into new blocks (K/V already written): all must be undone.
-        h.engine.attend(0, [BatchEntry("b", 3, 9), BatchEntry("new", 0, 5)], _q(14), _kv(14), _kv(14))
+        h.engine.attend(0, [BatchEntry("b", 3, 9), BatchEntry("new", 0, 5)], _q(14), _kv(14), _kv(14), tenant="")
     assert snapshot(h.engine) == before
     h.engine.backend = backend
     for ours, theirs in zip(_continue(h), _continue(twin), strict=True):
@@ -201,9 +215,9 @@ def test_failure_inside_the_call_rolls_back() -> None:
 
 def test_a_generator_of_entries_is_read_once_and_served() -> None:
     h = Harness.build(MODEL, num_blocks=64)
-    out = h.engine.attend(0, (BatchEntry(s, 0, 2) for s in ("x", "y")), _q(4), _kv(4), _kv(4))  # type: ignore[arg-type]
+    out = h.engine.attend(0, (BatchEntry(s, 0, 2) for s in ("x", "y")), _q(4), _kv(4), _kv(4), tenant="")  # type: ignore[arg-type]
     assert out.shape == (4, H, D)
-    assert h.engine.sequence("y").lengths[0] == 2
+    assert h.engine.kv.sequence("y", tenant="").lengths[0] == 2
 
 
 def test_release_unknown_is_refused_unless_missing_ok() -> None:
@@ -211,10 +225,10 @@ def test_release_unknown_is_refused_unless_missing_ok() -> None:
     _history(h)
     before = snapshot(h.engine)
     with pytest.raises(UnknownSequence, match="nothing was released"):
-        h.engine.release(["a", "nope"])
+        h.engine.kv.release(["a", "nope"], tenant="")
     assert snapshot(h.engine) == before
-    assert h.engine.release(["a", "nope"], missing_ok=True) == 1
-    assert h.engine.sequence_ids() == ["b"]
+    assert h.engine.kv.release(["a", "nope"], missing_ok=True, tenant="") == 1
+    assert h.engine.kv.sequence_ids(tenant="") == ["b"]
 
 
 @pytest.mark.parametrize("wire", [torch.float32, torch.float16, torch.bfloat16])
@@ -239,5 +253,5 @@ def test_a_non_finite_value_fails_its_own_call_of_a_merged_step_in_every_dtype(
         assert f"{tensor} row 1 (sequence 'bad' at position 1) holds {value}" in str(out[0])
         assert isinstance(out[1], torch.Tensor)
         assert torch.isfinite(out[1]).all()
-        h.engine.release(["good"])
+        h.engine.kv.release(["good"], tenant="")
         assert snapshot(h.engine) == before

@@ -100,7 +100,7 @@ def test_fragmented_pool_reads_through_views_gathers_and_merges(
     """Someone else holds every n-th block, so each sequence's blocks come in short runs."""
     h = Harness.build(MODELS["gqa"], impl=impl, min_view_tokens=min_view_tokens, max_views=max_views)
     pool = h.engine.pool
-    taken = pool.allocate(pool.num_free)
+    taken = pool.allocate(pool.num_free, account="")
     pool.free([b for i, b in enumerate(taken) if i % held_every])
     lengths = {"a": 0, "b": 0, "c": 0}
     for _ in range(4):
@@ -109,7 +109,7 @@ def test_fragmented_pool_reads_through_views_gathers_and_merges(
             lengths[s] += 5
     glob = next(g.index for g in h.engine.groups if g.chunk_size == 0)  # a global group keeps every block
     for s in lengths:
-        blocks = sorted(h.engine.sequence(s).tables[glob].values())
+        blocks = sorted(h.engine.kv.sequence(s, tenant="").tables[glob].values())
         assert any(b - a != 1 for a, b in itertools.pairwise(blocks)), "the pool did not fragment"
     h.step([BatchEntry(s, n, 1) for s, n in lengths.items()])
     h.step([BatchEntry(s, n + 1, 3) for s, n in lengths.items()])
@@ -140,6 +140,6 @@ def test_inputs_that_require_grad_do_not_drag_the_cache_into_autograd() -> None:
     for pos, n in ((0, 9), (9, 1)):
         q = torch.randn(n, m.num_heads, m.head_size, requires_grad=True)
         k = torch.randn(n, m.num_kv_heads, m.head_size, requires_grad=True)
-        out = h.engine.attend(0, [BatchEntry("g", pos, n)], q, k, k)
+        out = h.engine.attend(0, [BatchEntry("g", pos, n)], q, k, k, tenant="")
         assert not out.requires_grad
     assert not any(t.requires_grad for t in (*h.engine.cache.k, *h.engine.cache.v))

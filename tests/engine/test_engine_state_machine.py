@@ -125,7 +125,9 @@ class EngineMachine(RuleBasedStateMachine):
         seq = data.draw(st.sampled_from(sorted(self.lengths)))
         layers = data.draw(st.one_of(st.none(), st.sets(st.integers(0, self.model.num_layers - 1), min_size=1)))
         try:
-            manifest = self.h.engine.transfer.export_manifest(seq, None if layers is None else sorted(layers))
+            manifest = self.h.engine.transfer.export_manifest(
+                seq, None if layers is None else sorted(layers), tenant=""
+            )
         except InvalidBatch:  # a KV-sharing layer without its source, or a source without its sharers
             return
         records = [v.copy() for v in self.h.engine.transfer.export_views(manifest, manifest.expected())]
@@ -133,33 +135,38 @@ class EngineMachine(RuleBasedStateMachine):
         self.imported += 1
         new = f"imported-{self.imported}"
         try:
-            session = self.dst.transfer.begin_import(dataclasses.replace(manifest, seq_id=new))
+            session = self.dst.transfer.begin_import(dataclasses.replace(manifest, seq_id=new), tenant="")
         except OutOfBlocks:
             return
         self.dst.transfer.import_records(session, records)
         self.dst.transfer.commit_import(session)
         poison(self.dst)
-        again = self.dst.transfer.export_manifest(new, None if layers is None else sorted(layers))
+        again = self.dst.transfer.export_manifest(new, None if layers is None else sorted(layers), tenant="")
         assert_no_nan([v.copy() for v in self.dst.transfer.export_views(again, again.expected())])
-        lengths = self.dst.sequence(new).lengths
+        lengths = self.dst.kv.sequence(new, tenant="").lengths
         for layer in range(self.model.num_layers):  # one more token in every layer that can take one
             q, k, v = self.h.tensors(layer, 1)
             source = self.model.layers[layer].kv_source
-            if source is not None and lengths[layer] + 1 > self.dst.sequence(new).lengths[source]:
+            if source is not None and lengths[layer] + 1 > self.dst.kv.sequence(new, tenant="").lengths[source]:
                 continue
             try:
-                out = self.dst.attend(layer, [BatchEntry(new, lengths[layer], 1)], q, k, v)
+                out = self.dst.attend(layer, [BatchEntry(new, lengths[layer], 1)], q, k, v, tenant="")
             except OutOfBlocks:
                 continue
             assert torch.isfinite(out).all(), f"layer {layer} of an imported sequence read a byte it never wrote"
             poison(self.dst)
-        self.dst.release([new])
+        self.dst.kv.release([new], tenant="")
         poison(self.dst)
 
     @invariant()
     def pool_accounting_is_exact(self) -> None:
         engine = self.h.engine
-        owned = [b for s in engine.sequence_ids() for t in engine.sequence(s).tables for b in t.values()]
+        owned = [
+            b
+            for s in engine.kv.sequence_ids(tenant="")
+            for t in engine.kv.sequence(s, tenant="").tables
+            for b in t.values()
+        ]
         assert len(owned) == len(set(owned)), "a block is owned twice"
         pool = engine.pool
         assert pool.num_free + pool.num_used == pool.num_blocks
@@ -168,9 +175,9 @@ class EngineMachine(RuleBasedStateMachine):
     @invariant()
     def groups_hold_exactly_what_their_layers_need(self) -> None:
         engine = self.h.engine
-        assert sorted(engine.sequence_ids()) == sorted(self.lengths)
+        assert sorted(engine.kv.sequence_ids(tenant="")) == sorted(self.lengths)
         for seq, lengths in self.lengths.items():
-            info = engine.sequence(seq)
+            info = engine.kv.sequence(seq, tenant="")
             assert list(info.lengths) == lengths
             for group in engine.groups:
                 needed = spec_needed_blocks(self.model, group.layers, group.sharers, info.lengths, group.chunk_size)

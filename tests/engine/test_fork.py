@@ -15,7 +15,12 @@ from tests.helpers.harness import MODELS, Exploding, Harness, snapshot
 
 def owners_are_exact(engine: Engine) -> None:
     """Every block's owner count equals the number of block tables that hold it; used = distinct blocks."""
-    held = Counter(b for s in engine.sequence_ids() for t in engine.sequence(s).tables for b in t.values())
+    held = Counter(
+        b
+        for s in engine.kv.sequence_ids(tenant="")
+        for t in engine.kv.sequence(s, tenant="").tables
+        for b in t.values()
+    )
     assert engine.pool.num_used == len(held)
     for block, n in held.items():
         assert engine.pool.owners(block) == n, (block, n)
@@ -26,9 +31,11 @@ def owners_are_exact(engine: Engine) -> None:
 def test_forks_decode_apart_and_match_the_reference(model: str, fork_at: int) -> None:
     h = Harness.build(MODELS[model])
     h.step([BatchEntry("p", 0, fork_at)])
-    shared = h.engine.fork("p", "c")
+    shared = h.engine.kv.fork("p", "c", tenant="")
     h.reference.fork("p", "c")
-    assert shared == len(h.engine.sequence("p").tables[0]) + sum(len(t) for t in h.engine.sequence("p").tables[1:])
+    assert shared == len(h.engine.kv.sequence("p", tenant="").tables[0]) + sum(
+        len(t) for t in h.engine.kv.sequence("p", tenant="").tables[1:]
+    )
     owners_are_exact(h.engine)
     for i in range(12):  # different tokens for each: they diverge, across the next chunk boundaries
         h.step([BatchEntry("p", fork_at + i, 1), BatchEntry("c", fork_at + i, 1)])
@@ -45,7 +52,7 @@ def test_a_fork_costs_no_block_until_someone_writes_into_a_shared_one() -> None:
     h = Harness.build(MODELS["mqa"])  # C = 4 and a global layer; blocks of 4
     h.step([BatchEntry("p", 0, 6)])  # chunked group: [4, 8) (chunk [0, 4) is gone); global: [0, 4), [4, 8)
     used = h.engine.pool.num_used
-    h.engine.fork("p", "c")
+    h.engine.kv.fork("p", "c", tenant="")
     h.reference.fork("p", "c")
     assert h.engine.pool.num_used == used
     h.call(0, [BatchEntry("c", 6, 1)])  # writes into the shared block [4, 8) of the chunked group: one copy
@@ -61,23 +68,25 @@ def test_fork_errors_change_nothing() -> None:
     h.step([BatchEntry("q", 0, 3)])
     before = snapshot(h.engine)
     with pytest.raises(UnknownSequence, match="'nope'"):
-        h.engine.fork("nope", "c")
+        h.engine.kv.fork("nope", "c", tenant="")
     with pytest.raises(SequenceExists, match="'q'"):
-        h.engine.fork("p", "q")
+        h.engine.kv.fork("p", "q", tenant="")
     with pytest.raises(InvalidBatch, match="non-empty string"):
-        h.engine.fork("p", "")
+        h.engine.kv.fork("p", "", tenant="")
     assert snapshot(h.engine) == before
 
 
 def test_copy_on_write_refused_for_want_of_blocks_changes_nothing() -> None:
     h = Harness.build(MODELS["mqa"], num_blocks=5)
     h.step([BatchEntry("p", 0, 6)])  # 3 blocks: [4, 8) of the chunked group, [0, 4) and [4, 8) of the global
-    h.engine.fork("p", "c")
+    h.engine.kv.fork("p", "c", tenant="")
     h.step([BatchEntry("x", 0, 3)])  # 2 more: the pool is full
     assert h.engine.pool.num_free == 0
     before = snapshot(h.engine)
     with pytest.raises(OutOfBlocks):
-        h.engine.attend(0, [BatchEntry("c", 6, 1)], torch.randn(1, 4, 8), torch.randn(1, 1, 8), torch.randn(1, 1, 8))
+        h.engine.attend(
+            0, [BatchEntry("c", 6, 1)], torch.randn(1, 4, 8), torch.randn(1, 1, 8), torch.randn(1, 1, 8), tenant=""
+        )
     assert snapshot(h.engine) == before
     owners_are_exact(h.engine)
 
@@ -87,14 +96,14 @@ def _failing_call_changes_nothing(entries: list[BatchEntry]) -> Harness:
     the copy-on-write must leave everything as it was. Returns the harness, backend restored."""
     h = Harness.build(MODELS["mqa"])
     h.step([BatchEntry("p", 0, 6)])
-    h.engine.fork("p", "c")
+    h.engine.kv.fork("p", "c", tenant="")
     h.reference.fork("p", "c")
     before = snapshot(h.engine)
     backend = h.engine.backend
     h.engine.backend = Exploding(torch.device("cpu"))
     n = len(entries)
     with pytest.raises(RuntimeError, match="fell over"):
-        h.engine.attend(0, entries, torch.randn(n, 4, 8), torch.randn(n, 1, 8), torch.randn(n, 1, 8))
+        h.engine.attend(0, entries, torch.randn(n, 4, 8), torch.randn(n, 1, 8), torch.randn(n, 1, 8), tenant="")
     assert snapshot(h.engine) == before
     owners_are_exact(h.engine)
     h.engine.backend = backend

@@ -132,7 +132,7 @@ def test_large_values_saturate_and_stay_finite() -> None:
     for position, n in ((0, 9), (9, 1), (10, 3)):
         q = torch.randn(n, 2, 8, generator=g) * 0.001  # scores of moderate size over huge keys
         k, v = (torch.randn(n, 1, 8, generator=g) * 1000 for _ in range(2))
-        out = engine.attend(0, [BatchEntry("a", position, n)], q, k, v).double().numpy()
+        out = engine.attend(0, [BatchEntry("a", position, n)], q, k, v, tenant="").double().numpy()
         k8, v8 = (dtypes.fp8_round(x.numpy(), "float8_e4m3") for x in (k, v))
         assert np.abs(k8).max() == 448
         want = reference.attend(0, [BatchEntry("a", position, n)], q.double().numpy(), k8, v8)
@@ -165,7 +165,7 @@ def test_a_scales_file_gives_each_layer_its_scales(tmp_path: Path) -> None:
         device="cpu",
     )
     engine = Engine(config)
-    assert [engine.kv_scales(i) for i in range(4)] == [(0.5, 0.125), (0.5, 0.125), (2.0, 4.0), (2.0, 4.0)]
+    assert [engine.scales.of(i) for i in range(4)] == [(0.5, 0.125), (0.5, 0.125), (2.0, 4.0), (2.0, 4.0)]
 
 
 @pytest.mark.parametrize(
@@ -223,7 +223,7 @@ def test_scales_whose_saturated_values_overflow_the_compute_dtype_are_refused(
     assert k is not None
     assert v is not None
     k[0, 0, 0], v[1, 1, 1] = 65504.0, -62000.0  # saturate: stored as the format's largest, read back finite
-    assert torch.isfinite(ok.engine.attend(0, [BatchEntry("a", 0, 3)], q, k, v)).all()
+    assert torch.isfinite(ok.engine.attend(0, [BatchEntry("a", 0, 3)], q, k, v, tenant="")).all()
 
 
 def test_the_repro_of_issue_27_4_float16_over_e5m2_with_scale_2_is_refused_at_start() -> None:
@@ -250,8 +250,8 @@ def test_a_calibrated_scale_never_overflows_the_compute_dtype() -> None:
     assert k is not None
     assert v is not None
     k[0, 0, 0] = v[0, 0, 0] = 60000.0
-    out = h.engine.attend(0, [BatchEntry("a", 0, 4)], q, k, v)
-    scales = h.engine.kv_scales(0)
+    out = h.engine.attend(0, [BatchEntry("a", 0, 4)], q, k, v, tenant="")
+    scales = h.engine.scales.of(0)
     assert scales is not None
     assert scales[0] == scales[1] < 1.1423
     assert torch.isfinite(out).all()
@@ -272,13 +272,13 @@ def test_a_first_write_whose_scales_would_be_zero_or_denormal_is_refused_and_cal
     free = h.engine.pool.num_free
     if not ok:
         with pytest.raises(InvalidTensor, match=r"largest \|k\| is .* the smallest this cache can be read back over"):
-            h.engine.attend(0, [BatchEntry("a", 0, 4)], q, k, v)
-        assert h.engine.kv_scales(0) is None  # still to calibrate
+            h.engine.attend(0, [BatchEntry("a", 0, 4)], q, k, v, tenant="")
+        assert h.engine.scales.of(0) is None  # still to calibrate
         assert h.engine.pool.num_free == free  # nothing written
-        assert not h.engine.sequence_ids()
+        assert not h.engine.kv.sequence_ids(tenant="")
         return
-    h.engine.attend(0, [BatchEntry("a", 0, 4)], q, k, v)
-    scales = h.engine.kv_scales(0)
+    h.engine.attend(0, [BatchEntry("a", 0, 4)], q, k, v, tenant="")
+    scales = h.engine.scales.of(0)
     assert scales is not None
     assert all(s >= 2.0**-126 for s in scales)  # normal float32s: 1 where everything was 0
 
@@ -287,14 +287,14 @@ def test_a_stream_whose_scales_would_read_back_as_zero_or_inf_is_refused() -> No
     """A KV stream's scales pass the checks a --kv-scales file does, against this server's compute dtype."""
     src = _engine("fp8")
     _fill(src)
-    manifest = src.transfer.export_manifest("s")
+    manifest = src.transfer.export_manifest("s", tenant="")
     dst = _engine("fp8", KVScales(calibrate=True), dtype="float16")
     free = dst.pool.num_free
     for bad, message in [((0.0, 1.0), "got 0"), ((1e-40, 1.0), "got 1e-40"), ((1.0, 2000.0), "past float16's")]:
         forged = dataclasses.replace(manifest, scales=tuple(bad for _ in manifest.scales))
         with pytest.raises(IncompatibleKV, match=message):
-            dst.transfer.begin_import(forged)
-        assert dst.kv_scales(0) is None
+            dst.transfer.begin_import(forged, tenant="")
+        assert dst.scales.of(0) is None
         assert dst.pool.num_free == free
 
 
@@ -316,14 +316,14 @@ def test_scales_too_small_for_the_compute_dtype_are_refused_everywhere() -> None
     k.zero_()
     k[0, 0, 0] = 1e-5  # a float16 subnormal: its scale (5e-8) reads 448 back as a float16 denormal
     with pytest.raises(InvalidTensor, match=r"largest \|k\| is 1.00136e-05.* at least 2.7248e-05"):
-        h.engine.attend(0, [BatchEntry("a", 0, 2)], q, k, v)
-    assert h.engine.kv_scales(0) is None
+        h.engine.attend(0, [BatchEntry("a", 0, 2)], q, k, v, tenant="")
+    assert h.engine.scales.of(0) is None
     src = _engine("fp8", KVScales((1e-20,), (1.0,)))  # float32 compute: a fine scale there
     _fill(src)
     dst = _engine("fp8", KVScales(calibrate=True), dtype="float16")
     with pytest.raises(IncompatibleKV, match="below float16's smallest normal number"):
         _move(src, dst)
-    assert dst.kv_scales(0) is None
+    assert dst.scales.of(0) is None
 
 
 @pytest.mark.parametrize("name", FP8)
@@ -335,8 +335,8 @@ def test_a_kv_stream_holding_a_nan_or_an_infinity_is_refused(name: str) -> None:
     nan = {"float8_e4m3": 0x7F, "float8_e5m2": 0x7C}[dtypes.lookup(name).name]  # e4m3fn NaN; e5m2 +inf
     dst = _engine(name)
     free = dst.pool.num_free
-    manifest = src.transfer.export_manifest("s")
-    session = dst.transfer.begin_import(manifest)
+    manifest = src.transfer.export_manifest("s", tenant="")
+    session = dst.transfer.begin_import(manifest, tenant="")
     records = [r.copy() for r in src.transfer.export_views(manifest, manifest.expected())]
     k = bytearray(records[1].k)
     k[5] = nan
@@ -346,7 +346,7 @@ def test_a_kv_stream_holding_a_nan_or_an_infinity_is_refused(name: str) -> None:
         dst.transfer.import_records(session, records)
     dst.transfer.abort_import(session)
     assert dst.pool.num_free == free
-    assert not dst.sequence_ids()
+    assert not dst.kv.sequence_ids(tenant="")
 
 
 def test_scales_files_name_every_writing_layer_unless_calibrating() -> None:
@@ -371,16 +371,16 @@ def test_scales_need_a_float8_cache() -> None:
 
 def test_calibration_takes_each_layers_scales_from_its_first_write() -> None:
     h = Harness.build(MODELS["sharing"], cache_dtype="fp8", kv_scales=KVScales(calibrate=True))
-    assert h.engine.kv_scales(0) is None
+    assert h.engine.scales.of(0) is None
     q, k, v = h.tensors(0, 12)
-    h.engine.attend(0, [BatchEntry("a", 0, 12)], q, k, v)
+    h.engine.attend(0, [BatchEntry("a", 0, 12)], q, k, v, tenant="")
     assert k is not None
     assert v is not None
     want = (float(np.float32(k.abs().max() / 200)), float(np.float32(v.abs().max() / 100)))
-    assert h.engine.kv_scales(0) == h.engine.kv_scales(1) == want  # layer 1 reads layer 0's cache
-    assert h.engine.kv_scales(2) is None
-    h.engine.attend(0, [BatchEntry("a", 12, 1)], *h.tensors(0, 1))
-    assert h.engine.kv_scales(0) == want  # set once
+    assert h.engine.scales.of(0) == h.engine.scales.of(1) == want  # layer 1 reads layer 0's cache
+    assert h.engine.scales.of(2) is None
+    h.engine.attend(0, [BatchEntry("a", 12, 1)], *h.tensors(0, 1), tenant="")
+    assert h.engine.scales.of(0) == want  # set once
 
 
 # -- KV transfer ----------------------------------------------------------------------------------------
@@ -400,13 +400,17 @@ def _fill(engine: Engine, seq_id: str = "s", tokens: int = 19) -> None:
         q = torch.randn(tokens, m.num_heads, m.head_size, generator=g)
         k, v = (torch.randn(tokens, m.num_kv_heads, m.head_size, generator=g) for _ in range(2))
         engine.attend(
-            layer, [BatchEntry(seq_id, 0, tokens)], q, *((None, None) if spec.kv_source is not None else (k, v))
+            layer,
+            [BatchEntry(seq_id, 0, tokens)],
+            q,
+            *((None, None) if spec.kv_source is not None else (k, v)),
+            tenant="",
         )
 
 
 def _move(src: Engine, dst: Engine, seq_id: str = "s") -> None:
-    manifest = src.transfer.export_manifest(seq_id)
-    session = dst.transfer.begin_import(manifest)
+    manifest = src.transfer.export_manifest(seq_id, tenant="")
+    session = dst.transfer.begin_import(manifest, tenant="")
     try:
         for batch in batches(manifest.expected(), 4):
             dst.transfer.import_records(session, [r.copy() for r in src.transfer.export_views(manifest, batch)])
@@ -417,7 +421,7 @@ def _move(src: Engine, dst: Engine, seq_id: str = "s") -> None:
 
 def _pages(engine: Engine, seq_id: str) -> list[bytes]:
     """The float8 bytes of every block the sequence holds, per plane, in logical order."""
-    info = engine.sequence(seq_id)
+    info = engine.kv.sequence(seq_id, tenant="")
     out = []
     for group, table in zip(engine.groups, info.tables, strict=True):
         for plane in range(len(group.layers)):
@@ -436,8 +440,8 @@ def test_a_float8_export_imports_bit_exactly_into_another_float8_server(name: st
     q = torch.randn(1, 8, 16)
     kv = torch.randn(1, 2, 16)
     for layer in range(6):
-        a = src.attend(layer, [BatchEntry("s", 19, 1)], q, kv, kv)
-        b = dst.attend(layer, [BatchEntry("s", 19, 1)], q, kv, kv)
+        a = src.attend(layer, [BatchEntry("s", 19, 1)], q, kv, kv, tenant="")
+        b = dst.attend(layer, [BatchEntry("s", 19, 1)], q, kv, kv, tenant="")
         assert torch.equal(a, b)
 
 
@@ -448,7 +452,7 @@ def test_a_bfloat16_server_refuses_a_float8_stream_naming_both() -> None:
     with pytest.raises(IncompatibleKV, match="cache_dtype: bfloat16 here, float8_e4m3 in the stream"):
         _move(src, dst)
     assert dst.pool.num_free == free
-    assert not dst.sequence_ids()
+    assert not dst.kv.sequence_ids(tenant="")
 
 
 def test_other_scales_are_refused_and_a_calibrating_server_adopts_the_streams() -> None:
@@ -457,10 +461,10 @@ def test_other_scales_are_refused_and_a_calibrating_server_adopts_the_streams() 
     other = _engine("fp8", KVScales((0.05,), (0.04,)))
     with pytest.raises(IncompatibleKV, match=r"layer 0's float8 KV is held over scales \(k, v\) = \(0.05"):
         _move(src, other)
-    assert not other.sequence_ids()
+    assert not other.kv.sequence_ids(tenant="")
     calibrating = _engine("fp8", KVScales(calibrate=True))
     _move(src, calibrating)
-    assert [calibrating.kv_scales(i) for i in range(6)] == [src.kv_scales(i) for i in range(6)]
+    assert [calibrating.scales.of(i) for i in range(6)] == [src.scales.of(i) for i in range(6)]
     assert _pages(calibrating, "s") == _pages(src, "s")
 
 

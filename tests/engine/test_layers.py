@@ -3,7 +3,8 @@
 - gRPC and protobuf stop at the service edge: nothing in engine/, kv/ or attention/ imports grpc, protobuf,
   the generated stubs, the wire codecs, the client's transport or the service; errors.py and config.py import
   neither grpc nor torch (they are shared by every layer);
-- the block pool and the retention rule are plain Python: importing them imports no torch.
+- the block pool and the retention rule are plain Python: importing them imports no torch;
+- no tenant (nor the pool's account) has a default below the service.
 (The client's own rule, no torch in ``import chunkattn_client``, is tests/client/test_client_thin.py.)
 """
 
@@ -88,3 +89,43 @@ def test_the_block_pool_and_the_retention_rule_import_no_torch() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, f"importing them pulled in {result.stdout.strip()}\n{result.stderr}"
+
+
+# -- the tenant: required below the service ------------------------------------------------------------
+
+OWNER_NAMES = ("tenant", "account")
+
+
+def defaulted_owners(path: Path) -> list[str]:
+    """Where ``path`` gives a tenant (or the pool's ``account``) a default: a parameter or a class field."""
+    found: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            a = node.args
+            positional = [*a.posonlyargs, *a.args]
+            with_default = positional[len(positional) - len(a.defaults) :]
+            with_default += [arg for arg, d in zip(a.kwonlyargs, a.kw_defaults, strict=True) if d is not None]
+            found += [f"{node.name}({arg.arg}=...)" for arg in with_default if arg.arg in OWNER_NAMES]
+        elif isinstance(node, ast.ClassDef):
+            for item in node.body:
+                target = item.target if isinstance(item, ast.AnnAssign) and item.value is not None else None
+                if isinstance(target, ast.Name) and target.id in OWNER_NAMES:
+                    found.append(f"{node.name}.{target.id} = ...")
+    return found
+
+
+def test_the_tenant_check_sees_a_default(tmp_path: Path) -> None:
+    sample = tmp_path / "sample.py"
+    sample.write_text(
+        "class A:\n    tenant: str = ''\n"
+        "def f(x, tenant=''): ...\n"
+        "def g(x, *, account: str = ''): ...\n"
+        "def h(x, *, tenant: str): ...\n"
+    )
+    assert defaulted_owners(sample) == ["A.tenant = ...", "f(tenant=...)", "g(account=...)"]
+
+
+@pytest.mark.parametrize("path", core_modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_tenant_has_a_default_below_the_service(path: Path) -> None:
+    """A forgotten tenant must be a TypeError, never a call in the anonymous namespace ("")."""
+    assert not defaulted_owners(path), f"{path.relative_to(PACKAGE)}: {defaulted_owners(path)}"

@@ -20,9 +20,9 @@ def _grow(engine: Engine, total: int, piece: int, layers: int) -> list[int]:
         n = min(piece, total - pos)
         for layer in range(layers):
             q = torch.randn(n, 1, 4, generator=g)
-            engine.attend(layer, [BatchEntry("long", pos, n)], q, q[:, :1], q[:, :1])
+            engine.attend(layer, [BatchEntry("long", pos, n)], q, q[:, :1], q[:, :1], tenant="")
         pos += n
-        held.append(engine.sequence("long").num_blocks)
+        held.append(engine.kv.sequence("long", tenant="").num_blocks)
     return held
 
 
@@ -37,9 +37,9 @@ def test_chunked_layers_hold_one_chunk(total: int, chunk: int, piece: int) -> No
     held = _grow(engine, total, piece, layers=2)
     bound = chunk // 16
     assert max(held) <= bound, f"held up to {max(held)} blocks, bound {bound}"
-    assert engine.sequence("long").lengths == (total, total)
+    assert engine.kv.sequence("long", tenant="").lengths == (total, total)
     assert engine.stats().used_blocks == held[-1]
-    engine.release(["long"])
+    engine.kv.release(["long"], tenant="")
     assert engine.stats().used_blocks == 0
 
 
@@ -54,9 +54,9 @@ def test_global_layers_keep_everything_and_release_returns_it() -> None:
     model = ModelShape(layers=(LayerSpec(64), LayerSpec(0)), **TINY)
     engine = Engine(EngineConfig(model, CacheConfig(block_size=16, num_blocks=200), device="cpu"))
     held = _grow(engine, 1000, 100, layers=2)
-    tables = engine.sequence("long").tables
+    tables = engine.kv.sequence("long", tenant="").tables
     assert len(tables[1]) == -(-1000 // 16)  # the global group: every block
     assert len(tables[0]) <= 64 // 16
     assert held[-1] == len(tables[0]) + len(tables[1])
-    engine.release(["long"])
+    engine.kv.release(["long"], tenant="")
     assert engine.stats().free_blocks == 200

@@ -83,7 +83,7 @@ async def held(s: Scheduler, work: Callable[[], list[Awaitable[Any]]]) -> list[A
 def attend(s: Scheduler, layer: int, entries: list[E], seed: int, **bad: Any) -> Coroutine[Any, Any, Any]:
     q, k, v = tensors(seed, sum(e.num_tokens for e in entries))
     ending = frozenset(e.seq_id for e in entries if e.end_of_sequence)
-    return s.attend("Attend", layer, [e.entry for e in entries], bad.get("q", q), k, v, ending=ending)
+    return s.attend("Attend", layer, [e.entry for e in entries], bad.get("q", q), k, v, ending=ending, tenant="")
 
 
 def assert_as_alone(layer: int, calls: list[tuple[str, int, int]], outs: list[Any]) -> None:
@@ -92,7 +92,7 @@ def assert_as_alone(layer: int, calls: list[tuple[str, int, int]], outs: list[An
     h = Harness.build(MODEL)
     for i, ((seq, pos, n), out) in enumerate(zip(calls, outs, strict=True)):
         q, k, v = tensors(i, n)
-        expected = h.engine.attend(layer, [BatchEntry(seq, pos, n)], q, k, v)
+        expected = h.engine.attend(layer, [BatchEntry(seq, pos, n)], q, k, v, tenant="")
         assert out.is_cpu  # the output in host memory, as the wire takes it
         assert out.is_contiguous()
         torch.testing.assert_close(out, expected)
@@ -136,7 +136,7 @@ def test_calls_of_one_sequence_keep_their_order_and_never_share_a_step() -> None
             )
         )
         assert not any(isinstance(o, BaseException) for o in outs), outs
-        assert s.engine.sequence("s0").lengths[0] == 5
+        assert s.engine.kv.sequence("s0", tenant="").lengths[0] == 5
         assert steps(metrics) == [(3.0, 2.0)]  # (s0@0, s1) then (s0@4)
     finally:
         s.stop()
@@ -169,7 +169,7 @@ def test_a_control_job_keeps_its_place() -> None:
         def work() -> list[Awaitable[Any]]:
             return [
                 attend(s, 0, [E("a", 0, 2)], seed=1),
-                s.run("Release", lambda e: e.release(["a"])),
+                s.run("Release", lambda e: e.kv.release(["a"], tenant="")),
                 attend(s, 0, [E("a", 2, 1)], seed=2),  # a is gone by then
             ]
 
@@ -195,7 +195,9 @@ def test_a_bad_call_fails_alone_and_changes_nothing() -> None:
             calls: list[Awaitable[Any]] = [attend(s, 0, [E(f"g{i}", 0, 3)], seed=i) for i in range(3)]
             if with_bad:
                 q, k, v = tensors(9, 2)
-                calls.insert(1, s.attend("Attend", 0, [BatchEntry("bad", 0, 2)], q[:, :1], k, v))  # wrong q shape
+                calls.insert(
+                    1, s.attend("Attend", 0, [BatchEntry("bad", 0, 2)], q[:, :1], k, v, tenant="")
+                )  # wrong q shape
                 calls.insert(3, attend(s, 0, [E("late", 5, 2)], seed=10))  # unknown sequence not at 0
                 calls.append(attend(s, 0, [E("g9", 0, 1), E("g9", 1, 1)], seed=11))  # repeated sequence
             return calls
@@ -235,7 +237,7 @@ def test_a_call_short_of_blocks_runs_again_alone_and_gets_what_it_would_alone() 
         assert isinstance(outs[3], OutOfBlocks)
         assert "the pool has 0 free of 3" in str(outs[3])
         assert s.engine.stats().free_blocks == 0
-        assert s.engine.sequence_ids() == ["s0", "s1", "s2"]
+        assert s.engine.kv.sequence_ids(tenant="") == ["s0", "s1", "s2"]
         assert steps(metrics) == [(4.0, 2.0)]  # three served together, then the fourth alone
     finally:
         s.stop()
@@ -248,7 +250,7 @@ def test_end_of_sequence_releases_after_its_call() -> None:
             held(s, lambda: [attend(s, 0, [E("a", 0, 2, True)], seed=1), attend(s, 0, [E("b", 0, 2)], seed=2)])
         )
         assert not any(isinstance(o, BaseException) for o in outs)
-        assert s.engine.sequence_ids() == ["b"]
+        assert s.engine.kv.sequence_ids(tenant="") == ["b"]
     finally:
         s.stop()
 
@@ -299,7 +301,7 @@ def test_a_cancelled_call_that_has_not_run_changes_nothing() -> None:
 
     try:
         asyncio.run(main())
-        assert s.engine.sequence_ids() == []
+        assert s.engine.kv.sequence_ids(tenant="") == []
     finally:
         s.stop()
 
@@ -321,7 +323,9 @@ def test_small_steps_run_on_the_event_loop_and_large_ones_on_the_engine_thread()
         asyncio.run(attend(s, 2, [E("small", 0, 3)], seed=1))
         assert runners(metrics) == {"event_loop": 1.0}
         asyncio.run(attend(s, 2, [E("large", 0, 300)], seed=2))  # more tokens than a step on the loop takes
-        asyncio.run(s.run("Release", lambda e: e.release(["small"])))  # control jobs: always the engine thread
+        asyncio.run(
+            s.run("Release", lambda e: e.kv.release(["small"], tenant=""))
+        )  # control jobs: always the engine thread
         assert runners(metrics) == {"event_loop": 1.0, "engine_thread": 2.0}
     finally:
         s.stop()
@@ -391,7 +395,7 @@ def test_a_call_whose_event_loop_closed_holds_up_no_other_loop() -> None:
             return await asyncio.wait_for(call, 10)
 
         assert loop_b.run_until_complete(b_side()).numel()
-        assert s.engine.sequence_ids() == ["b"]
+        assert s.engine.kv.sequence_ids(tenant="") == ["b"]
         assert not left.done()
     finally:
         gate.set()
@@ -406,7 +410,7 @@ def test_a_malformed_entry_fails_its_call_alone_and_the_scheduler_goes_on() -> N
         assert isinstance(bad, InvalidBatch)
         assert "position must be an integer >= 0, got None" in str(bad)
         asyncio.run(attend(s, 0, [E("y", 0, 1)], seed=2))
-        assert s.engine.sequence_ids() == ["y"]
+        assert s.engine.kv.sequence_ids(tenant="") == ["y"]
     finally:
         s.stop()
 
@@ -423,11 +427,11 @@ def test_end_of_sequence_must_name_a_sequence_of_the_call() -> None:
     s, _ = make()
     try:
         q, k, v = tensors(1, 1)
-        call = s.attend("Attend", 0, [BatchEntry("a", 0, 1)], q, k, v, ending=frozenset({"b"}))
+        call = s.attend("Attend", 0, [BatchEntry("a", 0, 1)], q, k, v, ending=frozenset({"b"}), tenant="")
         bad = asyncio.run(_raising(call))
         assert isinstance(bad, InvalidBatch)
         assert "'b'" in str(bad)
-        assert s.engine.sequence_ids() == []
+        assert s.engine.kv.sequence_ids(tenant="") == []
     finally:
         s.stop()
 
@@ -439,6 +443,6 @@ def test_an_unknown_layer_fails_before_it_is_queued_and_the_scheduler_goes_on() 
         assert isinstance(bad, UnknownLayer)
         assert steps(metrics) == [(0.0, 0.0)]  # no step ran
         asyncio.run(attend(s, 0, [E("y", 0, 1)], seed=2))
-        assert s.engine.sequence_ids() == ["y"]
+        assert s.engine.kv.sequence_ids(tenant="") == ["y"]
     finally:
         s.stop()

@@ -28,8 +28,8 @@ def engine(model: ModelShape, num_blocks: int = 512) -> Engine:
 
 def move(src: Engine, dst: Engine, seq_id: str, *, new_id: str | None = None, per_batch: int = 3) -> KVManifest:
     """Export ``seq_id`` from src and import it into dst, a few records at a time, as a stream would."""
-    manifest = src.transfer.export_manifest(seq_id)
-    session = dst.transfer.begin_import(dataclasses.replace(manifest, seq_id=new_id or seq_id))
+    manifest = src.transfer.export_manifest(seq_id, tenant="")
+    session = dst.transfer.begin_import(dataclasses.replace(manifest, seq_id=new_id or seq_id), tenant="")
     try:
         for batch in batches(manifest.expected(), per_batch):
             dst.transfer.import_records(session, [r.copy() for r in src.transfer.export_views(manifest, batch)])
@@ -54,7 +54,7 @@ class Feed:
             kv = [torch.randn(n, m.num_kv_heads, m.head_size, generator=self.g) for _ in range(2)]
             k, v = (None, None) if spec.kv_source is not None else kv
             for i, (e, s) in enumerate(zip(engines, seq_ids, strict=True)):
-                outs[i].append(e.attend(layer, [BatchEntry(s, position, n)], q, k, v))
+                outs[i].append(e.attend(layer, [BatchEntry(s, position, n)], q, k, v, tenant=""))
         return outs
 
 
@@ -84,13 +84,13 @@ def test_chunked_layers_send_at_most_one_chunk_and_a_block_whatever_the_prompt()
     assert per_layer[0] * bs <= c + bs
     assert per_layer[1] * bs <= c + bs
     assert per_layer[2] == -(-(10 * c + 3) // bs)  # the global layer sends everything
-    assert dst.sequence("s").lengths == (83, 83, 83)
+    assert dst.kv.sequence("s", tenant="").lengths == (83, 83, 83)
 
 
 def _ready(shape: ModelShape = MODELS["gqa"]) -> tuple[Engine, Engine, KVManifest, list[BlockRecord]]:
     src, dst = engine(shape), engine(shape)
     Feed(shape).step([src], ["s"], 0, 21)
-    manifest = src.transfer.export_manifest("s")
+    manifest = src.transfer.export_manifest("s", tenant="")
     return src, dst, manifest, [r.copy() for r in src.transfer.export_views(manifest, manifest.expected())]
 
 
@@ -138,14 +138,14 @@ def test_the_device_path_reads_the_same_bytes_and_checksums_as_the_page_views() 
 
 def _unchanged(dst: Engine) -> None:
     assert dst.pool.num_free == dst.pool.num_blocks
-    assert dst.sequence_ids() == []
+    assert dst.kv.sequence_ids(tenant="") == []
 
 
 def test_a_damaged_record_is_data_loss_and_leaves_nothing() -> None:
     src, dst, manifest, records = _ready()
     before = snapshot(src)
     bad = dataclasses.replace(records[3], k=bytes([records[3].k[0] ^ 1]) + records[3].k[1:])
-    session = dst.transfer.begin_import(manifest)
+    session = dst.transfer.begin_import(manifest, tenant="")
     with pytest.raises(DataLoss, match="fails its checksum"):
         dst.transfer.import_records(session, [*records[:3], bad])
     dst.transfer.abort_import(session)
@@ -155,7 +155,7 @@ def test_a_damaged_record_is_data_loss_and_leaves_nothing() -> None:
 
 def test_a_truncated_stream_is_data_loss_and_leaves_nothing() -> None:
     _, dst, manifest, records = _ready()
-    session = dst.transfer.begin_import(manifest)
+    session = dst.transfer.begin_import(manifest, tenant="")
     dst.transfer.import_records(session, records[:-1])
     with pytest.raises(DataLoss, match=r"1 of \d+ records missing"):
         dst.transfer.commit_import(session)
@@ -166,7 +166,7 @@ def test_a_truncated_stream_is_data_loss_and_leaves_nothing() -> None:
 @pytest.mark.parametrize("which", ["unexpected", "twice", "size"])
 def test_records_that_do_not_belong_are_refused(which: str) -> None:
     _, dst, manifest, records = _ready()
-    session = dst.transfer.begin_import(manifest)
+    session = dst.transfer.begin_import(manifest, tenant="")
     bad = {
         "unexpected": [dataclasses.replace(records[0], logical=999)],
         "twice": [records[0], records[0]],
@@ -182,7 +182,7 @@ def test_another_model_shape_is_refused_by_name() -> None:
     _, _, manifest, _ = _ready()
     other = engine(dataclasses.replace(MODELS["gqa"], head_size=32))
     with pytest.raises(IncompatibleKV, match="head_size: 32 here, 16 in the stream"):
-        other.transfer.begin_import(manifest)
+        other.transfer.begin_import(manifest, tenant="")
     _unchanged(other)
 
 
@@ -191,17 +191,17 @@ def test_an_existing_id_and_a_full_pool_are_refused_before_anything_is_reserved(
     Feed(MODELS["gqa"]).step([dst], ["s"], 0, 3)
     before = snapshot(dst)
     with pytest.raises(SequenceExists, match="'s'"):
-        dst.transfer.begin_import(manifest)
+        dst.transfer.begin_import(manifest, tenant="")
     assert snapshot(dst) == before
     small = engine(MODELS["gqa"], num_blocks=4)
     with pytest.raises(OutOfBlocks, match="the import needs"):
-        small.transfer.begin_import(manifest)
+        small.transfer.begin_import(manifest, tenant="")
     _unchanged(small)
 
 
 def test_an_id_taken_during_the_import_fails_the_commit_and_leaves_the_other_sequence() -> None:
     _, dst, manifest, records = _ready()
-    session = dst.transfer.begin_import(manifest)
+    session = dst.transfer.begin_import(manifest, tenant="")
     dst.transfer.import_records(session, records)
     Feed(MODELS["gqa"]).step([dst], ["s"], 0, 2)
     before = snapshot(dst)
@@ -254,7 +254,7 @@ def test_forged_manifests_are_refused_before_anything_is_reserved(case: str) -> 
     if "lengths" in change:  # forged lengths come without kept_from (each layer's current chunk, then)
         change = {**change, "kept_from": ()}
     with pytest.raises((IncompatibleKV, InvalidBatch), match=message):
-        dst.transfer.begin_import(dataclasses.replace(manifest, **change))  # type: ignore[arg-type]
+        dst.transfer.begin_import(dataclasses.replace(manifest, **change), tenant="")  # type: ignore[arg-type]
     _unchanged(dst)
 
 
@@ -263,6 +263,6 @@ def test_release_after_an_export_refuses_a_sequence_that_changed_since() -> None
     Feed(MODELS["gqa"]).step([src], ["s"], 21, 1)
     with pytest.raises(SequenceChanged, match="not released"):
         src.transfer.release_exported(manifest)
-    assert "s" in src.sequence_ids()
-    src.transfer.release_exported(src.transfer.export_manifest("s"))
-    assert src.sequence_ids() == []
+    assert "s" in src.kv.sequence_ids(tenant="")
+    src.transfer.release_exported(src.transfer.export_manifest("s", tenant=""))
+    assert src.kv.sequence_ids(tenant="") == []

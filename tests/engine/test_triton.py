@@ -42,7 +42,7 @@ def test_head_sizes_and_gqa_ratios_match_the_reference(head_size: int, group: in
     )  # fmt: skip
     h = Harness.build(model, impl="triton")
     _scenario(h)
-    info = h.engine.sequence("a")
+    info = h.engine.kv.sequence("a", tenant="")
     assert info is not None
     assert min(info.tables[0]) >= 2  # layer 0's blocks before its current chunk are gone
 
@@ -167,5 +167,5 @@ def test_an_engine_configured_for_triton_serves_through_it() -> None:
     ]
     assert [e.backend.name for e in engines] == ["triton", "torch"]
     q, k, v = torch.randn(5, 4, 8), torch.randn(5, 1, 8), torch.randn(5, 1, 8)
-    ours, theirs = (e.attend(0, [BatchEntry("s", 0, 5)], q, k, v) for e in engines)
+    ours, theirs = (e.attend(0, [BatchEntry("s", 0, 5)], q, k, v, tenant="") for e in engines)
     assert float((ours - theirs).abs().max()) <= 1e-5

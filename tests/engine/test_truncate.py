@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from chunkattn_client import BatchEntry
+from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_server import Engine, LayerSpec, ModelShape
 from chunkattn_server.errors import InvalidBatch, PositionMismatch, SequenceChanged, UnknownSequence
 from chunkattn_server.kv.manifest import KVManifest, batches
@@ -103,7 +104,7 @@ def build(window: int, num_blocks: int = 128, impl: str = "auto") -> Harness:
 
 
 def held_blocks(engine: Engine, seq_id: str) -> int:
-    return engine.sequence(seq_id).num_blocks
+    return engine.kv.sequence(seq_id, tenant="").num_blocks
 
 
 class TruncateMachine(RuleBasedStateMachine):
@@ -136,7 +137,7 @@ class TruncateMachine(RuleBasedStateMachine):
         before, held = snapshot(self.h.engine), held_blocks(self.h.engine, seq)
         if not allowed:  # refused, naming how far back it may go, and nothing changed
             with pytest.raises(PositionMismatch) as refusal:
-                self.h.engine.truncate(seq, length)
+                self.h.engine.kv.truncate(seq, length, tenant="")
             event("truncation refused")
             assert snapshot(self.h.engine) == before, "a refused truncation changed something"
             if length <= spec.length:
@@ -191,7 +192,7 @@ class TruncateMachine(RuleBasedStateMachine):
     def fork(self, data: st.DataObject) -> None:
         parent = data.draw(st.sampled_from(sorted(self.seqs)))
         child = data.draw(st.sampled_from([s for s in IDS if s not in self.seqs]))
-        self.h.engine.fork(parent, child)
+        self.h.engine.kv.fork(parent, child, tenant="")
         self.h.reference.fork(parent, child)
         self.seqs[child] = dataclasses.replace(self.seqs[parent], held_from=dict(self.seqs[parent].held_from))
 
@@ -213,7 +214,9 @@ class TruncateMachine(RuleBasedStateMachine):
         self.imported += 1
         new = f"imported-{self.imported}"
         move(self.h.engine, self.dst.engine, seq, new)
-        assert self.dst.engine.sequence(new).kept_from == self.h.engine.sequence(seq).kept_from
+        assert (
+            self.dst.engine.kv.sequence(new, tenant="").kept_from == self.h.engine.kv.sequence(seq, tenant="").kept_from
+        )
         self.h.reference.fork(seq, new)
         there = dataclasses.replace(spec, held_from=dict(spec.held_from))
         if there.length < MAX_LEN:
@@ -221,7 +224,7 @@ class TruncateMachine(RuleBasedStateMachine):
             there.grow(1)
         length = data.draw(st.integers(0, there.length))
         try:
-            self.dst.engine.truncate(new, length)
+            self.dst.engine.kv.truncate(new, length, tenant="")
         except PositionMismatch:
             assert not there.allows(length)
         else:
@@ -239,9 +242,9 @@ class TruncateMachine(RuleBasedStateMachine):
     @invariant()
     def tables_hold_exactly_what_the_spec_keeps(self) -> None:
         engine = self.h.engine
-        assert sorted(engine.sequence_ids()) == sorted(self.seqs)
+        assert sorted(engine.kv.sequence_ids(tenant="")) == sorted(self.seqs)
         for seq, spec in self.seqs.items():
-            info = engine.sequence(seq)
+            info = engine.kv.sequence(seq, tenant="")
             assert info.lengths == (spec.length,) * MODEL.num_layers
             for group, expected in spec.expected_tables(engine).items():
                 assert set(info.tables[group]) == expected, (seq, spec, info)
@@ -262,8 +265,8 @@ TestWindowMachine.settings = settings(max_examples=40, stateful_step_count=30)
 
 def move(src: Engine, dst: Engine, seq_id: str, new_id: str) -> KVManifest:
     """Export ``seq_id`` from src and import it into dst as ``new_id``, a few records at a time."""
-    manifest = src.transfer.export_manifest(seq_id)
-    session = dst.transfer.begin_import(dataclasses.replace(manifest, seq_id=new_id))
+    manifest = src.transfer.export_manifest(seq_id, tenant="")
+    session = dst.transfer.begin_import(dataclasses.replace(manifest, seq_id=new_id), tenant="")
     try:
         for batch in batches(manifest.expected(), 3):
             records = [r.copy() for r in src.transfer.export_views(manifest, batch)]
@@ -283,18 +286,18 @@ def test_the_worked_example_of_the_retention_docstring() -> None:
     h = Harness.build(ModelShape(4, 2, 8, (LayerSpec(8),)), block_size=BS, spec_window=3)
     h.step([BatchEntry("s", 0, 14)])
     h.step([BatchEntry("s", 14, 4)])  # len 18: kept from chunk_start(15) = 8
-    assert set(h.engine.sequence("s").tables[0]) == {2, 3, 4}
+    assert set(h.engine.kv.sequence("s", tenant="").tables[0]) == {2, 3, 4}
     before = snapshot(h.engine)
     with pytest.raises(
         PositionMismatch, match=r"to 7 tokens: layer 0 .* from 0 on again.* from 8 on only.*min_length=8"
     ):
-        h.engine.truncate("s", 7)
+        h.engine.kv.truncate("s", 7, tenant="")
     assert snapshot(h.engine) == before
     done = h.truncate("s", 15)  # one draft accepted: block 4 (16, 17) goes
     assert (done.released_blocks, done.dropped_tokens, done.min_length) == (1, 3, 8)
     for position in range(15, 19):
         h.step([BatchEntry("s", position, 1)])
-    assert set(h.engine.sequence("s").tables[0]) == {4}  # len 19: kept from chunk_start(16) = 16
+    assert set(h.engine.kv.sequence("s", tenant="").tables[0]) == {4}  # len 19: kept from chunk_start(16) = 16
     assert h.truncate("s", 8).released_blocks == 1  # a chunk boundary: reads nothing older
     h.truncate("s", 0)
     assert h.engine.pool.num_free == h.engine.pool.num_blocks
@@ -306,7 +309,7 @@ def test_without_a_window_a_verify_across_a_boundary_cannot_roll_back_and_says_h
     h.step([BatchEntry("s", 0, 14)])
     h.step([BatchEntry("s", 14, 4)])  # crosses 16: the C = 8 and C = 16 layers keep 16.. only
     with pytest.raises(PositionMismatch, match=r"min_length=16 .*0 is the nearest"):
-        h.engine.truncate("s", 15)
+        h.engine.kv.truncate("s", 15, tenant="")
     h.truncate("s", 16)  # the boundary itself needs no older keys
     h.step([BatchEntry("s", 16, 1)])
 
@@ -320,7 +323,7 @@ def test_a_chunked_group_holds_at_most_ceil_c_plus_k_over_block_size_blocks(wind
     h.step([BatchEntry("s", 0, 1)])
     for position in range(1, 60):
         h.step([BatchEntry("s", position, 1)])
-        info = h.engine.sequence("s")
+        info = h.engine.kv.sequence("s", tenant="")
         for layer in CHUNKED:
             group = h.engine.kv.group_of[layer].index
             most[layer] = max(most[layer], len(info.tables[group]))
@@ -332,10 +335,10 @@ def test_k_zero_keeps_exactly_what_it_kept_before() -> None:
     """--spec-window 0 is the retention of a server without it: the current chunk only."""
     h = build(0)
     for n in (3, 14, 1, 1, 9):
-        before = h.engine.sequence("s").lengths[0] if "s" in h.engine.sequence_ids() else 0
+        before = h.engine.kv.sequence("s", tenant="").lengths[0] if "s" in h.engine.kv.sequence_ids(tenant="") else 0
         h.step([BatchEntry("s", before, n)])
         length = before + n
-        info = h.engine.sequence("s")
+        info = h.engine.kv.sequence("s", tenant="")
         for layer, c in CHUNKED.items():
             assert set(info.tables[h.engine.kv.group_of[layer].index]) == blocks(chunk_start(length, c), length)
 
@@ -345,19 +348,19 @@ def test_errors_change_nothing() -> None:
     h.step([BatchEntry("s", 0, 10)])
     before = snapshot(h.engine)
     with pytest.raises(UnknownSequence, match="'nope'"):
-        h.engine.truncate("nope", 1)
+        h.engine.kv.truncate("nope", 1, tenant="")
     with pytest.raises(UnknownSequence, match="'s'"):
-        h.engine.truncate("s", 1, tenant="someone-else")
+        h.engine.kv.truncate("s", 1, tenant="someone-else")
     with pytest.raises(InvalidBatch, match="from 0 to 2147483647, got -1"):
-        h.engine.truncate("s", -1)
+        h.engine.kv.truncate("s", -1, tenant="")
     with pytest.raises(InvalidBatch, match="got 2147483648"):
-        h.engine.truncate("s", 2**31)
+        h.engine.kv.truncate("s", 2**31, tenant="")
     with pytest.raises(InvalidBatch, match="non-empty"):
-        h.engine.truncate("", 1)
+        h.engine.kv.truncate("", 1, tenant="")
     with pytest.raises(PositionMismatch, match="to 11 tokens: it has 10; truncation only drops tokens"):
-        h.engine.truncate("s", 11)
+        h.engine.kv.truncate("s", 11, tenant="")
     assert snapshot(h.engine) == before
-    done = h.engine.truncate("s", 10)  # a no-op
+    done = h.engine.kv.truncate("s", 10, tenant="")  # a no-op
     assert (done.released_blocks, done.dropped_tokens) == (0, 0)
     assert snapshot(h.engine) == before
 
@@ -369,24 +372,24 @@ def test_a_lagging_layer_keeps_its_length_and_a_sharer_its_source_keys() -> None
     h.step([BatchEntry("s", 0, 12)])
     h.call(0, [BatchEntry("s", 12, 6)])  # layer 0 at 18; its sharer (layer 1) still at 12: kept from 8
     h.truncate("s", 14)
-    assert h.engine.sequence("s").lengths == (14, 12, 12, 12)
+    assert h.engine.kv.sequence("s", tenant="").lengths == (14, 12, 12, 12)
     h.call(0, [BatchEntry("s", 14, 1)])
     h.call(1, [BatchEntry("s", 12, 3)])  # the sharer reads 8..14 of layer 0's cache
     with pytest.raises(PositionMismatch, match=r"layer 0 .* from 0 on again.*min_length=8 "):
-        h.engine.truncate("s", 7)  # layers 0 and 1 would read 0..6 of layer 0's cache, long gone
+        h.engine.kv.truncate("s", 7, tenant="")  # layers 0 and 1 would read 0..6 of layer 0's cache, long gone
 
 
 @pytest.mark.parametrize("impl", ["auto", "triton"])  # the triton kernels under the interpreter too
 def test_a_forks_truncation_drops_its_own_ownership_only_and_writes_copy(impl: str) -> None:
     h = build(3, impl=impl)
     h.step([BatchEntry("p", 0, 14)])
-    h.engine.fork("p", "c")
+    h.engine.kv.fork("p", "c", tenant="")
     h.reference.fork("p", "c")
-    used, parent = h.engine.pool.num_used, h.engine.sequence("p")
+    used, parent = h.engine.pool.num_used, h.engine.kv.sequence("p", tenant="")
     done = h.truncate("c", 9)  # c drops the blocks past 9 (shared: p keeps them)
     assert done.released_blocks > 0
     assert h.engine.pool.num_used == used  # every block is still p's
-    assert h.engine.sequence("p") == parent
+    assert h.engine.kv.sequence("p", tenant="") == parent
     owners_are_exact(h.engine)
     h.step([BatchEntry("c", 9, 1)])  # into the shared block 2 (positions 8..11): a copy
     assert h.engine.pool.num_used > used
@@ -407,15 +410,18 @@ def test_an_export_sends_exactly_the_positions_held_with_a_window_and_after_a_tr
     src = build(5)
     src.step([BatchEntry("s", 0, 18)])  # kept from chunk_start(13) = 8 in the C = 8 layer: more than its chunk
     src.truncate("s", 17)
-    manifest = src.engine.transfer.export_manifest("s")
+    manifest = src.engine.transfer.export_manifest("s", tenant="")
     assert manifest.kept_from == (8, 0, 0, 0)
-    _, decoded = kvwire.decode(kvwire.encode_header(manifest))  # kept_from goes through the wire
-    assert decoded == dataclasses.replace(manifest, truncations=0)
+    _, header = kvwire.decode(kvwire.encode_header(manifest))  # kept_from goes through the wire
+    assert isinstance(header, pb.KVHeader)
+    assert kvwire.manifest_from_pb(header, "") == dataclasses.replace(manifest, truncations=0)
     dst = Harness(Engine(src.engine.config, backend=src.engine.backend), src.reference, "float32", "float32")
     poison(dst.engine)
     move(src.engine, dst.engine, "s", "t")
     src.reference.fork("s", "t")
-    assert [set(t) for t in dst.engine.sequence("t").tables] == [set(t) for t in src.engine.sequence("s").tables]
+    assert [set(t) for t in dst.engine.kv.sequence("t", tenant="").tables] == [
+        set(t) for t in src.engine.kv.sequence("s", tenant="").tables
+    ]
     dst.truncate("t", 13)  # the window goes with it: 13 reads 8..12, which came along
     for position in range(13, 20):
         dst.step([BatchEntry("t", position, 1)])
@@ -427,17 +433,17 @@ def test_an_importer_with_a_smaller_window_takes_the_stream_and_trims_at_its_nex
     move(src.engine, dst.engine, "s", "s")
     dst.reference = src.reference  # the history of "s"
     group = dst.engine.kv.group_of[0].index
-    assert set(dst.engine.sequence("s").tables[group]) == {2, 3, 4}  # as exported: 8..17
+    assert set(dst.engine.kv.sequence("s", tenant="").tables[group]) == {2, 3, 4}  # as exported: 8..17
     dst.step([BatchEntry("s", 18, 1)])
-    assert set(dst.engine.sequence("s").tables[group]) == {4}  # its own rule now: 16..18
+    assert set(dst.engine.kv.sequence("s", tenant="").tables[group]) == {4}  # its own rule now: 16..18
 
 
 def test_a_truncation_between_export_batches_is_reported_even_when_the_lengths_come_back() -> None:
     h = build(3)
     h.step([BatchEntry("s", 0, 10)])
-    manifest = h.engine.transfer.export_manifest("s")
+    manifest = h.engine.transfer.export_manifest("s", tenant="")
     h.truncate("s", 9)
     h.step([BatchEntry("s", 9, 1)])  # the same lengths again, other K/V
-    assert h.engine.sequence("s").lengths == manifest.lengths
+    assert h.engine.kv.sequence("s", tenant="").lengths == manifest.lengths
     with pytest.raises(SequenceChanged, match="export it again"):
         h.engine.transfer.export_views(manifest, manifest.expected()[:1])

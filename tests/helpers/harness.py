@@ -120,7 +120,7 @@ class Harness:
     def call(self, layer: int, entries: Sequence[BatchEntry]) -> torch.Tensor:
         """One call on both; asserts the engine matches the reference within the dtype's tolerance."""
         q, k, v = self.tensors(layer, sum(e.num_tokens for e in entries))
-        out = self.engine.attend(layer, entries, q, k, v)
+        out = self.engine.attend(layer, entries, q, k, v, tenant="")
         assert out.dtype == q.dtype
         assert out.shape == q.shape
         kr, vr = (None, None) if k is None or v is None else self.expected_kv(layer, k, v)
@@ -153,7 +153,7 @@ class Harness:
         k_c, v_c = self._computed(k), self._computed(v)
         if not d.fp8:
             return k.to(DTYPES[d.name]).double().numpy(), v.to(DTYPES[d.name]).double().numpy()
-        scales = self.engine.kv_scales(layer)
+        scales = self.engine.scales.of(layer)
         assert scales is not None, "the call has calibrated the layer"
 
         def cached(x: npt.NDArray[np.float64], scale: float) -> npt.NDArray[np.float64]:
@@ -169,19 +169,19 @@ class Harness:
 
     def truncate(self, seq_id: str, length: int) -> Truncation:
         """Truncate on both."""
-        done = self.engine.truncate(seq_id, length)
+        done = self.engine.kv.truncate(seq_id, length, tenant="")
         self.reference.truncate(seq_id, length)
         return done
 
     def release(self, *seq_ids: str) -> None:
-        self.engine.release(seq_ids)
+        self.engine.kv.release(seq_ids, tenant="")
         for s in seq_ids:
             self.reference.release(s)
 
 
 def snapshot(engine: Engine) -> Any:
     """Everything a request could change: lengths and block tables of every sequence, the pool."""
-    seqs = {s: engine.sequence(s) for s in engine.sequence_ids()}
+    seqs = {s: engine.kv.sequence(s, tenant="") for s in engine.kv.sequence_ids(tenant="")}
     return (
         {s: (i.lengths, i.tables, i.kept_from) for s, i in seqs.items()},
         engine.stats(),

@@ -226,25 +226,25 @@ def test_quotas_hold_one_tenant_and_not_another() -> None:
         engine.attend(2, [BatchEntry(seq, position, n)], q, kv, kv, tenant=tenant)
 
     call("small", "s", 0, 6)  # blocks 0 and 1 (half full)
-    before = engine.sequence("s", tenant="small")
+    before = engine.kv.sequence("s", tenant="small")
     with pytest.raises(QuotaExceeded, match="max_kv_blocks"):
         call("small", "s", 6, 7)  # blocks 2 and 3 more: 4 > 3
-    assert engine.sequence("s", tenant="small") == before
-    engine.fork("s", "t", tenant="small")  # shares both: still 2 blocks
+    assert engine.kv.sequence("s", tenant="small") == before
+    engine.kv.fork("s", "t", tenant="small")  # shares both: still 2 blocks
     call("small", "t", 6, 1)  # writes into the shared block 1: its copy is the third block
     with pytest.raises(QuotaExceeded, match="max_kv_blocks"):
         call("small", "s", 6, 3)  # in place in block 1, then block 2: a fourth
-    assert (engine.stats().blocks_by_tenant, engine.sequence_ids(tenant="small")) == ({"small": 3}, ["s", "t"])
+    assert (engine.stats().blocks_by_tenant, engine.kv.sequence_ids(tenant="small")) == ({"small": 3}, ["s", "t"])
     with pytest.raises(QuotaExceeded, match="max_sequences"):
-        engine.fork("s", "u", tenant="small")
+        engine.kv.fork("s", "u", tenant="small")
     call("big", "s", 0, 40)  # another tenant: its own "s", no quota
-    assert engine.sequence("s", tenant="small") == before
+    assert engine.kv.sequence("s", tenant="small") == before
     assert engine.stats().sequences_by_tenant == {"small": 2, "big": 1}
     with pytest.raises(UnknownSequence):
-        engine.release(["u"], tenant="small")
+        engine.kv.release(["u"], tenant="small")
     with pytest.raises(SequenceExists):
-        engine.fork("s", "t", tenant="small")
-    assert engine.release(["s", "t"], tenant="small") == 2
+        engine.kv.fork("s", "t", tenant="small")
+    assert engine.kv.release(["s", "t"], tenant="small") == 2
     call("small", "v", 0, 12)  # 3 blocks: at the quota, not past it
     assert engine.stats().blocks_by_tenant == {"small": 3, "big": 10}
 
@@ -257,18 +257,18 @@ def test_imports_under_way_count_against_the_sequence_quota() -> None:
     q = torch.randn(3, model.num_heads, model.head_size)
     kv = torch.randn(3, model.num_kv_heads, model.head_size)
     for layer in range(model.num_layers):
-        source.attend(layer, [BatchEntry("s", 0, 3)], q, kv, kv)
-    manifest = source.transfer.export_manifest("s")
+        source.attend(layer, [BatchEntry("s", 0, 3)], q, kv, kv, tenant="")
+    manifest = source.transfer.export_manifest("s", tenant="")
     engine = Engine(EngineConfig(model, CacheConfig(block_size=4, num_blocks=64), device="cpu"))
     engine.kv.quotas = {"t": Quota(max_sequences=1)}
-    first = engine.transfer.begin_import(manifest, "t")
+    first = engine.transfer.begin_import(manifest, tenant="t")
     with pytest.raises(QuotaExceeded, match="max_sequences"):
-        engine.transfer.begin_import(manifest, "t")
+        engine.transfer.begin_import(manifest, tenant="t")
     with pytest.raises(QuotaExceeded, match="max_sequences"):
         engine.attend(0, [BatchEntry("other", 0, 3)], q, kv, kv, tenant="t")
     engine.transfer.abort_import(first)
     engine.transfer.abort_import(first)  # idempotent: counted off once
-    second = engine.transfer.begin_import(manifest, "t")
+    second = engine.transfer.begin_import(manifest, tenant="t")
     engine.transfer.import_records(
         second, [v.copy() for v in source.transfer.export_views(manifest, manifest.expected())]
     )
@@ -276,7 +276,7 @@ def test_imports_under_way_count_against_the_sequence_quota() -> None:
     engine.transfer.abort_import(second)  # after a commit: nothing
     assert engine.stats().sequences_by_tenant == {"t": 1}
     with pytest.raises(QuotaExceeded, match="max_sequences"):
-        engine.transfer.begin_import(dataclasses.replace(manifest, seq_id="s2"), "t")
+        engine.transfer.begin_import(dataclasses.replace(manifest, seq_id="s2"), tenant="t")
 
 
 def test_a_token_that_cannot_travel_in_a_header_is_refused_by_the_client() -> None:

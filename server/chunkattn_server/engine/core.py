@@ -38,10 +38,10 @@ from chunkattn_server.errors import (
     InvalidTensor,
     OutOfBlocks,
 )
-from chunkattn_server.kv.cache import KVCache
+from chunkattn_server.kv.cache import KVCache, token_slots
 from chunkattn_server.kv.manager import KVManager
 from chunkattn_server.kv.manifest import ModelFingerprint
-from chunkattn_server.kv.records import Reservation, SequenceInfo, Truncation, Write
+from chunkattn_server.kv.records import Reservation, Write
 from chunkattn_server.kv.scales import KVScaleTable
 from chunkattn_server.kv.sequences import SequenceState
 from chunkattn_server.kv.transfer import KVExchange
@@ -53,16 +53,22 @@ warnings.filterwarnings("ignore", message="The given NumPy array is not writable
 
 
 class Engine:
-    """Paged KV cache + chunked-local attention for one model shape, on one device."""
+    """Paged KV cache + chunked-local attention for one model shape, on one device.
+
+    The data plane is ``attend`` / ``attend_step``; the state is reached through the parts that own it:
+    ``kv`` (kv/manager.py: sequences, fork, truncate, release, eviction), ``transfer`` (kv/transfer.py:
+    export and import), ``scales`` (kv/scales.py: a float8 cache's scales) and ``pool``.
+    """
 
     def __init__(self, config: EngineConfig, *, backend: Backend | None = None) -> None:
         self.config = config
         model = config.model
         self.device = resolve_device(config.device)
+        self.backend: Backend = backend if backend is not None else make_backend(config.backend, self.device)
         compute, cache = config.dtypes_on(self.device.type)
         self.dtype = torchtypes.of(compute)  # attention computes in it; outputs come back in q's dtype
         self.cache_dtype = torchtypes.of(cache)
-        self._converts = self.cache_dtype != self.dtype  # K/V go through torchtypes.store / load
+        self._converts = self.cache_dtype != self.dtype  # its writes need the layer's scales (KVCache.write)
         self.scales = KVScaleTable.starting(model, config.cache.scales, dtypes.BY_NAME[cache], dtypes.BY_NAME[compute])
         self.block_size = config.cache.block_size
         self.groups = config.kv_groups
@@ -82,6 +88,7 @@ class Engine:
             head_size=model.head_size,
             dtype=self.cache_dtype,
             device=self.device,
+            writer=self.backend.write,
         )
         self.kv = KVManager(config, num_blocks, self.cache.copy_block)
         self.pool = self.kv.pool
@@ -92,7 +99,6 @@ class Engine:
         ]
         self.transfer = KVExchange(self.kv, self.cache, self._plane_of, self.fingerprint(), self.scales)
         self._on_cpu = self.device.type == "cpu"
-        self.backend: Backend = backend if backend is not None else make_backend(config.backend, self.device)
         self._scales = [spec.scale or 1.0 / math.sqrt(model.head_size) for spec in model.layers]
         self._slopes = [
             None
@@ -111,7 +117,7 @@ class Engine:
         k: torch.Tensor | None = None,
         v: torch.Tensor | None = None,
         *,
-        tenant: str = "",
+        tenant: str,
     ) -> torch.Tensor:
         """Append the batch's K/V to the layer's cache and return chunked-local attention of q over it.
 
@@ -167,7 +173,9 @@ class Engine:
         reserved: list[tuple[int, Reservation]] = []
         for i, states, writes in planned:
             try:
-                reserved.append((i, self.kv.reserve(layer, calls[i].entries, states, writes, owners, calls[i].tenant)))
+                reserved.append(
+                    (i, self.kv.reserve(layer, calls[i].entries, states, writes, owners, tenant=calls[i].tenant))
+                )
             except OutOfBlocks as e:
                 results[i] = Retry() if reserved else e
         if not reserved:
@@ -196,7 +204,7 @@ class Engine:
         checks.check_tensors(self.config.model, layer, spec, call.entries, total, call.q, call.k, call.v, self.dtype)
         if call.k is not None and call.v is not None and self.scales.calibrating(layer):
             self._check_calibration(self._here(call.k), self._here(call.v))
-        states = [self.kv.get(e.seq_id, call.tenant) for e in call.entries]
+        states = [self.kv.get(e.seq_id, tenant=call.tenant) for e in call.entries]
         checks.check_positions(layer, spec, call.entries, states)
         return states, self.kv.plan_writes(layer, spec, call.entries, states)
 
@@ -278,11 +286,9 @@ class Engine:
         KV-sharing layer writes none)."""
         bs = self.block_size
         slots = _concat(
-            [_slots(t, e.position, e.position + e.num_tokens, bs) for t, e in zip(tables, entries, strict=True)]
+            [token_slots(t, e.position, e.position + e.num_tokens, bs) for t, e in zip(tables, entries, strict=True)]
         )
-        kc, vc = self.cache.read(plane, self._index(slots))
-        k_scale, v_scale = self._scales_of(source)
-        return torchtypes.load(kc, k_scale, self.dtype), torchtypes.load(vc, v_scale, self.dtype)
+        return self.cache.read(plane, self._index(slots), self._scales_of(source), self.dtype)
 
     def _store(
         self,
@@ -294,14 +300,10 @@ class Engine:
         kc: torch.Tensor,
         vc: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the call's K/V ([T, Hkv, D], compute dtype) at its writes' cache slots, in the cache's dtype
-        (a float8 cache over the layer's scales, calibrated by this write if it is the first); returns the
-        values as the cache holds them, in the compute dtype: what this call attends over, as later calls will."""
-        bs = self.block_size
-        if self._converts:
-            k_scale, v_scale = self._write_scales(source, kc, vc)
-            kc = torchtypes.store(kc, k_scale, self.cache_dtype)
-            vc = torchtypes.store(vc, v_scale, self.cache_dtype)
+        """Store the call's K/V ([T, Hkv, D], compute dtype) at its writes' cache slots (a float8 cache: over
+        the layer's scales, calibrated by this write if it is the first); returns them as the cache holds them
+        (KVCache.write)."""
+        scales = self._write_scales(source, kc, vc) if self._converts else (1.0, 1.0)
         # The rows of k/v to store and their cache slots; usually every row (a decode, a short prefill).
         rows: list[tuple[int, int]] = []
         slot_parts: list[np.ndarray] = []
@@ -309,20 +311,12 @@ class Engine:
         for table, e, w in zip(tables, entries, writes, strict=True):
             if w.start < w.end:
                 rows.append((row + w.start - e.position, row + e.num_tokens))
-                slot_parts.append(_slots(table, w.start, w.end, bs))
+                slot_parts.append(token_slots(table, w.start, w.end, self.block_size))
             full = full and w.start == e.position
             row += e.num_tokens
-        if slot_parts:
-            slots_t = self._index(_concat(slot_parts))
-            if full:
-                k_rows, v_rows = kc, vc
-            else:
-                index = self._index(_concat([np.arange(a, b) for a, b in rows]))
-                k_rows, v_rows = kc.index_select(0, index), vc.index_select(0, index)
-            self.backend.write(self.cache.k[plane], self.cache.v[plane], slots_t, k_rows, v_rows)
-        if self._converts:
-            kc, vc = torchtypes.load(kc, k_scale, self.dtype), torchtypes.load(vc, v_scale, self.dtype)
-        return kc, vc
+        slots = self._index(_concat(slot_parts) if slot_parts else np.empty(0, np.int64))
+        index = None if full or not slot_parts else self._index(_concat([np.arange(a, b) for a, b in rows]))
+        return self.cache.write(plane, slots, kc, vc, scales, index)
 
     def _scales_of(self, layer: int) -> tuple[float, float]:
         """A layer's cache scales (k, v), its first write having calibrated them where it had to."""
@@ -348,42 +342,10 @@ class Engine:
         except ValueError as e:
             raise InvalidTensor(f"{e}. Nothing was written") from None
 
-    def kv_scales(self, layer: int) -> tuple[float, float] | None:
-        """The (k, v) scales of the layer's cache (its source's for a KV-sharing layer): 1 but in a float8
-        cache; None while a calibrating layer has had no write."""
-        return self.scales.of(layer)
-
     def _index(self, values: np.ndarray) -> torch.Tensor:
         """An int64 index tensor on the engine's device."""
         t = torch.from_numpy(values)
         return t if self._on_cpu else t.to(self.device)
-
-    # -- the control plane (see kv/manager.py; KV transfer: self.transfer, kv/transfer.py) -------------
-
-    def fork(self, parent: str, child: str, *, tenant: str = "") -> int:
-        """KVManager.fork: ``child`` shares ``parent``'s blocks copy-on-write; returns how many."""
-        return self.kv.fork(parent, child, tenant)
-
-    def truncate(self, seq_id: str, length: int, *, tenant: str = "") -> Truncation:
-        """KVManager.truncate: take a sequence back to its first ``length`` tokens in every layer."""
-        return self.kv.truncate(seq_id, length, tenant)
-
-    def release(self, seq_ids: Sequence[str], *, missing_ok: bool = False, tenant: str = "") -> int:
-        """KVManager.release: drop sequences and return their blocks; returns how many existed."""
-        return self.kv.release(seq_ids, missing_ok=missing_ok, tenant=tenant)
-
-    def evict_idle(self, max_idle_s: float, now: float | None = None) -> list[tuple[str, str]]:
-        """KVManager.evict_idle: release sequences untouched for more than ``max_idle_s`` seconds; returns
-        their (tenant, seq_id)."""
-        return self.kv.evict_idle(max_idle_s, now)
-
-    def sequence(self, seq_id: str, *, tenant: str = "") -> SequenceInfo:
-        """A copy of a sequence's state. Raises UnknownSequence."""
-        return self.kv.sequence(seq_id, tenant)
-
-    def sequence_ids(self, *, tenant: str = "") -> list[str]:
-        """The ids of ``tenant``'s sequences."""
-        return self.kv.sequence_ids(tenant)
 
     def fingerprint(self) -> ModelFingerprint:
         model = self.config.model
@@ -412,16 +374,6 @@ class Engine:
     def scale(self, layer: int) -> float:
         """The softmax scale the layer uses (its configured one, or 1 / sqrt(head_size))."""
         return self._scales[layer]
-
-
-def _slots(table: dict[int, int], start: int, end: int, block_size: int) -> np.ndarray:
-    """Cache slots (physical block * block_size + offset) [end - start] int64 of positions start..end-1."""
-    if end - start <= 2 * block_size:  # a decode or a few tokens: plain Python beats numpy's call overhead
-        return np.array([table[p // block_size] * block_size + p % block_size for p in range(start, end)], np.int64)
-    first, last = start // block_size, (end - 1) // block_size
-    physical = np.fromiter((table[b] for b in range(first, last + 1)), dtype=np.int64, count=last - first + 1)
-    positions = np.arange(start, end, dtype=np.int64)
-    return physical[positions // block_size - first] * block_size + positions % block_size
 
 
 def _concat(parts: list[np.ndarray]) -> np.ndarray:

@@ -55,7 +55,7 @@ class Attend(Job):
     k: torch.Tensor | None
     v: torch.Tensor | None
     tokens: int
-    tenant: str = ""
+    tenant: str
     ending: frozenset[str] = frozenset()
 
     @functools.cached_property

@@ -113,7 +113,8 @@ class Scheduler:
         q: torch.Tensor,
         k: torch.Tensor | None,
         v: torch.Tensor | None,
-        tenant: str = "",
+        *,
+        tenant: str,
         ending: Iterable[str] = frozenset(),
     ) -> torch.Tensor:
         """One Attend call of ``tenant`` (see Engine.attend), merged with other queued calls of its layer

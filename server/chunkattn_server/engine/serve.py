@@ -61,7 +61,7 @@ def _serve_attend(engine: Engine, step: list[Attend], results: list[Result], ret
             continue
         try:
             if job.ending:
-                released += engine.release(list(job.ending), tenant=job.tenant)
+                released += engine.kv.release(list(job.ending), tenant=job.tenant)
             results.append((job, True, _host(out)))
         except Exception as e:
             results.append((job, False, e))

@@ -30,9 +30,9 @@ class AttendCall:
 
     entries: Sequence[BatchEntry]
     q: torch.Tensor
-    k: torch.Tensor | None = None
-    v: torch.Tensor | None = None
-    tenant: str = ""
+    k: torch.Tensor | None
+    v: torch.Tensor | None
+    tenant: str
 
 
 class Retry(Exception):

@@ -74,7 +74,7 @@ class BlockPool:
     def can_allocate(self, n: int) -> bool:
         return 0 <= n <= len(self._free)
 
-    def allocate(self, n: int, after: int | None = None, account: str = "") -> list[int]:
+    def allocate(self, n: int, after: int | None = None, *, account: str) -> list[int]:
         """Take n free ids, charged to ``account``: after+1, after+2, ... while those are free, then new runs
         (see the module doc).
 

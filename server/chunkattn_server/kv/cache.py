@@ -1,4 +1,5 @@
-"""The K/V page tensors, and the byte views KV transfer reads and writes (attention writes go through Backend.write).
+"""The K/V page tensors: a call's K/V stored and read back in the cache's dtype, and the byte views KV transfer
+reads and writes.
 
 Layout: one K and one V tensor per plane (a layer's storage within its KV group), each
 [num_kv_heads, num_blocks, block_size, head_size]. Layer ``group.layers[r]`` of every KV group keeps its
@@ -10,17 +11,23 @@ token-major layout is 1.2x slower in fp32 and 2.8x in bf16 on the dev machines).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
+from chunkattn_server import torchtypes
 from chunkattn_server.config import CacheConfig
 from chunkattn_server.errors import ConfigError
 
+# Stores k, v [n, Hkv, D] (the pages' dtype) into K and V pages at token slots [n] int64 (Backend.write).
+Writer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
 
 class KVCache:
-    """K/V pages for every plane, on one device, in one dtype."""
+    """K/V pages for every plane, on one device, in one dtype; ``writer`` stores a call's K/V into pages (the
+    backend's kernel)."""
 
     def __init__(
         self,
@@ -32,8 +39,11 @@ class KVCache:
         head_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        writer: Writer,
     ) -> None:
         self.num_blocks = num_blocks
+        self.dtype = dtype
+        self._writer = writer
         self.block_size = block_size
         shape = (num_kv_heads, num_blocks, block_size, head_size)
         # Zero-filled so that the pages are really allocated now, not on first touch in a request.
@@ -99,12 +109,49 @@ class KVCache:
             src = torch.frombuffer(data, dtype=torch.uint8).view(pages.dtype).view(pages[:, block].shape)
             pages[:, block] = src.to(pages.device)
 
-    def read(self, plane: int, token_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies k, v [n, num_kv_heads, head_size] of the tokens at cache slots ``token_slots`` [n] int64."""
+    def write(
+        self,
+        plane: int,
+        token_slots: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scales: tuple[float, float],
+        rows: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [T, num_kv_heads, head_size] (the compute dtype) in the cache's dtype (a float8 cache:
+        over ``scales`` (k, v)): their ``rows`` [n] int64 (every row when None) at ``token_slots`` [n] int64.
+        Returns all T rows as the cache holds them, in the compute dtype: what the call attends over, as later
+        calls will."""
+        compute = k.dtype
+        if self.dtype != compute:
+            k, v = torchtypes.store(k, scales[0], self.dtype), torchtypes.store(v, scales[1], self.dtype)
+        if token_slots.numel():
+            k_rows, v_rows = (k, v) if rows is None else (k.index_select(0, rows), v.index_select(0, rows))
+            self._writer(self.k[plane], self.v[plane], token_slots, k_rows, v_rows)
+        if self.dtype != compute:
+            k, v = torchtypes.load(k, scales[0], compute), torchtypes.load(v, scales[1], compute)
+        return k, v
+
+    def read(
+        self, plane: int, token_slots: torch.Tensor, scales: tuple[float, float], dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies k, v [n, num_kv_heads, head_size] in ``dtype`` of the tokens at cache slots ``token_slots``
+        [n] int64 (a float8 cache's values times ``scales`` (k, v))."""
         heads, blocks, bs, dim = self.k[plane].shape
-        k = self.k[plane].view(heads, blocks * bs, dim).index_select(1, token_slots)
-        v = self.v[plane].view(heads, blocks * bs, dim).index_select(1, token_slots)
-        return k.transpose(0, 1), v.transpose(0, 1)
+        k = self.k[plane].view(heads, blocks * bs, dim).index_select(1, token_slots).transpose(0, 1)
+        v = self.v[plane].view(heads, blocks * bs, dim).index_select(1, token_slots).transpose(0, 1)
+        return torchtypes.load(k, scales[0], dtype), torchtypes.load(v, scales[1], dtype)
+
+
+def token_slots(table: dict[int, int], start: int, end: int, block_size: int) -> np.ndarray:
+    """Cache slots (physical block * block_size + offset) [end - start] int64 of positions start..end-1 of a
+    sequence whose block table (logical -> physical block) is ``table``."""
+    if end - start <= 2 * block_size:  # a decode or a few tokens: plain Python beats numpy's call overhead
+        return np.array([table[p // block_size] * block_size + p % block_size for p in range(start, end)], np.int64)
+    first, last = start // block_size, (end - 1) // block_size
+    physical = np.fromiter((table[b] for b in range(first, last + 1)), dtype=np.int64, count=last - first + 1)
+    positions = np.arange(start, end, dtype=np.int64)
+    return physical[positions // block_size - first] * block_size + positions % block_size
 
 
 def _bytes_of(pages: torch.Tensor) -> Any:

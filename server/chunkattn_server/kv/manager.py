@@ -58,7 +58,7 @@ class KVManager:
 
     # -- one Attend call: plan -> reserve -> commit or rollback ---------------------------------------
 
-    def get(self, seq_id: str, tenant: str = "") -> SequenceState | None:
+    def get(self, seq_id: str, *, tenant: str) -> SequenceState | None:
         return self._seqs.get((tenant, seq_id))
 
     def plan_writes(
@@ -94,7 +94,8 @@ class KVManager:
         states: Sequence[SequenceState | None],
         writes: list[Write],
         owners: dict[int, int],
-        tenant: str = "",
+        *,
+        tenant: str,
     ) -> Reservation:
         """Take every block the call needs, or none (OutOfBlocks, QuotaExceeded). ``owners`` carries, across
         the calls of one step, how many owners each shared block still has once the earlier calls' copies are
@@ -124,7 +125,7 @@ class KVManager:
                 table = state.tables[group.index]
                 if w.missing:
                     after = table.get(w.missing[0] - 1)
-                    taken = self.pool.allocate(len(w.missing), after, tenant)
+                    taken = self.pool.allocate(len(w.missing), after, account=tenant)
                     for logical, physical in zip(w.missing, taken, strict=True):
                         table[logical] = physical
                         r.taken.append((table, logical))
@@ -132,7 +133,7 @@ class KVManager:
                 table = state.tables[group.index]
                 for logical in logicals:  # copy-on-write: never write into a block another sequence reads
                     old = table[logical]
-                    (new,) = self.pool.allocate(1, table.get(logical - 1), tenant)
+                    (new,) = self.pool.allocate(1, table.get(logical - 1), account=tenant)
                     self._copy_block(old, new)
                     table[logical] = new
                     r.copied.append((table, logical, old))
@@ -230,7 +231,7 @@ class KVManager:
         else:
             self._incoming.pop(tenant, None)
 
-    def fork(self, parent: str, child: str, tenant: str = "") -> int:
+    def fork(self, parent: str, child: str, *, tenant: str) -> int:
         """A new sequence ``child`` with ``parent``'s tokens in every layer, sharing its blocks copy-on-write
         (parallel sampling, beam search): no copy now; whichever of the two first writes into a shared block
         gets its own copy then. Returns the number of blocks shared.
@@ -254,7 +255,7 @@ class KVManager:
         self._insert(SequenceState(child, list(state.lengths), tables, tenant=tenant, kept_from=list(state.kept_from)))
         return len(blocks)
 
-    def truncate(self, seq_id: str, length: int, tenant: str = "") -> Truncation:
+    def truncate(self, seq_id: str, length: int, *, tenant: str) -> Truncation:
         """Take ``tenant``'s sequence back to its first ``length`` tokens in every layer, as if the later ones
         had never been sent (speculative decoding drops the drafts a verify call rejected): each layer holds
         min(its length, ``length``) tokens, and the blocks no layer needs any more go back to the pool (a
@@ -314,7 +315,7 @@ class KVManager:
             )
         self._insert(state)
 
-    def release(self, seq_ids: Iterable[str], *, missing_ok: bool = False, tenant: str = "") -> int:
+    def release(self, seq_ids: Iterable[str], *, missing_ok: bool = False, tenant: str) -> int:
         """Drop sequences and return their blocks; returns how many existed.
 
         An unknown id raises UnknownSequence (and releases nothing) unless ``missing_ok``.
@@ -370,11 +371,11 @@ class KVManager:
         """Sequences held per tenant (tenants holding none left out)."""
         return {t: n for t, n in self._count.items() if n}
 
-    def sequence_ids(self, tenant: str = "") -> list[str]:
+    def sequence_ids(self, *, tenant: str) -> list[str]:
         """The ids of ``tenant``'s sequences, oldest first."""
         return [seq_id for t, seq_id in self._seqs if t == tenant]
 
-    def sequence(self, seq_id: str, tenant: str = "") -> SequenceInfo:
+    def sequence(self, seq_id: str, *, tenant: str) -> SequenceInfo:
         """A copy of a sequence's state. Raises UnknownSequence."""
         state = self._seqs.get((tenant, seq_id))
         if state is None:

@@ -59,8 +59,8 @@ class KVManifest:
     layers: tuple[int, ...]
     blocks: tuple[tuple[int, ...], ...]
     group_of: tuple[int, ...]  # per layer: its KV group
+    tenant: str  # whose sequence it is (this server's business: not on the wire)
     scales: tuple[tuple[float, float], ...] = ()
-    tenant: str = ""  # whose sequence was exported (this server's business: not on the wire)
     kept_from: tuple[int, ...] = ()
     # The sequence's truncation count at export (not on the wire either): a truncation and new calls can
     # bring the lengths back to what they were, with other K/V, so the lengths alone do not say "unchanged".

@@ -62,7 +62,7 @@ class Reservation:
     layer: int
     entries: Sequence[BatchEntry]
     writes: list[Write]
-    tenant: str = ""
+    tenant: str
     states: list[SequenceState] = field(default_factory=list)
     created: list[str] = field(default_factory=list)
     taken: list[tuple[dict[int, int], int]] = field(default_factory=list)

@@ -59,8 +59,8 @@ class SequenceState:
     seq_id: str
     lengths: list[int]
     tables: list[dict[int, int]]
+    tenant: str  # who it belongs to (see kv/manager.py)
     last_used: float = field(default_factory=time.monotonic)
-    tenant: str = ""  # who it belongs to (see kv/manager.py)
     kept_from: list[int] = field(default_factory=list)  # empty: a new sequence's, all 0
     truncations: int = 0
 

@@ -45,10 +45,10 @@ class ImportSession:
     manifest: KVManifest
     tables: list[dict[int, int]]
     expected: set[tuple[int, int]]
+    tenant: str  # whose sequence it becomes
     received: set[tuple[int, int]] = field(default_factory=set)
     committed: bool = False
     aborted: bool = False
-    tenant: str = ""  # whose sequence it becomes
 
 
 class KVExchange:
@@ -74,7 +74,7 @@ class KVExchange:
         self.fingerprint = fingerprint
         self._scales = scales
 
-    def export_manifest(self, seq_id: str, layers: Sequence[int] | None = None, tenant: str = "") -> KVManifest:
+    def export_manifest(self, seq_id: str, layers: Sequence[int] | None = None, *, tenant: str) -> KVManifest:
         """What an export of ``tenant``'s ``seq_id`` (every layer, or ``layers``) sends. Raises UnknownSequence,
         UnknownLayer, or InvalidBatch for a layer listed twice, or a KV-sharing layer listed without its
         source or a source without its sharers (a source keeps older keys for its sharers: apart, either
@@ -97,7 +97,7 @@ class KVExchange:
             missing = [s for s in self._kv.retention.sharers_of(layer) if s not in listed]
             if missing:
                 raise InvalidBatch(f"layer {layer}'s KV is read by layers {missing} (KV sharing): export them too")
-        state = self._kv.get(seq_id, tenant)
+        state = self._kv.get(seq_id, tenant=tenant)
         if state is None:
             raise UnknownSequence(f"cannot export sequence {quote(seq_id)}: it does not exist")
         lengths = tuple(state.lengths[x] if x in listed else 0 for x in range(model.num_layers))
@@ -161,9 +161,11 @@ class KVExchange:
         (see BlockView: encode them before this engine runs anything else).
 
         Raises SequenceChanged when the sequence is no longer what the manifest describes."""
-        state = self._kv.get(manifest.seq_id, manifest.tenant)
+        state = self._kv.get(manifest.seq_id, tenant=manifest.tenant)
         current = (
-            None if state is None else self.export_manifest(manifest.seq_id, self._listed(manifest), manifest.tenant)
+            None
+            if state is None
+            else self.export_manifest(manifest.seq_id, self._listed(manifest), tenant=manifest.tenant)
         )
         if current != manifest or state is None:
             raise SequenceChanged(f"sequence {quote(manifest.seq_id)} changed during its export; export it again")
@@ -184,7 +186,7 @@ class KVExchange:
                     )
         return views
 
-    def begin_import(self, manifest: KVManifest, tenant: str = "") -> ImportSession:
+    def begin_import(self, manifest: KVManifest, *, tenant: str) -> ImportSession:
         """Check a manifest against this engine and reserve every block it needs, as a sequence of ``tenant``.
 
         The checks take time in proportion to the manifest's size, whatever it claims, and the blocks it
@@ -198,7 +200,7 @@ class KVExchange:
         problem = id_problem(manifest.seq_id)
         if problem:
             raise InvalidBatch(f"the imported sequence's {problem}")
-        if self._kv.get(manifest.seq_id, tenant) is not None:
+        if self._kv.get(manifest.seq_id, tenant=tenant) is not None:
             raise SequenceExists(f"cannot import into {quote(manifest.seq_id)}: a sequence with that id exists")
         total = sum(len(b) for b in manifest.blocks)
         self._kv.check_quota(tenant, total, 1)
@@ -311,8 +313,11 @@ class KVExchange:
     def release_exported(self, manifest: KVManifest) -> None:
         """Release a sequence that was exported, unless it changed since (SequenceChanged: then a call
         to it ran after the export, and releasing would lose what it wrote)."""
-        state = self._kv.get(manifest.seq_id, manifest.tenant)
-        if state is None or self.export_manifest(manifest.seq_id, self._listed(manifest), manifest.tenant) != manifest:
+        state = self._kv.get(manifest.seq_id, tenant=manifest.tenant)
+        if (
+            state is None
+            or self.export_manifest(manifest.seq_id, self._listed(manifest), tenant=manifest.tenant) != manifest
+        ):
             raise SequenceChanged(
                 f"sequence {quote(manifest.seq_id)} changed after its export, so it was not released here"
             )

@@ -184,7 +184,7 @@ class ChunkAttnService:
         response.active_sequences = stats.sequences_by_tenant.get(tenant.name, 0)
         if self._calibrating:  # a float8 layer's scales are set by its first write: as of now
             for layer in response.layers:
-                layer.k_scale, layer.v_scale = self._worker.engine.kv_scales(layer.index) or (0.0, 0.0)
+                layer.k_scale, layer.v_scale = self._worker.engine.scales.of(layer.index) or (0.0, 0.0)
         return response
 
     async def Attend(self, raw: bytes, context: Context, tenant: Tenant) -> bytes:  # noqa: N802
@@ -214,7 +214,7 @@ class ChunkAttnService:
     async def Release(self, request: pb.ReleaseRequest, context: Context, tenant: Tenant) -> pb.ReleaseResponse:  # noqa: N802
         ids, missing_ok, name = request.seq_ids, request.missing_ok, tenant.name
         released, stats = await self._run(
-            "Release", lambda e: (e.release(ids, missing_ok=missing_ok, tenant=name), e.stats())
+            "Release", lambda e: (e.kv.release(ids, missing_ok=missing_ok, tenant=name), e.stats())
         )
         self._metrics.released.inc(released)
         self._observe_pool(stats)
@@ -234,7 +234,7 @@ class ChunkAttnService:
             raise args
         a = args
         with self._metrics.in_flight.track_inprogress():
-            out = await self._worker.attend(rpc, a.layer, a.entries, a.q, a.k, a.v, tenant.name, a.ending)
+            out = await self._worker.attend(rpc, a.layer, a.entries, a.q, a.k, a.v, tenant=tenant.name, ending=a.ending)
         return wire.encode_attend_response(request_id, codec.to_raw(out))
 
     async def _run(self, rpc: str, fn: Callable[[Engine], T]) -> T:
@@ -256,6 +256,7 @@ def _static_info(engine: Engine, max_message_bytes: int) -> pb.InfoResponse:
     model = engine.config.model
     group_of = {layer: g.index for g in engine.groups for layer in (*g.layers, *g.sharers)}
     stats = engine.stats()
+    scales = [engine.scales.of(i) or (0.0, 0.0) for i in range(model.num_layers)]
     return pb.InfoResponse(
         version=__version__,
         backend=engine.backend.name,
@@ -272,10 +273,10 @@ def _static_info(engine: Engine, max_message_bytes: int) -> pb.InfoResponse:
                 scale=engine.scale(i),
                 alibi=spec.alibi_slopes is not None,
                 alibi_slopes=spec.alibi_slopes or (),
-                k_scale=(engine.kv_scales(i) or (0.0, 0.0))[0],
-                v_scale=(engine.kv_scales(i) or (0.0, 0.0))[1],
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
-            for i, spec in enumerate(model.layers)
+            for (i, spec), (k_scale, v_scale) in zip(enumerate(model.layers), scales, strict=True)
         ],
         block_size=stats.block_size,
         num_blocks=stats.num_blocks,

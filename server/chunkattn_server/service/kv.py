@@ -89,14 +89,14 @@ class KVService:
 
     async def Fork(self, request: pb.ForkRequest, context: Context, tenant: Tenant) -> pb.ForkResponse:  # noqa: N802
         parent, child, name = request.parent, request.child, tenant.name
-        shared, stats = await self._run("Fork", lambda e: (e.fork(parent, child, tenant=name), e.stats()))
+        shared, stats = await self._run("Fork", lambda e: (e.kv.fork(parent, child, tenant=name), e.stats()))
         self._metrics.forked.inc()
         self._observe_pool(stats)
         return pb.ForkResponse(shared_blocks=shared)
 
     async def Truncate(self, request: pb.TruncateRequest, context: Context, tenant: Tenant) -> pb.TruncateResponse:  # noqa: N802
         seq_id, length, name = request.seq_id, request.length, tenant.name
-        done, stats = await self._run("Truncate", lambda e: (e.truncate(seq_id, length, tenant=name), e.stats()))
+        done, stats = await self._run("Truncate", lambda e: (e.kv.truncate(seq_id, length, tenant=name), e.stats()))
         self._metrics.truncated.inc()
         self._metrics.truncated_tokens.inc(done.dropped_tokens)
         self._observe_pool(stats)
@@ -152,7 +152,7 @@ class KVService:
     async def _manifest(self, seq_id: str, layers: list[int], tenant: Tenant) -> KVManifest:
         name = tenant.name
         result: KVManifest = await self._run(
-            "ExportKV", lambda e: e.transfer.export_manifest(seq_id, layers or None, name)
+            "ExportKV", lambda e: e.transfer.export_manifest(seq_id, layers or None, tenant=name)
         )
         return result
 
@@ -207,10 +207,11 @@ class KVService:
         holder: list[ImportSession] = []  # set on the worker, so that no cancellation can lose the session
 
         def begin(e: Engine) -> ImportSession:
-            part, manifest = kvwire.decode(first)
-            if part != "header" or not isinstance(manifest, KVManifest):
+            part, header = kvwire.decode(first)
+            if part != "header" or not isinstance(header, pb.KVHeader):
                 raise IncompatibleKV("a KV stream must start with its header")
-            holder.append(e.transfer.begin_import(manifest, tenant.name))
+            manifest = kvwire.manifest_from_pb(header, tenant.name)
+            holder.append(e.transfer.begin_import(manifest, tenant=tenant.name))
             return holder[0]
 
         def abort(e: Engine) -> None:

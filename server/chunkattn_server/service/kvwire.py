@@ -40,8 +40,9 @@ def manifest_to_pb(m: KVManifest) -> pb.KVHeader:
     )
 
 
-def manifest_from_pb(h: pb.KVHeader) -> KVManifest:
-    """The manifest of a header; IncompatibleKV when it cannot be read (a dtype this server does not know)."""
+def manifest_from_pb(h: pb.KVHeader, tenant: str) -> KVManifest:
+    """The manifest of a header sent by ``tenant``; IncompatibleKV when it cannot be read (a dtype this server
+    does not know)."""
     try:
         dtype = dtypes.of_wire(h.model.cache_dtype, dtypes.CACHE, "cache dtype").name
     except dtypes.DTypeError as e:
@@ -67,6 +68,7 @@ def manifest_from_pb(h: pb.KVHeader) -> KVManifest:
         layers=tuple(h.layers),
         blocks=tuple(tuple(g.logical) for g in h.groups),
         group_of=tuple(h.group_of),
+        tenant=tenant,
         kept_from=tuple(h.kept_from),
         scales=tuple(zip(h.model.k_scales, h.model.v_scales, strict=True)),
     )
@@ -100,13 +102,14 @@ def encode_blocks(views: Sequence[BlockView]) -> bytes:
 
 def decode(
     data: bytes, model: ModelFingerprint | None = None
-) -> tuple[str, KVManifest | list[BlockRecord] | int | None]:
-    """A serialized KVChunk: ("header", manifest), ("blocks", records viewing ``data``), ("trailer", count)
-    or ("", None). IncompatibleKV when it does not parse, or (given the stream's ``model``) when a block
-    has the wrong size: found before reading more blocks than the message's size can hold."""
+) -> tuple[str, pb.KVHeader | list[BlockRecord] | int | None]:
+    """A serialized KVChunk: ("header", its header: ``manifest_from_pb`` reads it), ("blocks", records viewing
+    ``data``), ("trailer", count) or ("", None). IncompatibleKV when it does not parse, or (given the stream's
+    ``model``) when a block has the wrong size: found before reading more blocks than the message's size can
+    hold."""
     size = None if model is None else record_bytes(model) // 2
     try:
-        part, body = wire.decode_kv_chunk(data, None if size is None else len(data) // (2 * size))
+        part, body = wire.decode_kv_message(data, None if size is None else len(data) // (2 * size))
         if part == "blocks":
             assert isinstance(body, list)
             records = [BlockRecord(layer, logical, k, v, digest) for layer, logical, digest, k, v in body]
@@ -116,7 +119,7 @@ def decode(
             return part, records
         assert isinstance(body, memoryview)
         if part == "header":
-            return part, manifest_from_pb(pb.KVHeader.FromString(bytes(body)))
+            return part, pb.KVHeader.FromString(bytes(body))
         if part == "trailer":
             return part, int(pb.KVTrailer.FromString(bytes(body)).num_records)
     except (wire.WireError, DecodeError) as e:
