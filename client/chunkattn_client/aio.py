@@ -69,11 +69,11 @@ class AsyncChunkAttnClient(ClientBase):
         self, seq_id: str, *, layers: Sequence[int] = (), max_message_bytes: int = 0
     ) -> AsyncIterator[pb.KVChunk]:
         with rpc_errors():
-            async for chunk in self._start(calls.export_kv(seq_id, layers, max_message_bytes)):
-                yield chunk
+            async for message in self._start(calls.export_kv(seq_id, layers, max_message_bytes)):
+                yield message
 
-    async def import_kv(self, chunks: AsyncIterable[pb.KVChunk], *, seq_id: str | None = None) -> KVImport:
-        return await self._unary(calls.import_kv(calls.renaming_async(chunks, seq_id)))
+    async def import_kv(self, messages: AsyncIterable[pb.KVChunk], *, seq_id: str | None = None) -> KVImport:
+        return await self._unary(calls.import_kv(calls.renaming_async(messages, seq_id)))
 
     async def transfer_kv(self, seq_id: str, target: str, **options: Unpack[TransferOptions]) -> KVTransfer:
         return await self._unary(calls.transfer_kv(seq_id, target, **options))

@@ -139,15 +139,15 @@ class ChunkAttnClient(ClientBase):
         """A sequence's live KV as KVChunk messages (header, blocks, trailer), e.g. for ``kvfile.write``."""
         call = self._start(calls.export_kv(seq_id, layers, max_message_bytes))
 
-        def chunks() -> Iterator[pb.KVChunk]:
+        def messages() -> Iterator[pb.KVChunk]:
             with rpc_errors():
                 yield from call
 
-        return chunks()
+        return messages()
 
-    def import_kv(self, chunks: Iterable[pb.KVChunk], *, seq_id: str | None = None) -> KVImport:
+    def import_kv(self, messages: Iterable[pb.KVChunk], *, seq_id: str | None = None) -> KVImport:
         """Import an exported KV stream as a new sequence (named ``seq_id``, else the exported id)."""
-        return self._unary(calls.import_kv(calls.renaming(chunks, seq_id)))
+        return self._unary(calls.import_kv(calls.renaming(messages, seq_id)))
 
     def transfer_kv(self, seq_id: str, target: str, **options: Unpack[TransferOptions]) -> KVTransfer:
         """Have this server stream ``seq_id``'s KV straight into the server at ``target`` ("host:port"),

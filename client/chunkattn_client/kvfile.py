@@ -17,17 +17,17 @@ from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 _LENGTH = struct.Struct("<I")
 
 
-def write(path: str | Path, chunks: Iterable[pb.KVChunk]) -> tuple[int, int]:
+def write(path: str | Path, messages: Iterable[pb.KVChunk]) -> tuple[int, int]:
     """Write the messages; returns (messages, bytes written)."""
-    messages = size = 0
+    count = size = 0
     with open(path, "wb") as f:
-        for chunk in chunks:
-            data = chunk.SerializeToString()
+        for message in messages:
+            data = message.SerializeToString()
             f.write(_LENGTH.pack(len(data)))
             f.write(data)
-            messages += 1
+            count += 1
             size += _LENGTH.size + len(data)
-    return messages, size
+    return count, size
 
 
 def read(path: str | Path) -> Iterator[pb.KVChunk]:

@@ -24,34 +24,34 @@ def kv_export(args: argparse.Namespace) -> int:
 
     with connect(args, args.seq_id) as c:
         start = time.perf_counter()
-        chunks = c.export_kv(args.seq_id, layers=_layers(args.layers))
-        counted = _Counted(chunks)
+        messages = c.export_kv(args.seq_id, layers=_layers(args.layers))
+        counted = _Counted(messages)
         try:
-            messages, size = kvfile.write(args.out, counted)
+            count, size = kvfile.write(args.out, counted)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.remove(args.out)  # no half-written export left behind
             raise
     print(
-        f"exported {args.seq_id!r}: {counted.records} blocks, {counted.kv_bytes} bytes of K/V in {messages}"
+        f"exported {args.seq_id!r}: {counted.records} blocks, {counted.kv_bytes} bytes of K/V in {count}"
         f" messages ({size} bytes) to {args.out} in {time.perf_counter() - start:.2f} s"
     )
     return EXIT_OK
 
 
 class _Counted:
-    """Passes KV chunks through, counting their blocks and K/V bytes."""
+    """Passes KV stream messages through, counting their blocks and K/V bytes."""
 
-    def __init__(self, chunks: Any) -> None:
-        self._chunks = chunks
+    def __init__(self, messages: Any) -> None:
+        self._messages = messages
         self.records = self.kv_bytes = 0
 
     def __iter__(self) -> Any:
-        for chunk in self._chunks:
-            for b in chunk.blocks.blocks:
+        for message in self._messages:
+            for b in message.blocks.blocks:
                 self.records += 1
                 self.kv_bytes += len(b.k) + len(b.v)
-            yield chunk
+            yield message
 
 
 def kv_import(args: argparse.Namespace) -> int:
@@ -59,12 +59,12 @@ def kv_import(args: argparse.Namespace) -> int:
 
     if not os.path.exists(args.file):
         raise ValueError(f"no such file: {args.file}")
-    chunks = kvfile.read(args.file)
-    first = next(chunks, None)  # the header names the exported sequence: the route of the new one by default
+    messages = kvfile.read(args.file)
+    first = next(messages, None)  # the header names the exported sequence: the route of the new one by default
     route = args.seq_id or (first.header.seq_id if first is not None and first.HasField("header") else None)
     with connect(args, route) as c:
         start = time.perf_counter()
-        r = c.import_kv(itertools.chain([] if first is None else [first], chunks), seq_id=args.seq_id)
+        r = c.import_kv(itertools.chain([] if first is None else [first], messages), seq_id=args.seq_id)
     print(
         f"imported {r.seq_id!r}: {r.blocks} blocks allocated, {r.records} received ({r.bytes} bytes of K/V)"
         f" in {time.perf_counter() - start:.2f} s"

@@ -247,15 +247,15 @@ def _flash_full(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float)
     """No mask: the query heads of one KV head become rows of one problem, so K/V are read once."""
     nq, heads, dim = q.shape
     kv_heads = k.shape[0]
-    group = heads // kv_heads
-    if nq == 1:  # a decode: the grouped layout is a plain view (the hot path; every op here costs ~5 us)
-        o, lse = _cpu_flash(q.view(1, kv_heads, group, dim), k.unsqueeze(0), v.unsqueeze(0), scale=scale)
+    q_per_kv = heads // kv_heads
+    if nq == 1:  # a decode: a plain view (the hot path; every op here costs ~5 us)
+        o, lse = _cpu_flash(q.view(1, kv_heads, q_per_kv, dim), k.unsqueeze(0), v.unsqueeze(0), scale=scale)
         return o.reshape(1, heads, dim), lse.reshape(1, heads)
-    # [nq, H, D] -> [1, Hkv, nq * G, D]: rows (token, head-in-group) per KV head.
-    qg = q.view(nq, kv_heads, group, dim).transpose(0, 1).reshape(1, kv_heads, nq * group, dim)
+    # [nq, H, D] -> [1, Hkv, nq * q_per_kv, D]: rows (token, query head of the KV head) per KV head.
+    qg = q.view(nq, kv_heads, q_per_kv, dim).transpose(0, 1).reshape(1, kv_heads, nq * q_per_kv, dim)
     o, lse = _cpu_flash(qg, k.unsqueeze(0), v.unsqueeze(0), scale=scale)
-    o = o.view(kv_heads, nq, group, dim).transpose(0, 1).reshape(nq, heads, dim)
-    lse = lse.view(kv_heads, nq, group).transpose(0, 1).reshape(nq, heads)
+    o = o.view(kv_heads, nq, q_per_kv, dim).transpose(0, 1).reshape(nq, heads, dim)
+    lse = lse.view(kv_heads, nq, q_per_kv).transpose(0, 1).reshape(nq, heads)
     return o, lse
 
 
@@ -280,17 +280,17 @@ def _math(
     """Float32 attention with an explicit bias/mask, in blocks of queries so scores stay <= 64 MiB."""
     nq, heads, dim = q.shape
     kv_heads, s, _ = k.shape
-    group = heads // kv_heads
+    q_per_kv = heads // kv_heads
     k32, v32 = k.float(), v.float()
     rows = max(1, (1 << 24) // max(1, heads * s))
     outs, lses = [], []
     for r0 in range(0, nq, rows):
-        qb = q[r0 : r0 + rows].float().view(-1, kv_heads, group, dim)
+        qb = q[r0 : r0 + rows].float().view(-1, kv_heads, q_per_kv, dim)
         qp = q_pos[r0 : r0 + rows]
         scores = torch.einsum("nhgd,hsd->hgns", qb, k32) * scale  # [Hkv, G, n, S]
         rel = (k_pos.view(1, -1) - qp.view(-1, 1)).float()  # [n, S]: j - i
         if slopes is not None:
-            scores = scores + slopes.view(kv_heads, group, 1, 1) * rel
+            scores = scores + slopes.view(kv_heads, q_per_kv, 1, 1) * rel
         if causal:
             scores = scores.masked_fill(rel > 0, float("-inf"))
         lse = torch.logsumexp(scores, dim=-1)  # [Hkv, G, n]

@@ -67,7 +67,7 @@ class _Part:
     tile_seq: torch.Tensor  # [tiles] int32
     tile_start: torch.Tensor  # [tiles] int32
     rows: int  # ROWS: a power of two >= 16
-    block_m: int  # tokens per tile: rows // GROUP
+    block_m: int  # tokens per tile: rows // Q_PER_KV
     num_splits: int
     part_acc: torch.Tensor  # [tiles, Hkv, splits, R, BLOCK_D] float32 (empty when num_splits == 1)
     part_ml: torch.Tensor  # [tiles, Hkv, splits, 2, R] float32
@@ -219,7 +219,7 @@ class TritonBackend:
         for i, table in enumerate(batch.tables):
             base = int(bases[i])
             tables[i, : needed[i]] = [_block(table, base + j) for j in range(int(needed[i]))]
-        group = heads // kv_heads
+        q_per_kv = heads // kv_heads
         counts = lens.tolist()
         decodes = [i for i, n in enumerate(counts) if n == 1]
         prefills = [i for i, n in enumerate(counts) if n > 1]
@@ -227,10 +227,10 @@ class TritonBackend:
         if decodes:
             ctx = int(max(poss[i] - starts[i] + 1 for i in decodes))
             splits = self._splits(len(decodes) * kv_heads, ctx)
-            parts.append(self._part(decodes, counts, _pow2(max(16, group)), splits, group, kv_heads, head_size))
+            parts.append(self._part(decodes, counts, _pow2(max(16, q_per_kv)), splits, q_per_kv, kv_heads, head_size))
         if prefills:
-            prefill_rows = _pow2(max(self.prefill_rows, group))
-            parts.append(self._part(prefills, counts, prefill_rows, 1, group, kv_heads, head_size))
+            prefill_rows = _pow2(max(self.prefill_rows, q_per_kv))
+            parts.append(self._part(prefills, counts, prefill_rows, 1, q_per_kv, kv_heads, head_size))
         seq = torch.from_numpy(np.concatenate([rows, lens, poss, bases]).astype(np.int32)).to(self.device)
         return Launch(
             batch=batch,
@@ -252,8 +252,8 @@ class TritonBackend:
         q, k, v, kp, vp = b.q, b.k, b.v, b.k_pages, b.v_pages
         heads, head_size = q.shape[1], q.shape[2]
         kv_heads, block_size = kp.shape[0], kp.shape[2]
-        group = heads // kv_heads
-        meta = {"GROUP": group, "HEAD_D": head_size, "BLOCK_D": max(16, _pow2(head_size))}
+        q_per_kv = heads // kv_heads
+        meta = {"Q_PER_KV": q_per_kv, "HEAD_D": head_size, "BLOCK_D": max(16, _pow2(head_size))}
         for part in launch.parts:
             tiles = part.tile_seq.numel()
             kern.chunked_paged_attention[(tiles, kv_heads, part.num_splits)](
@@ -265,7 +265,7 @@ class TritonBackend:
                 out.stride(0), out.stride(1), q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                 v.stride(0), v.stride(1), kp.stride(0), kp.stride(1), kp.stride(2), launch.tables.stride(0),
                 **attention_config(
-                    q.dtype, head_size, group, block_size, part.rows, part.num_splits, b.alibi_slopes is not None,
+                    q.dtype, head_size, q_per_kv, block_size, part.rows, part.num_splits, b.alibi_slopes is not None,
                     self.block_n, self.num_warps, kv_fp8=kp.dtype in _FP8,
                 ),
             )  # fmt: skip
@@ -289,9 +289,9 @@ class TritonBackend:
         return _pow2(max(1, min(want, 16, context // (4 * self.block_n))))  # powers of two: few compiled variants
 
     def _part(
-        self, seqs: Sequence[int], lens: Sequence[int], rows: int, splits: int, group: int, kv_heads: int, d: int
+        self, seqs: Sequence[int], lens: Sequence[int], rows: int, splits: int, q_per_kv: int, kv_heads: int, d: int
     ) -> _Part:
-        block_m = rows // group
+        block_m = rows // q_per_kv
         tile_seq = [i for i in seqs for _ in range(0, lens[i], block_m)]
         tile_start = [s for i in seqs for s in range(0, lens[i], block_m)]
         block_d = max(16, _pow2(d))
@@ -311,7 +311,7 @@ class TritonBackend:
 def attention_config(
     dtype: torch.dtype,
     head_size: int,
-    group: int,
+    q_per_kv: int,
     block_size: int,
     rows: int,
     splits: int,
@@ -331,9 +331,9 @@ def attention_config(
     """
     fp32 = dtype == torch.float32
     config: dict[str, int | bool] = {
-        "GROUP": group,
+        "Q_PER_KV": q_per_kv,
         "ROWS": rows,
-        "BLOCK_M": rows // group,
+        "BLOCK_M": rows // q_per_kv,
         "BLOCK_N": min(block_n, 32) if fp32 else block_n,
         "BLOCK_SIZE": block_size,
         "HEAD_D": head_size,

@@ -6,9 +6,9 @@ Layouts (every stride is passed, so views work):
 - tables [B, W] int32: sequence b's physical block of logical block ``base[b] + i`` in column i.
 
 ``chunked_paged_attention`` serves a mixed batch (prefill pieces and decodes) with no host-side chunk
-split. A program owns BLOCK_M queries of one sequence and one KV head, with all GROUP query heads of that
-KV head packed as rows (BLOCK_M * GROUP of ROWS, a power of two >= 16 for tl.dot), so each K/V block is
-loaded once for the whole group. From its queries' positions it derives the chunk start (``p - p % C``;
+split. A program owns BLOCK_M queries of one sequence and one KV head, with all Q_PER_KV query heads of that
+KV head packed as rows (BLOCK_M * Q_PER_KV of ROWS, a power of two >= 16 for tl.dot), so each K/V block is
+loaded once for all of its query heads. From its queries' positions it derives the chunk start (``p - p % C``;
 0 when C == 0) and visits only keys in [chunk start of its first query, its last query]: keys before the
 sequence's first new position from the paged cache through the block table, later ones from the call's
 rows. Softmax is online, in float32 (base 2). With NUM_SPLITS > 1 (flash-decoding), the key range is
@@ -94,19 +94,19 @@ def _update(
 @triton.jit
 def _tile_rows(
     tile, h, tile_seq_ptr, tile_start_ptr, seq_row_ptr, seq_len_ptr,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, R: tl.constexpr,
+    Q_PER_KV: tl.constexpr, BLOCK_M: tl.constexpr, R: tl.constexpr,
 ):  # fmt: skip
-    """A tile's R rows (BLOCK_M tokens x GROUP heads, then padding up to R, a power of two): sequence, first
+    """A tile's R rows (BLOCK_M tokens x Q_PER_KV heads, then padding up to R, a power of two): sequence, first
     query, and per row the token's index in its sequence, its row in q/out, the query head and whether the
     row is real."""
     b = tl.load(tile_seq_ptr + tile)
     start = tl.load(tile_start_ptr + tile)
     n = tl.load(seq_len_ptr + b)
     r = tl.arange(0, R)
-    tok = start + r // GROUP
-    g = r % GROUP
+    tok = start + r // Q_PER_KV
+    g = r % Q_PER_KV
     row = (tl.load(seq_row_ptr + b) + tok).to(tl.int64)
-    return b, start, n, tok, row, h * GROUP + g, (r < BLOCK_M * GROUP) & (tok < n)
+    return b, start, n, tok, row, h * Q_PER_KV + g, (r < BLOCK_M * Q_PER_KV) & (tok < n)
 
 
 @triton.jit
@@ -124,7 +124,7 @@ def chunked_paged_attention(
     chunk_size, scale_log2, k_scale, v_scale,
     stride_ot, stride_oh, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ph, stride_pb, stride_ps, stride_tb,
-    GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    Q_PER_KV: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr, HAS_ALIBI: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr,
 ):  # fmt: skip
@@ -138,7 +138,7 @@ def chunked_paged_attention(
     h = tl.program_id(1)
     split = tl.program_id(2)
     b, start, n, tok, row, head, valid = _tile_rows(
-        tile, h, tile_seq_ptr, tile_start_ptr, seq_row_ptr, seq_len_ptr, GROUP, BLOCK_M, R
+        tile, h, tile_seq_ptr, tile_start_ptr, seq_row_ptr, seq_len_ptr, Q_PER_KV, BLOCK_M, R
     )
     row0 = tl.load(seq_row_ptr + b)
     pos0 = tl.load(seq_pos_ptr + b)
@@ -230,7 +230,7 @@ def chunked_paged_attention(
 def combine_splits(
     out_ptr, part_acc_ptr, part_ml_ptr, tile_seq_ptr, tile_start_ptr, seq_row_ptr, seq_len_ptr,
     stride_ot, stride_oh,
-    GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_D: tl.constexpr,
+    Q_PER_KV: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_D: tl.constexpr,
     BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
 ):  # fmt: skip
     """Grid (tiles, Hkv): merge the splits' partial results by their maxima (exact, like log-sum-exp)."""
@@ -238,7 +238,7 @@ def combine_splits(
     tile = tl.program_id(0)
     h = tl.program_id(1)
     _, _, _, _, row, head, valid = _tile_rows(
-        tile, h, tile_seq_ptr, tile_start_ptr, seq_row_ptr, seq_len_ptr, GROUP, BLOCK_M, R
+        tile, h, tile_seq_ptr, tile_start_ptr, seq_row_ptr, seq_len_ptr, Q_PER_KV, BLOCK_M, R
     )
     r = tl.arange(0, R)
     d = tl.arange(0, BLOCK_D)
