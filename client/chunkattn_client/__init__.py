@@ -2,12 +2,12 @@
 
 - ``ChunkAttnClient`` / ``AsyncChunkAttnClient``: the sync and asyncio gRPC clients (same methods).
 - ``ChunkAttnError``: every failure, with its gRPC status code.
-- ``BatchEntry``: one sequence's part of a call.
+- ``BatchEntry``: one sequence's part of a call; ``BlockRows``: a block-addressed call's rows (the block API).
 - ``reference``: the float64 numpy reference of the semantics; ``codec``: tensors <-> messages.
 """
 
 from chunkattn_client.aio import AsyncAttendStream, AsyncChunkAttnClient
-from chunkattn_client.batch import BatchEntry
+from chunkattn_client.batch import BatchEntry, BlockRows
 from chunkattn_client.client import AttendStream, ChunkAttnClient, ChunkAttnError, LayerInfo, ServerInfo
 from chunkattn_client.reference import ReferenceModel, chunked_attention, visible
 
@@ -16,6 +16,7 @@ __all__ = [
     "AsyncChunkAttnClient",
     "AttendStream",
     "BatchEntry",
+    "BlockRows",
     "ChunkAttnClient",
     "ChunkAttnError",
     "LayerInfo",

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypedDict, TypeVar
 
 import grpc
+import numpy as np
 import numpy.typing as npt
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2
@@ -19,8 +20,8 @@ from grpc_health.v1 import health_pb2
 from chunkattn_client import codec, wire
 from chunkattn_client._errors import ChunkAttnError
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
-from chunkattn_client._types import KVImport, KVTransfer, ServerInfo, Truncated
-from chunkattn_client.batch import BatchEntry
+from chunkattn_client._types import BlockSpace, KVImport, KVTransfer, ServerInfo, Truncated
+from chunkattn_client.batch import BatchEntry, BlockRows
 
 T = TypeVar("T")
 Output = npt.NDArray[Any]
@@ -180,6 +181,61 @@ def attend_request(
         None if v is None else codec.to_raw(v, dtype),
         request_id,
     )
+
+
+def attend_blocks_request(
+    layer: int, rows: BlockRows, q: Any, k: Any = None, v: Any = None, *, dtype: str | None = None, request_id: int = 0
+) -> bytes:
+    """The serialized AttendRequest of one block-addressed call (see ``ChunkAttnClient.attend_blocks``)."""
+    table = np.asarray(rows.block_table)
+    if table.ndim != 2:
+        raise ValueError(f"block_table has shape {list(table.shape)}; expected [rows, width]")
+    blocks = pb.BlockBatch(
+        space_id=rows.space_id,
+        slot_mapping=_little("slot_mapping", rows.slot_mapping, "<i8"),
+        query_start_loc=_little("query_start_loc", rows.query_start_loc, "<i4"),
+        seq_lens=_little("seq_lens", rows.seq_lens, "<i4"),
+        block_table=_little("block_table", table, "<i4"),
+        block_table_width=table.shape[1],
+    )
+    return wire.encode_attend_request(
+        layer,
+        [],
+        codec.to_raw(q, dtype),
+        None if k is None else codec.to_raw(k, dtype),
+        None if v is None else codec.to_raw(v, dtype),
+        request_id,
+        blocks,
+    )
+
+
+def _little(name: str, values: Any, dtype: str) -> bytes:
+    """Integers as little-endian bytes of ``dtype``; ValueError for non-integers or a value it cannot hold."""
+    a = np.asarray(values)
+    if a.size and a.dtype.kind not in "iu":
+        raise ValueError(f"{name} must hold integers, got dtype {a.dtype}")
+    info = np.iinfo(dtype)
+    if a.size and (int(a.min()) < info.min or int(a.max()) > info.max):
+        raise ValueError(f"{name} holds a value outside {np.dtype(dtype).name}'s range")
+    return np.ascontiguousarray(a, dtype=dtype).tobytes()
+
+
+def attend_blocks(layer: int, rows: BlockRows, q: Any, k: Any, v: Any, dtype: str | None) -> Call[Output]:
+    request = attend_blocks_request(layer, rows, q, k, v, dtype=dtype)
+    return Call("Raw", "Attend", request, decode_attend_response)
+
+
+def open_block_space(num_blocks: int, layer_planes: Sequence[int]) -> Call[BlockSpace]:
+    request = pb.OpenBlockSpaceRequest(num_blocks=num_blocks, layer_planes=list(layer_planes))
+    return Call("ChunkAttn", "OpenBlockSpace", request, BlockSpace.from_pb)
+
+
+def close_block_space(space_id: str) -> Call[int]:
+    return Call("ChunkAttn", "CloseBlockSpace", pb.CloseBlockSpaceRequest(space_id=space_id), _pool_blocks)
+
+
+def _pool_blocks(r: pb.CloseBlockSpaceResponse) -> int:
+    return int(r.pool_blocks)
 
 
 def decode_attend_response(raw: bytes, request_id: int | None = None) -> Output:

@@ -25,7 +25,8 @@ from typing import Any
 import grpc
 
 from chunkattn_client._errors import ChunkAttnError, lost_connection_message
-from chunkattn_client._requests import Entries, Output, attend_request, decode_attend_response
+from chunkattn_client._requests import Entries, Output, attend_blocks_request, attend_request, decode_attend_response
+from chunkattn_client.batch import BlockRows
 
 # What a reader hands over: a serialized response, the error that ended the stream, or None (it ended).
 Answer = bytes | ChunkAttnError | None
@@ -42,10 +43,19 @@ class StreamState:
 
     def request(self, layer: int, entries: Entries, q: Any, k: Any, v: Any, **options: Any) -> tuple[int, bytes]:
         """The next call's request id and request; the stream's error once it is broken."""
+        return self._next(lambda rid: attend_request(layer, entries, q, k, v, **options, request_id=rid))
+
+    def request_blocks(
+        self, layer: int, rows: BlockRows, q: Any, k: Any, v: Any, dtype: str | None
+    ) -> tuple[int, bytes]:
+        """As ``request``, for a block-addressed call."""
+        return self._next(lambda rid: attend_blocks_request(layer, rows, q, k, v, dtype=dtype, request_id=rid))
+
+    def _next(self, build: Callable[[int], bytes]) -> tuple[int, bytes]:
         if self.broken is not None:
             raise ChunkAttnError(*self.broken)
         self._next_id += 1
-        return self._next_id, attend_request(layer, entries, q, k, v, **options, request_id=self._next_id)
+        return self._next_id, build(self._next_id)
 
     @contextlib.contextmanager
     def waiting(self) -> Iterator[None]:

@@ -60,6 +60,9 @@ class ServerInfo:
     # Tokens a chunked layer keeps before its current chunk: how far Truncate may go back across a chunk
     # boundary (chunkattn-server --spec-window; 0 from a server older than the field).
     spec_window: int = 0
+    # The block API: layers' K/V one pool block holds, and the caller's open block spaces (0 from an older server).
+    planes_per_block: int = 0
+    block_spaces: int = 0
 
     @classmethod
     def from_pb(cls, r: pb.InfoResponse) -> ServerInfo:
@@ -82,6 +85,8 @@ class ServerInfo:
             max_message_bytes=r.max_message_bytes,
             compute_dtype=wire_name(r.compute_dtype) if r.compute_dtype else "",
             spec_window=r.spec_window,
+            planes_per_block=r.planes_per_block,
+            block_spaces=r.block_spaces,
         )
 
 
@@ -97,6 +102,22 @@ class Truncated:
     @classmethod
     def from_pb(cls, r: pb.TruncateResponse) -> Truncated:
         return cls(int(r.released_blocks), int(r.min_length))
+
+
+@dataclass(frozen=True)
+class BlockSpace:
+    """An open block space (OpenBlockSpace): its id, its blocks (ids 0 .. num_blocks - 1) of block_size
+    tokens, its planes per block, and the server's pool blocks it holds."""
+
+    space_id: str
+    num_blocks: int
+    block_size: int
+    num_planes: int
+    pool_blocks: int
+
+    @classmethod
+    def from_pb(cls, r: pb.OpenBlockSpaceResponse) -> BlockSpace:
+        return cls(r.space_id, r.num_blocks, r.block_size, r.num_planes, r.pool_blocks)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,8 @@ from chunkattn_client._errors import rpc_errors
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_client._requests import AttendOptions, Entries, Output, TransferOptions
 from chunkattn_client._stream import Answer, StreamState, failure
-from chunkattn_client._types import KVImport, KVTransfer, ServerInfo, Truncated
+from chunkattn_client._types import BlockSpace, KVImport, KVTransfer, ServerInfo, Truncated
+from chunkattn_client.batch import BlockRows
 
 T = TypeVar("T")
 
@@ -57,6 +58,17 @@ class AsyncChunkAttnClient(ClientBase):
 
     async def release(self, seq_ids: Sequence[str], *, missing_ok: bool = False) -> int:
         return await self._unary(calls.release(seq_ids, missing_ok))
+
+    async def open_block_space(self, num_blocks: int, *, layer_planes: Sequence[int] = ()) -> BlockSpace:
+        return await self._unary(calls.open_block_space(num_blocks, layer_planes))
+
+    async def close_block_space(self, space_id: str) -> int:
+        return await self._unary(calls.close_block_space(space_id))
+
+    async def attend_blocks(
+        self, layer: int, rows: BlockRows, q: Any, k: Any = None, v: Any = None, *, dtype: str | None = None
+    ) -> Output:
+        return await self._unary(calls.attend_blocks(layer, rows, q, k, v, dtype))
 
     async def fork(self, parent: str, child: str) -> int:
         return await self._unary(calls.fork(parent, child))
@@ -131,11 +143,20 @@ class AsyncAttendStream:
     ) -> Output:
         """ChunkAttnClient.attend, over the stream."""
         async with self._lock:
-            rid, request = self._state.request(layer, entries, q, k, v, **options)
-            self._requests.put_nowait(request)
-            with self._state.waiting():
-                answer = await asyncio.wait_for(self._answers.get(), self._state.timeout_s)
-            return self._state.answer(rid, answer)
+            return await self._call_with(*self._state.request(layer, entries, q, k, v, **options))
+
+    async def attend_blocks(
+        self, layer: int, rows: BlockRows, q: Any, k: Any = None, v: Any = None, *, dtype: str | None = None
+    ) -> Output:
+        """ChunkAttnClient.attend_blocks, over the stream."""
+        async with self._lock:
+            return await self._call_with(*self._state.request_blocks(layer, rows, q, k, v, dtype))
+
+    async def _call_with(self, rid: int, request: bytes) -> Output:
+        self._requests.put_nowait(request)
+        with self._state.waiting():
+            answer = await asyncio.wait_for(self._answers.get(), self._state.timeout_s)
+        return self._state.answer(rid, answer)
 
 
 async def _feed(requests: asyncio.Queue[bytes | None]) -> AsyncIterator[bytes]:

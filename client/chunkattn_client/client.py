@@ -46,7 +46,8 @@ from chunkattn_client._requests import (
     transfer_request,
 )
 from chunkattn_client._stream import Answer, StreamState, failure
-from chunkattn_client._types import KVImport, KVTransfer, LayerInfo, ServerInfo, Truncated
+from chunkattn_client._types import BlockSpace, KVImport, KVTransfer, LayerInfo, ServerInfo, Truncated
+from chunkattn_client.batch import BlockRows
 
 __all__ = [
     "ATTEND",
@@ -123,6 +124,23 @@ class ChunkAttnClient(ClientBase):
     def release(self, seq_ids: Sequence[str], *, missing_ok: bool = False) -> int:
         """Release sequences; returns how many existed."""
         return self._unary(calls.release(seq_ids, missing_ok))
+
+    def open_block_space(self, num_blocks: int, *, layer_planes: Sequence[int] = ()) -> BlockSpace:
+        """Open a block space of ``num_blocks`` blocks (the block API; see docs/vllm.md). ``layer_planes``:
+        per layer the plane its K/V takes in a block (empty: one per writing layer)."""
+        return self._unary(calls.open_block_space(num_blocks, layer_planes))
+
+    def close_block_space(self, space_id: str) -> int:
+        """Close a block space; returns the pool blocks it gave back."""
+        return self._unary(calls.close_block_space(space_id))
+
+    def attend_blocks(
+        self, layer: int, rows: BlockRows, q: Any, k: Any = None, v: Any = None, *, dtype: str | None = None
+    ) -> Output:
+        """One layer, one block-addressed batch (``BlockRows``): q [T, H, D], k/v [T, Hkv, D] as for
+        ``attend`` (None for a KV-sharing layer). Each row is causal attention over its keys; the layer's chunk
+        size is not applied (the caller windows). Returns [T, H, D]."""
+        return self._unary(calls.attend_blocks(layer, rows, q, k, v, dtype))
 
     def fork(self, parent: str, child: str) -> int:
         """A new sequence ``child`` sharing ``parent``'s KV copy-on-write; returns the blocks shared."""
@@ -219,11 +237,20 @@ class AttendStream:
     ) -> Output:
         """As ``ChunkAttnClient.attend``, over the stream."""
         with self._lock:
-            rid, request = self._state.request(layer, entries, q, k, v, **options)
-            self._requests.put(request)
-            with self._state.waiting():
-                answer = self._answers.get(timeout=self._state.timeout_s)
-            return self._state.answer(rid, answer)
+            return self._call_with(*self._state.request(layer, entries, q, k, v, **options))
+
+    def attend_blocks(
+        self, layer: int, rows: BlockRows, q: Any, k: Any = None, v: Any = None, *, dtype: str | None = None
+    ) -> Output:
+        """As ``ChunkAttnClient.attend_blocks``, over the stream."""
+        with self._lock:
+            return self._call_with(*self._state.request_blocks(layer, rows, q, k, v, dtype))
+
+    def _call_with(self, rid: int, request: bytes) -> Output:
+        self._requests.put(request)
+        with self._state.waiting():
+            answer = self._answers.get(timeout=self._state.timeout_s)
+        return self._state.answer(rid, answer)
 
 
 def _read_answers(call: Any, answers: queue.Queue[Answer]) -> None:

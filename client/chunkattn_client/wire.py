@@ -104,9 +104,12 @@ def encode_attend_request(
     k: RawTensor | None,
     v: RawTensor | None,
     request_id: int = 0,
+    blocks: pb.BlockBatch | None = None,
 ) -> bytes:
-    """A serialized AttendRequest; each tensor's bytes are copied once."""
-    parts: list[Buffer] = [pb.AttendRequest(layer=layer, entries=entries, request_id=request_id).SerializeToString()]
+    """A serialized AttendRequest (sequence-addressed by ``entries``, or block-addressed by ``blocks``); each
+    tensor's bytes are copied once."""
+    small = pb.AttendRequest(layer=layer, entries=entries, request_id=request_id, blocks=blocks)
+    parts: list[Buffer] = [small.SerializeToString()]
     for field, t in ((_Q, q), (_K, k), (_V, v)):
         if t is not None:
             parts += _tensor(field, t)

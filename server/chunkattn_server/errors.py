@@ -37,6 +37,10 @@ class UnknownSequence(EngineError):
     """The sequence does not exist and the call does not start it (position > 0)."""
 
 
+class UnknownSpace(EngineError):
+    """The block space does not exist: closed, evicted idle, never opened, or another tenant's."""
+
+
 class IncompatibleKV(InvalidArgument):
     """Imported KV does not fit this engine: another model shape, or a manifest that contradicts itself."""
 

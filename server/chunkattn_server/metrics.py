@@ -114,8 +114,8 @@ class Metrics:
         )
         self.tokens = Counter(
             "chunkattn_tokens_total",
-            "Tokens attended, counted once per Attend call, by kind: decode (a single-token entry) or prefill"
-            " (longer entries). A call serves one layer, so a model token sent to L layers counts L times.",
+            "Tokens attended, counted once per Attend call, by kind: decode (a single-token entry or block row)"
+            " or prefill (longer ones). A call serves one layer, so a model token sent to L layers counts L times.",
             ["kind"],
             registry=r,
         )
@@ -130,7 +130,23 @@ class Metrics:
         self.bytes_received = Counter("chunkattn_received_bytes_total", "Tensor bytes received (q, k, v).", registry=r)
         self.bytes_sent = Counter("chunkattn_sent_bytes_total", "Tensor bytes sent (outputs).", registry=r)
         self.kv_blocks_total = Gauge("chunkattn_kv_blocks", "KV blocks in the pool.", registry=r)
-        self.kv_blocks_used = Gauge("chunkattn_kv_blocks_used", "KV blocks held by sequences.", registry=r)
+        self.kv_blocks_used = Gauge(
+            "chunkattn_kv_blocks_used", "KV blocks held by sequences and block spaces.", registry=r
+        )
+        self.block_spaces = Gauge("chunkattn_block_spaces", "Block spaces open (the block API).", registry=r)
+        self.spaces_opened = Counter(
+            "chunkattn_block_spaces_opened_total", "Block spaces opened by OpenBlockSpace.", registry=r
+        )
+        self.spaces_evicted = Counter(
+            "chunkattn_block_spaces_evicted_total", "Block spaces closed because they were idle too long.", registry=r
+        )
+        self.calls = Counter(
+            "chunkattn_attend_calls_total",
+            "Attend calls served (unary or streamed), by how they address KV: sequence (entries) or blocks (a"
+            " block space's BlockBatch).",
+            ["mode"],
+            registry=r,
+        )
         self.active_sequences = Gauge("chunkattn_active_sequences", "Sequences holding KV.", registry=r)
         self.evicted = Counter(
             "chunkattn_sequences_evicted_total", "Sequences released because they were idle too long.", registry=r
@@ -198,6 +214,7 @@ class Metrics:
         """Set the KV-in-use and active-sequence gauges from the engine's stats."""
         self.kv_blocks_used.set(stats.used_blocks)
         self.active_sequences.set(stats.num_sequences)
+        self.block_spaces.set(sum(stats.spaces_by_tenant.values()))
 
 
 class _TenantGauges(Collector):

@@ -282,16 +282,26 @@ def _quotas(auth: Authenticator) -> Callable[[Engine], None]:
 
 
 async def _evict_idle(worker: Scheduler, metrics: Metrics, idle_timeout_s: float) -> None:
-    """Release sequences untouched for longer than idle_timeout_s, checking every quarter of it."""
+    """Release sequences, and close block spaces, untouched for longer than idle_timeout_s, checking every
+    quarter of it."""
     period = max(0.05, min(idle_timeout_s / 4, 30.0))
     while True:
         await asyncio.sleep(period)
         try:
-            evicted, stats = await worker.run("evict", lambda e: (e.kv.evict_idle(idle_timeout_s), e.stats()))
+            evicted, closed, stats = await worker.run(
+                "evict",
+                lambda e: (e.kv.evict_idle(idle_timeout_s), e.kv.spaces.evict_idle(idle_timeout_s), e.stats()),
+            )
         except Exception:  # a failed sweep must not end eviction (or later the shutdown)
             log.exception("idle eviction failed; trying again in %.1f s", period)
             continue
-        if evicted:
+        if evicted or closed:
             metrics.evicted.inc(len(evicted))
+            metrics.spaces_evicted.inc(len(closed))
             metrics.observe_pool(stats)
-            log.info("released %d idle sequences (idle > %.1f s)", len(evicted), idle_timeout_s)
+            log.info(
+                "released %d idle sequences and closed %d idle block spaces (idle > %.1f s)",
+                len(evicted),
+                len(closed),
+                idle_timeout_s,
+            )

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextvars
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 from transformers import AttentionInterface
 
@@ -84,10 +83,3 @@ def temperature_corrected(module: torch.nn.Module, query: torch.Tensor, starts: 
     if torch.equal(true, assumed.expand_as(true)):
         return query
     return (query * (true / assumed)[:, None, :, None]).to(query.dtype)
-
-
-def to_torch(out: np.ndarray[Any, Any], dtype: torch.dtype) -> torch.Tensor:
-    """The server's answer [N, H, D] (float32/float16, or uint16 words of bfloat16) as a torch tensor."""
-    if out.dtype == np.uint16:
-        return torch.from_numpy(out.copy()).view(torch.bfloat16).to(dtype)
-    return torch.from_numpy(out.copy()).to(dtype)

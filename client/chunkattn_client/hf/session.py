@@ -17,6 +17,7 @@ import torch
 from transformers import PreTrainedModel
 
 from chunkattn_client import hfconfig
+from chunkattn_client._torch import to_torch
 from chunkattn_client.batch import BatchEntry
 from chunkattn_client.client import AttendStream, ChunkAttnClient, ServerInfo, Truncated
 from chunkattn_client.hf.attention import (
@@ -26,7 +27,6 @@ from chunkattn_client.hf.attention import (
     active,
     split_calls,
     temperature_corrected,
-    to_torch,
 )
 from chunkattn_client.hf.generate import Generation, greedy
 

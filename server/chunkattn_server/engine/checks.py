@@ -81,15 +81,15 @@ def check_values(name: str, t: torch.Tensor, entries: Sequence[BatchEntry], comp
     bad = ~(t.float().abs() <= largest)  # in float32: in t's own dtype ``largest`` may round to inf
     row = int(bad.flatten(1).any(1).nonzero()[0, 0])
     value = t[row][bad[row]][0].item()
-    start, where = 0, "past the batch's tokens"
-    for e in entries:
+    start, where = 0, ""
+    for e in entries:  # none for a block-addressed call: its rows name no sequence
         if row < start + e.num_tokens:
-            where = f"sequence {quote(e.seq_id)} at position {e.position + row - start}"
+            where = f" (sequence {quote(e.seq_id)} at position {e.position + row - start})"
             break
         start += e.num_tokens
     what = f"{value}" if not math.isfinite(value) else f"{value:g}, past {dtype.name}'s largest value {largest:g}"
     raise InvalidTensor(
-        f"{name} row {row} ({where}) holds {what}; q, k and v must be finite numbers that the server's compute"
+        f"{name} row {row}{where} holds {what}; q, k and v must be finite numbers that the server's compute"
         f" dtype ({dtype.name}) can hold. Nothing was written"
     )
 

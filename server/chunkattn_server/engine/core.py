@@ -30,10 +30,10 @@ from chunkattn_client.batch import BatchEntry
 from chunkattn_server import torchtypes
 from chunkattn_server.attention.backends import AttentionBatch, Backend
 from chunkattn_server.config import EngineConfig, LayerSpec
-from chunkattn_server.engine import checks
+from chunkattn_server.engine import blocks, checks
 from chunkattn_server.engine.device import make_backend, resolve_device
 from chunkattn_server.engine.entries import Entries
-from chunkattn_server.engine.types import AttendCall, EngineStats, Retry
+from chunkattn_server.engine.types import AttendCall, BlockCall, EngineStats, Retry
 from chunkattn_server.errors import (
     InvalidTensor,
     OutOfBlocks,
@@ -44,6 +44,7 @@ from chunkattn_server.kv.manifest import ModelFingerprint
 from chunkattn_server.kv.records import Reservation, Write
 from chunkattn_server.kv.scales import KVScaleTable
 from chunkattn_server.kv.sequences import SequenceState
+from chunkattn_server.kv.spaces import BlockSpace
 from chunkattn_server.kv.transfer import KVExchange
 
 # Tensors made from received bytes (requests, imported KV) are read-only views; the engine never writes into
@@ -153,6 +154,22 @@ class Engine:
                 return self._attend_step(layer, calls)
         return self._attend_step(layer, calls)
 
+    def attend_blocks(self, layer: int, calls: Sequence[BlockCall]) -> list[torch.Tensor | Exception]:
+        """Block-addressed calls of one layer (engine/blocks.py): per call its output ([T_i, num_heads,
+        head_size] in its q's dtype) or the error it fails with alone, nothing of it written."""
+        with torch.no_grad():
+            return blocks.attend_step(self, layer, calls)
+
+    def open_space(self, num_blocks: int, planes: Sequence[int], *, tenant: str) -> BlockSpace:
+        """A new block space of ``tenant`` (kv/spaces.py), its blocks zeroed: no previous owner's K/V shows."""
+        space = self.kv.spaces.open(num_blocks, planes, tenant=tenant)
+        try:
+            self.cache.zero_blocks(space.pool_blocks())
+        except BaseException:
+            self.kv.spaces.close(space.space_id, tenant=tenant)
+            raise
+        return space
+
     def _attend_step(self, layer: int, calls: Sequence[AttendCall]) -> list[torch.Tensor | Exception | Retry]:
         results: list[torch.Tensor | Exception | Retry] = [Retry()] * len(calls)
         spec = self.config.model.spec(layer)
@@ -203,7 +220,7 @@ class Engine:
         total = sum(e.num_tokens for e in entries) if isinstance(entries, Entries) else checks.check_entries(entries)
         checks.check_tensors(self.config.model, layer, spec, call.entries, total, call.q, call.k, call.v, self.dtype)
         if call.k is not None and call.v is not None and self.scales.calibrating(layer):
-            self._check_calibration(self._here(call.k), self._here(call.v))
+            self.check_calibration(self.on_device(call.k), self.on_device(call.v))
         states = [self.kv.get(e.seq_id, tenant=call.tenant) for e in call.entries]
         checks.check_positions(layer, spec, call.entries, states)
         return states, self.kv.plan_writes(layer, spec, call.entries, states)
@@ -222,7 +239,7 @@ class Engine:
         def cat(ts: list[torch.Tensor | None]) -> torch.Tensor | None:
             if ts[0] is None:
                 return None
-            return torch.cat([self._here(t) for t in ts if t is not None])
+            return torch.cat([self.on_device(t) for t in ts if t is not None])
 
         q = cat([c.q for c in calls])
         assert q is not None
@@ -230,7 +247,7 @@ class Engine:
             layer, spec, entries, states, writes, q, cat([c.k for c in calls]), cat([c.v for c in calls])
         )
 
-    def _here(self, t: torch.Tensor) -> torch.Tensor:
+    def on_device(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` on the engine's device in the compute dtype (itself when it is already: ``to`` is not free)."""
         if self._on_cpu and t.dtype == self.dtype and t.is_cpu:
             return t
@@ -254,14 +271,14 @@ class Engine:
         if k is None or v is None:  # KV sharing: the new tokens' K/V come back from the source's cache
             kc, vc = self._read_back(source, plane, tables, entries)
         else:
-            kc, vc = self._store(source, plane, tables, entries, writes, self._here(k), self._here(v))
-        k_scale, v_scale = self._scales_of(source)
+            kc, vc = self._store(source, plane, tables, entries, writes, self.on_device(k), self.on_device(v))
+        k_scale, v_scale = self.read_scales(source)
         spans, row = [], 0
         for e in entries:
             spans.append((row, e.position, e.num_tokens))
             row += e.num_tokens
         batch = AttentionBatch(
-            q=self._here(q),
+            q=self.on_device(q),
             k=kc,
             v=vc,
             k_pages=self.cache.k[plane],
@@ -271,7 +288,7 @@ class Engine:
             chunk_size=spec.chunk_size,
             block_size=bs,
             scale=self._scales[layer],
-            alibi_slopes=self._slopes[layer],
+            alibi_slopes=self.slopes(layer),
             k_scale=k_scale,
             v_scale=v_scale,
         )
@@ -288,7 +305,7 @@ class Engine:
         slots = _concat(
             [token_slots(t, e.position, e.position + e.num_tokens, bs) for t, e in zip(tables, entries, strict=True)]
         )
-        return self.cache.read(plane, self._index(slots), self._scales_of(source), self.dtype)
+        return self.cache.read(plane, self.index(slots), self.read_scales(source), self.dtype)
 
     def _store(
         self,
@@ -303,7 +320,7 @@ class Engine:
         """Store the call's K/V ([T, Hkv, D], compute dtype) at its writes' cache slots (a float8 cache: over
         the layer's scales, calibrated by this write if it is the first); returns them as the cache holds them
         (KVCache.write)."""
-        scales = self._write_scales(source, kc, vc) if self._converts else (1.0, 1.0)
+        scales = self.write_scales(source, kc, vc) if self._converts else (1.0, 1.0)
         # The rows of k/v to store and their cache slots; usually every row (a decode, a short prefill).
         rows: list[tuple[int, int]] = []
         slot_parts: list[np.ndarray] = []
@@ -314,35 +331,35 @@ class Engine:
                 slot_parts.append(token_slots(table, w.start, w.end, self.block_size))
             full = full and w.start == e.position
             row += e.num_tokens
-        slots = self._index(_concat(slot_parts) if slot_parts else np.empty(0, np.int64))
-        index = None if full or not slot_parts else self._index(_concat([np.arange(a, b) for a, b in rows]))
+        slots = self.index(_concat(slot_parts) if slot_parts else np.empty(0, np.int64))
+        index = None if full or not slot_parts else self.index(_concat([np.arange(a, b) for a, b in rows]))
         return self.cache.write(plane, slots, kc, vc, scales, index)
 
-    def _scales_of(self, layer: int) -> tuple[float, float]:
+    def read_scales(self, layer: int) -> tuple[float, float]:
         """A layer's cache scales (k, v), its first write having calibrated them where it had to."""
         scales = self.scales.of(layer)
         assert scales is not None, "a calibrating layer is read only after its first write"
         return scales
 
-    def _write_scales(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[float, float]:
+    def write_scales(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[float, float]:
         """The scales a write of ``k``, ``v`` ([T, Hkv, D] in the compute dtype, as they are stored) is stored
         over: the layer's, set now from this write if it is calibrating (kv/scales.py: max |x| / K_RANGE or
         V_RANGE, as vLLM's calculate_kv_scales). Each call of a step was checked on its own (_plan), so their
         merged first write calibrates without error: its largest values are one of theirs."""
         if not self.scales.calibrating(layer):
-            return self._scales_of(layer)
+            return self.read_scales(layer)
         return self.scales.calibrated(layer, _top(k), _top(v))
 
-    def _check_calibration(self, k: torch.Tensor, v: torch.Tensor) -> None:
+    def check_calibration(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """InvalidTensor for a first write that cannot calibrate a layer's scales (one too small to read back
-        would store every later value as 0); ``k``, ``v`` as for ``_write_scales``."""
+        would store every later value as 0); ``k``, ``v`` as for ``write_scales``."""
         assert self.scales.range is not None
         try:
             self.scales.range.calibrate(_top(k), _top(v))
         except ValueError as e:
             raise InvalidTensor(f"{e}. Nothing was written") from None
 
-    def _index(self, values: np.ndarray) -> torch.Tensor:
+    def index(self, values: np.ndarray) -> torch.Tensor:
         """An int64 index tensor on the engine's device."""
         t = torch.from_numpy(values)
         return t if self._on_cpu else t.to(self.device)
@@ -369,11 +386,16 @@ class Engine:
             num_sequences=self.kv.num_sequences,
             sequences_by_tenant=self.kv.sequences_by_tenant(),
             blocks_by_tenant=self.pool.usage(),
+            spaces_by_tenant=self.kv.spaces.by_tenant(),
         )
 
     def scale(self, layer: int) -> float:
         """The softmax scale the layer uses (its configured one, or 1 / sqrt(head_size))."""
         return self._scales[layer]
+
+    def slopes(self, layer: int) -> torch.Tensor | None:
+        """The layer's ALiBi slopes [num_heads] float32 on the device, or None."""
+        return self._slopes[layer]
 
 
 def _concat(parts: list[np.ndarray]) -> np.ndarray:

@@ -12,11 +12,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from chunkattn_server.config import ModelShape
 from chunkattn_server.engine.core import Engine
 from chunkattn_server.engine.entries import Entries
+from chunkattn_server.engine.types import BlockCall
 
 
 @dataclass(eq=False)
@@ -45,17 +47,28 @@ class Control(Job):
 
 
 @dataclass(eq=False, kw_only=True)
-class Attend(Job):
-    """One Attend call: its layer, entries and tensors (see Engine.attend); tokens: q's rows; ending: the
-    ids of its sequences to release after it (their entries' ``end_of_sequence``)."""
+class LayerCall(Job):
+    """An Attend call of one layer, of either kind; tokens: q's rows. Calls of one kind and layer may share
+    a step (step_queue.py)."""
 
     layer: int
+    tokens: int
+    tenant: str
+
+    def touches(self) -> frozenset[tuple[str, str]]:
+        """What the call reads or changes (never None: a call is no barrier)."""
+        raise NotImplementedError
+
+
+@dataclass(eq=False, kw_only=True)
+class Attend(LayerCall):
+    """A sequence-addressed Attend call: its entries and tensors (see Engine.attend); ending: the ids of its
+    sequences to release after it (their entries' ``end_of_sequence``)."""
+
     entries: Entries
     q: torch.Tensor
     k: torch.Tensor | None
     v: torch.Tensor | None
-    tokens: int
-    tenant: str
     ending: frozenset[str] = frozenset()
 
     @functools.cached_property
@@ -67,6 +80,18 @@ class Attend(Job):
         return self._ids
 
 
+@dataclass(eq=False, kw_only=True)
+class AttendBlocks(LayerCall):
+    """A block-addressed Attend call (see Engine.attend_blocks)."""
+
+    call: BlockCall
+
+    def touches(self) -> frozenset[tuple[str, str]]:
+        """Its space, as a key no sequence has (a tenant name has no NUL): calls to one space keep their
+        order and never share a step."""
+        return frozenset({("\0space", f"{self.tenant}/{self.call.space_id}")})
+
+
 Result = tuple[Job, bool, Any]  # a job, whether it succeeded, and its result or exception
 
 
@@ -74,11 +99,16 @@ def work(model: ModelShape, step: list[Job]) -> float:
     """The step's attention work: query-key pairs (at most, per entry) x heads x head size; a control job
     counts as large (exports and imports copy whole blocks)."""
     first = step[0]
-    if not isinstance(first, Attend):
+    if not isinstance(first, LayerCall):
         return float("inf")
     c = model.layers[first.layer].chunk_size
-    pairs = 0
+    pairs = 0.0
     for job in step:
+        if isinstance(job, AttendBlocks):  # each row: its queries over its keys (unchecked yet: in floats)
+            starts, seq_lens = job.call.starts, job.call.seq_lens
+            if len(starts) == len(seq_lens) + 1:
+                pairs += float(np.dot(np.diff(starts).astype(np.float64), seq_lens.astype(np.float64)))
+            continue
         assert isinstance(job, Attend)  # a step of calls holds nothing else (step_queue.py)
         for e in job.entries:
             p, n = e.position, e.num_tokens

@@ -27,11 +27,11 @@ from chunkattn_server.engine import jobs
 from chunkattn_server.engine.core import Engine
 from chunkattn_server.engine.entries import checked
 from chunkattn_server.engine.inline import InlineRunner
-from chunkattn_server.engine.jobs import Attend, Control, Job, Result
+from chunkattn_server.engine.jobs import Attend, AttendBlocks, Control, Job, LayerCall, Result
 from chunkattn_server.engine.serve import serve
 from chunkattn_server.engine.step_queue import StepQueue
 from chunkattn_server.engine.turn import Turn
-from chunkattn_server.engine.types import EngineStats
+from chunkattn_server.engine.types import BlockCall, EngineStats
 from chunkattn_server.errors import InvalidBatch
 from chunkattn_server.metrics import Metrics
 
@@ -137,6 +137,17 @@ class Scheduler:
         result: torch.Tensor = await self._submit(job)
         return result
 
+    async def attend_blocks(self, rpc: str, layer: int, call: BlockCall) -> torch.Tensor:
+        """One block-addressed Attend call (see Engine.attend_blocks), merged with other queued ones of its
+        layer where the rules allow. Returns its output, a contiguous tensor in host memory; raises the
+        EngineError it would raise alone (UnknownLayer before anything is queued)."""
+        self.engine.config.model.spec(layer)
+        tokens = int(call.q.shape[0]) if call.q.dim() else 0
+        future = asyncio.get_running_loop().create_future()
+        job = AttendBlocks(rpc, future, layer=layer, call=call, tokens=tokens, tenant=call.tenant)
+        result: torch.Tensor = await self._submit(job)
+        return result
+
     async def _submit(self, job: Job) -> Any:
         turn = self._turn
         with turn.cond:
@@ -201,7 +212,7 @@ class Scheduler:
                         return None
                 turn.cond.wait()
             first = turn.queue.first()
-            if self._delay_s and turn.queue.batching and isinstance(first, Attend):
+            if self._delay_s and turn.queue.batching and isinstance(first, LayerCall):
                 deadline = first.submitted + self._delay_s
                 while (left := deadline - time.perf_counter()) > 0 and turn.queue.queued_tokens(
                     first.layer
@@ -218,7 +229,7 @@ class Scheduler:
 
     def _small(self, step: list[Job]) -> bool:
         """Whether the event loop may run the step itself (see INLINE_WORK)."""
-        return sum(j.tokens for j in step if isinstance(j, Attend)) <= INLINE_TOKENS and (
+        return sum(j.tokens for j in step if isinstance(j, LayerCall)) <= INLINE_TOKENS and (
             jobs.work(self.engine.config.model, step) < INLINE_WORK
         )
 

@@ -1,7 +1,8 @@
 """Serving one step on the engine, on the thread that runs it: a control job alone, or Attend calls of one
-layer merged into one ``Engine.attend_step``, their outputs copied to host memory there (a device tensor's
-copy waits for its compute: it belongs to the thread that owns the device), ``end_of_sequence`` releases
-after each call; and the step's metrics, observed here and nowhere else."""
+layer merged into one ``Engine.attend_step`` (block-addressed ones into one ``Engine.attend_blocks``), their
+outputs copied to host memory there (a device tensor's copy waits for its compute: it belongs to the thread
+that owns the device), ``end_of_sequence`` releases after each call; and the step's metrics, observed here and
+nowhere else."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import time
 import torch
 
 from chunkattn_server.engine.core import Engine
-from chunkattn_server.engine.jobs import Attend, Control, Job, Result
+from chunkattn_server.engine.jobs import Attend, AttendBlocks, Control, Job, LayerCall, Result
 from chunkattn_server.engine.types import AttendCall, EngineStats, Retry
 from chunkattn_server.metrics import Metrics
 
@@ -31,10 +32,13 @@ def serve(
             results.append((first, True, first.fn(engine)))
         except Exception as e:
             results.append((first, False, e))
-        calls: list[Attend] = []
+        calls: list[LayerCall] = []
+    elif isinstance(first, AttendBlocks):
+        calls = [job for job in step if isinstance(job, LayerCall)]
+        _serve_blocks(engine, [job for job in step if isinstance(job, AttendBlocks)], results)
     else:
-        calls = [job for job in step if isinstance(job, Attend)]  # a step of calls holds nothing else
-        released = _serve_attend(engine, calls, results, retry)
+        calls = [job for job in step if isinstance(job, LayerCall)]
+        released = _serve_attend(engine, [job for job in step if isinstance(job, Attend)], results, retry)
         if released and metrics is not None:
             metrics.released.inc(released)
     stats = engine.stats()
@@ -68,6 +72,22 @@ def _serve_attend(engine: Engine, step: list[Attend], results: list[Result], ret
     return released
 
 
+def _serve_blocks(engine: Engine, step: list[AttendBlocks], results: list[Result]) -> None:
+    try:
+        outs = engine.attend_blocks(step[0].layer, [job.call for job in step])
+    except Exception as e:  # not one call's own error: every call of the step fails with it
+        results.extend((job, False, e) for job in step)
+        return
+    for job, out in zip(step, outs, strict=True):
+        if isinstance(out, BaseException):
+            results.append((job, False, out))
+            continue
+        try:
+            results.append((job, True, _host(out)))
+        except Exception as e:
+            results.append((job, False, e))
+
+
 def _host(t: torch.Tensor) -> torch.Tensor:
     """``t`` in host memory, contiguous (the wire's layout): itself when it is already."""
     if t.is_cpu and t.is_contiguous() and not t.requires_grad:
@@ -78,7 +98,7 @@ def _host(t: torch.Tensor) -> torch.Tensor:
 def observe(
     m: Metrics,
     stats: EngineStats,
-    calls: list[Attend],
+    calls: list[LayerCall],
     results: list[Result],
     retry: list[Job],
     started: float,
@@ -98,19 +118,33 @@ def observe(
         return
     m.step_calls.observe(len(calls) - len(retry))
     m.step_tokens.observe(sum(job.tokens for job in calls if job not in retry))
-    decode = prefill = received = sent = served = 0
+    decode = prefill = received = sent = 0
+    served = {"sequence": 0, "blocks": 0}
     for job, ok, value in results:
-        if not ok or not isinstance(job, Attend):
+        if not ok or not isinstance(job, LayerCall):
             continue
-        served += 1
-        for e in job.entries:
-            if e.num_tokens == 1:
-                decode += 1
-            else:
-                prefill += e.num_tokens
-        received += sum(t.nbytes for t in (job.q, job.k, job.v) if t is not None)
+        if isinstance(job, AttendBlocks):
+            served["blocks"] += 1
+            c = job.call
+            q_lens = c.starts[1:] - c.starts[:-1]
+            decode += int((q_lens == 1).sum())
+            prefill += int(q_lens[q_lens > 1].sum())
+            q, k, v = c.q, c.k, c.v
+        else:
+            assert isinstance(job, Attend)
+            served["sequence"] += 1
+            for e in job.entries:
+                if e.num_tokens == 1:
+                    decode += 1
+                else:
+                    prefill += e.num_tokens
+            q, k, v = job.q, job.k, job.v
+        received += sum(t.nbytes for t in (q, k, v) if t is not None)
         sent += value.nbytes
-    if served:
+    for mode, n in served.items():
+        if n:
+            m.of(m.calls, mode).inc(n)
+    if any(served.values()):
         m.of(m.tokens, "decode").inc(decode)
         m.of(m.tokens, "prefill").inc(prefill)
         m.bytes_received.inc(received)

@@ -4,15 +4,15 @@ no threads, no event loops, no locks (the scheduler holds its own around every c
 A step is
 
 - a control job (release, fork, export, import, info ...) alone, in its place in the queue; or
-- the first queued job, an Attend call, and (batching on) the later queued calls of its layer that may join
-  it: one layer per step, up to ``max_batch_tokens`` tokens.
+- the first queued job, an Attend call, and (batching on) the later queued calls of its kind (sequence- or
+  block-addressed) and layer that may join it: one layer per step, up to ``max_batch_tokens`` tokens.
 
 Rules that keep every call's result what it would be alone:
 
 - the first queued job always goes next (nothing overtakes the oldest job), so nothing starves;
-- calls that touch the same sequence keep their arrival order and never share a step; a control job keeps
-  its order against the calls of the sequences it touches (one that does not say which it touches, as
-  every control job today, is a barrier: nothing behind it overtakes it);
+- calls that touch the same sequence (or block space) keep their arrival order and never share a step; a
+  control job keeps its order against the calls of the sequences it touches (one that does not say which it
+  touches, as every control job today, is a barrier: nothing behind it overtakes it);
 - a call that found the pool short while earlier calls of its step held blocks (``requeue``) runs again
   first, ahead of every queued job, in a step of its own, where it sees the pool as it would have alone
   (core.Retry);
@@ -25,7 +25,7 @@ import collections
 from collections.abc import Iterator, Sequence
 from itertools import islice
 
-from chunkattn_server.engine.jobs import Attend, Job
+from chunkattn_server.engine.jobs import Job, LayerCall
 
 SCAN_LIMIT = 1024  # queued jobs one step looks through for calls to merge
 
@@ -70,15 +70,15 @@ class StepQueue:
 
     def queued_tokens(self, layer: int) -> int:
         """The tokens of the queued calls of ``layer``."""
-        return sum(j.tokens for j in self._jobs if isinstance(j, Attend) and j.layer == layer)
+        return sum(j.tokens for j in self._jobs if isinstance(j, LayerCall) and j.layer == layer)
 
     def peek(self) -> list[Job]:
         """The next step (with a job pending), left in the queue: the first queued job, and when it is an
-        Attend call (batching on) every later call of its layer that may join it: within the token budget,
+        Attend call (batching on) every later call of its kind and layer that may join it: within the token budget,
         touching no sequence that a job it would overtake touches, and none that an earlier call of the step
         touches; the scan ends at a barrier or after ``scan_limit`` jobs. A requeued call is a step alone."""
         first = self._jobs[0]
-        if not (self.batching and isinstance(first, Attend)) or first.alone:
+        if not (self.batching and isinstance(first, LayerCall)) or first.alone:
             return [first]
         step: list[Job] = [first]
         tokens = first.tokens
@@ -88,7 +88,8 @@ class StepQueue:
             if touched is None:
                 break  # a barrier: nothing behind it may overtake it
             if (
-                isinstance(job, Attend)
+                type(job) is type(first)
+                and isinstance(job, LayerCall)
                 and job.layer == first.layer
                 and tokens + job.tokens <= self.max_batch_tokens
                 and blocked.isdisjoint(touched)

@@ -1,10 +1,12 @@
-"""What the engine takes and gives besides tensors: a call of a step, the Retry signal, and the pool's stats."""
+"""What the engine takes and gives besides tensors: a call of a step (sequence- or block-addressed), the Retry
+signal, and the pool's stats."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from chunkattn_client.batch import BatchEntry
@@ -22,6 +24,7 @@ class EngineStats:
     num_sequences: int
     sequences_by_tenant: Mapping[str, int] = field(default_factory=dict)  # tenants holding none left out
     blocks_by_tenant: Mapping[str, int] = field(default_factory=dict)
+    spaces_by_tenant: Mapping[str, int] = field(default_factory=dict)  # open block spaces
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,25 @@ class AttendCall:
     q: torch.Tensor
     k: torch.Tensor | None
     v: torch.Tensor | None
+    tenant: str
+
+
+@dataclass(frozen=True)
+class BlockCall:
+    """One block-addressed Attend call (the block API; see the proto's BlockBatch): its tenant's space, its
+    tensors (q [T, num_heads, head_size]; k, v [T, num_kv_heads, head_size] or None for a KV-sharing layer)
+    and its rows, int64 arrays as they came: slots [T] (negative: not written), starts [R + 1]
+    (query_start_loc), seq_lens [R] and tables [R, W] (block ids). ``engine/blocks.py`` checks them against
+    the space before anything is written."""
+
+    space_id: str
+    q: torch.Tensor
+    k: torch.Tensor | None
+    v: torch.Tensor | None
+    slots: np.ndarray
+    starts: np.ndarray
+    seq_lens: np.ndarray
+    tables: np.ndarray
     tenant: str
 
 

@@ -82,6 +82,14 @@ class KVCache:
         for pages in (*self.k, *self.v):
             pages[:, dst].copy_(pages[:, src])
 
+    def zero_blocks(self, blocks: list[int]) -> None:
+        """Zero ``blocks`` in every plane (blocks granted to a block space: no previous owner's K/V shows)."""
+        if not blocks:
+            return
+        index = torch.tensor(blocks, dtype=torch.int64, device=self.k[0].device)
+        for pages in (*self.k, *self.v):
+            pages.view(torch.uint8).index_fill_(1, index, 0)  # as bytes: index_fill_ has no float8 kernel
+
     def block_views(self, plane: int, blocks: list[int]) -> list[tuple[list[memoryview], list[memoryview]]]:
         """K and V of each of ``blocks`` in ``plane``, each as pieces whose concatenation is its bytes
         [Hkv, bs, D]. On the CPU: one piece per head, views of the pages (they show later writes); on a

@@ -7,7 +7,8 @@ layer's chunk go back to the pool) or ``rollback`` (as if the call had never com
 reservations at once (one engine step); they touch disjoint sequences.
 
 The control plane lives here too: fork (copy-on-write sharing), truncate (speculative decoding's rollback),
-release, idle eviction, and the read-only views the info RPC and the tests use.
+release, idle eviction, and the read-only views the info RPC and the tests use; and the block API's spaces
+(kv/spaces.py), whose blocks come from the same pool under the same quotas.
 
 Every sequence belongs to a *tenant* (a string; "" when the server has no authentication) and is named by
 (tenant, seq_id): two tenants' "s1" are two sequences, and nothing here lets one tenant's call name
@@ -34,6 +35,7 @@ from chunkattn_server.errors import (
 from chunkattn_server.kv.block_pool import BlockPool
 from chunkattn_server.kv.records import Quota, Reservation, SequenceInfo, Truncation, Write
 from chunkattn_server.kv.sequences import Refusal, Retention, SequenceState
+from chunkattn_server.kv.spaces import BlockSpaces
 
 
 class KVManager:
@@ -51,6 +53,8 @@ class KVManager:
         self._count: dict[str, int] = {}  # tenant -> sequences held
         self._incoming: dict[str, int] = {}  # tenant -> imports begun and not yet ended (sequences to come)
         self.quotas: dict[str, Quota] = {}  # tenant -> its quota (none: no limit)
+        # The block API's spaces: their blocks come from the same pool, under the same quotas.
+        self.spaces = BlockSpaces(self.pool, config.model, config.group_size, self.check_quota)
         self.group_of: list[KVGroup] = []  # per layer; a KV-sharing layer's is its source's
         for i, spec in enumerate(config.model.layers):
             owner = i if spec.kv_source is None else spec.kv_source

@@ -29,6 +29,7 @@ from chunkattn_server.engine.types import EngineStats
 from chunkattn_server.errors import InvalidArgument, InvalidBatch, InvalidTensor, ShuttingDown
 from chunkattn_server.metrics import Metrics
 from chunkattn_server.service.auth import Authenticator, Tenant
+from chunkattn_server.service.blocks import BlockArgs, BlockService, block_args
 from chunkattn_server.service.kv import KVService
 from chunkattn_server.service.rpc import DRAINING, SMALL_REQUEST_BYTES, Admission, Context, Rpcs, Stream
 from chunkattn_server.service.status import status_code
@@ -95,11 +96,11 @@ class AttendArgs(NamedTuple):
     v: torch.Tensor | None
 
 
-def read_attend_request(raw: bytes, model: ModelShape) -> tuple[int, AttendArgs | InvalidArgument]:
-    """parse_attend_request, then the request as AttendArgs: (its request_id, the call or the
-    InvalidArgument it fails with). A request that parses keeps its id for its answer when its contents fail
-    their checks; one that does not parse raises as parse_attend_request does. The checks run in the order
-    the engine's would (tensors present, layer, entries), so a request wrong in several ways is told the
+def read_attend_request(raw: bytes, model: ModelShape) -> tuple[int, AttendArgs | BlockArgs | InvalidArgument]:
+    """parse_attend_request, then the request as AttendArgs (BlockArgs for the block API): (its request_id,
+    the call or the InvalidArgument it fails with). A request that parses keeps its id for its answer when its
+    contents fail their checks; one that does not parse raises as parse_attend_request does. The checks run in
+    the order the engine's would (tensors present, layer, entries), so a request wrong in several ways is told the
     same first thing wherever it is checked."""
     request, tensors = parse_attend_request(raw)
     try:
@@ -108,12 +109,16 @@ def read_attend_request(raw: bytes, model: ModelShape) -> tuple[int, AttendArgs 
         return request.request_id, e
 
 
-def _attend_args(request: pb.AttendRequest, tensors: dict[str, torch.Tensor], model: ModelShape) -> AttendArgs:
+def _attend_args(
+    request: pb.AttendRequest, tensors: dict[str, torch.Tensor], model: ModelShape
+) -> AttendArgs | BlockArgs:
     if "q" not in tensors:
         raise InvalidTensor("q is missing; send q [tokens, num_heads, head_size]")
     q, k, v = tensors["q"], tensors.get("k"), tensors.get("v")
     if (k is None) != (v is None):
         raise InvalidTensor("send both k and v, or (for a KV-sharing layer) neither")
+    if request.HasField("blocks"):
+        return block_args(request, q, k, v, model)
     model.spec(request.layer)
     entries: list[BatchEntry] = []
     ending: list[str] = []
@@ -142,6 +147,7 @@ class ChunkAttnService:
         self._calibrating = any(x.k_scale == 0 for x in self._engine_info.layers)
         self._rpcs = Rpcs(self._count, Admission(config.max_concurrent_rpcs, config.inflight_bytes), auth)
         self._kv = KVService(self._run, self._rpcs, self._observe_pool, metrics, worker.engine, config)
+        self._blocks = BlockService(self._run, self._rpcs, self._observe_pool, metrics)
         metrics.kv_blocks_total.set(worker.engine.stats().num_blocks)
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
@@ -157,6 +163,7 @@ class ChunkAttnService:
                 "Release", self.Release, pb.ReleaseRequest, MAX_RELEASE_BYTES, max_fields=MAX_BATCH + 16
             ),
             **self._kv.handlers(),
+            **self._blocks.handlers(),
         }
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("chunkattn.v1.ChunkAttn", handlers),))
 
@@ -182,6 +189,7 @@ class ChunkAttnService:
         response.CopyFrom(self._engine_info)
         response.free_blocks = stats.free_blocks
         response.active_sequences = stats.sequences_by_tenant.get(tenant.name, 0)
+        response.block_spaces = stats.spaces_by_tenant.get(tenant.name, 0)
         if self._calibrating:  # a float8 layer's scales are set by its first write: as of now
             for layer in response.layers:
                 layer.k_scale, layer.v_scale = self._worker.engine.scales.of(layer.index) or (0.0, 0.0)
@@ -222,19 +230,26 @@ class ChunkAttnService:
 
     # -- helpers -------------------------------------------------------------------------------------
 
-    async def _parse(self, raw: bytes) -> tuple[int, AttendArgs | InvalidArgument]:
+    async def _parse(self, raw: bytes) -> tuple[int, AttendArgs | BlockArgs | InvalidArgument]:
         """read_attend_request, off the event loop for a large request."""
         if len(raw) <= SMALL_REQUEST_BYTES:
             return read_attend_request(raw, self._model)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._rpcs.parser, read_attend_request, raw, self._model)
 
-    async def _attend(self, rpc: str, request_id: int, args: AttendArgs | InvalidArgument, tenant: Tenant) -> bytes:
+    async def _attend(
+        self, rpc: str, request_id: int, args: AttendArgs | BlockArgs | InvalidArgument, tenant: Tenant
+    ) -> bytes:
         if isinstance(args, InvalidArgument):
             raise args
         a = args
         with self._metrics.in_flight.track_inprogress():
-            out = await self._worker.attend(rpc, a.layer, a.entries, a.q, a.k, a.v, tenant=tenant.name, ending=a.ending)
+            if isinstance(a, BlockArgs):
+                out = await self._worker.attend_blocks(rpc, a.layer, a.call(tenant.name))
+            else:
+                out = await self._worker.attend(
+                    rpc, a.layer, a.entries, a.q, a.k, a.v, tenant=tenant.name, ending=a.ending
+                )
         return wire.encode_attend_response(request_id, codec.to_raw(out))
 
     async def _run(self, rpc: str, fn: Callable[[Engine], T]) -> T:
@@ -286,6 +301,7 @@ def _static_info(engine: Engine, max_message_bytes: int) -> pb.InfoResponse:
         dtypes=[d.wire for d in dtypes.WIRE],  # type: ignore[misc]
         max_message_bytes=max_message_bytes,
         spec_window=engine.config.cache.spec_window,
+        planes_per_block=engine.config.group_size,
     )
 
 

@@ -17,6 +17,7 @@ from chunkattn_server.errors import (
     StreamStalled,
     Unauthenticated,
     UnknownSequence,
+    UnknownSpace,
 )
 
 
@@ -41,6 +42,7 @@ _STATUS: dict[type[BaseException], grpc.StatusCode] = {
     MemoryError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     UnknownSequence: grpc.StatusCode.NOT_FOUND,
+    UnknownSpace: grpc.StatusCode.NOT_FOUND,
     SequenceExists: grpc.StatusCode.ALREADY_EXISTS,
     DataLoss: grpc.StatusCode.DATA_LOSS,
     SequenceChanged: grpc.StatusCode.ABORTED,

@@ -31,6 +31,9 @@ class AttentionBatch:
     scale: softmax scale.
     alibi_slopes: [num_heads] float32, or None.
     k_scale, v_scale: the float8 cache's scales (1.0 for any other cache dtype).
+    decodes_cached: every new token's K/V is in the pages too (written at its slot before the compute), so
+        a single-token span may read its own key there; False when some were not written (the block API's
+        padding tokens): then every span reads its new keys from k and v.
     """
 
     q: torch.Tensor
@@ -46,6 +49,7 @@ class AttentionBatch:
     alibi_slopes: torch.Tensor | None
     k_scale: float = 1.0
     v_scale: float = 1.0
+    decodes_cached: bool = True
 
     @cached_property
     def pieces(self) -> list[Piece]:
@@ -56,6 +60,7 @@ class AttentionBatch:
             self.chunk_size,
             self.block_size,
             lambda i, first, last: tuple([tables[i][b] for b in range(first, last)]),
+            self.decodes_cached,
         )
 
 

@@ -122,7 +122,7 @@ class TorchBackend:
         """The hot path: every decode (one query, its own key already in the cache) whose chunk lies in one run
         of consecutive blocks, one kernel each over a view of the pages and nothing else. Returns the entries
         done; the rest go piece by piece."""
-        if not self.flash or batch.alibi_slopes is not None:
+        if not self.flash or batch.alibi_slopes is not None or not batch.decodes_cached:
             return set()
         bs, c = batch.block_size, batch.chunk_size
         total, heads, dim = batch.q.shape

@@ -45,20 +45,72 @@ class SequenceEntry(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., position: _Optional[int] = ..., num_tokens: _Optional[int] = ..., end_of_sequence: _Optional[bool] = ...) -> None: ...
 
 class AttendRequest(_message.Message):
-    __slots__ = ("layer", "entries", "q", "k", "v", "request_id")
+    __slots__ = ("layer", "entries", "q", "k", "v", "request_id", "blocks")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     Q_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     V_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
     layer: int
     entries: _containers.RepeatedCompositeFieldContainer[SequenceEntry]
     q: Tensor
     k: Tensor
     v: Tensor
     request_id: int
-    def __init__(self, layer: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[SequenceEntry, _Mapping]]] = ..., q: _Optional[_Union[Tensor, _Mapping]] = ..., k: _Optional[_Union[Tensor, _Mapping]] = ..., v: _Optional[_Union[Tensor, _Mapping]] = ..., request_id: _Optional[int] = ...) -> None: ...
+    blocks: BlockBatch
+    def __init__(self, layer: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[SequenceEntry, _Mapping]]] = ..., q: _Optional[_Union[Tensor, _Mapping]] = ..., k: _Optional[_Union[Tensor, _Mapping]] = ..., v: _Optional[_Union[Tensor, _Mapping]] = ..., request_id: _Optional[int] = ..., blocks: _Optional[_Union[BlockBatch, _Mapping]] = ...) -> None: ...
+
+class BlockBatch(_message.Message):
+    __slots__ = ("space_id", "slot_mapping", "query_start_loc", "seq_lens", "block_table", "block_table_width")
+    SPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    SLOT_MAPPING_FIELD_NUMBER: _ClassVar[int]
+    QUERY_START_LOC_FIELD_NUMBER: _ClassVar[int]
+    SEQ_LENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TABLE_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    space_id: str
+    slot_mapping: bytes
+    query_start_loc: bytes
+    seq_lens: bytes
+    block_table: bytes
+    block_table_width: int
+    def __init__(self, space_id: _Optional[str] = ..., slot_mapping: _Optional[bytes] = ..., query_start_loc: _Optional[bytes] = ..., seq_lens: _Optional[bytes] = ..., block_table: _Optional[bytes] = ..., block_table_width: _Optional[int] = ...) -> None: ...
+
+class OpenBlockSpaceRequest(_message.Message):
+    __slots__ = ("num_blocks", "layer_planes")
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LAYER_PLANES_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    layer_planes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_blocks: _Optional[int] = ..., layer_planes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class OpenBlockSpaceResponse(_message.Message):
+    __slots__ = ("space_id", "num_blocks", "block_size", "num_planes", "pool_blocks")
+    SPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_PLANES_FIELD_NUMBER: _ClassVar[int]
+    POOL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    space_id: str
+    num_blocks: int
+    block_size: int
+    num_planes: int
+    pool_blocks: int
+    def __init__(self, space_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_planes: _Optional[int] = ..., pool_blocks: _Optional[int] = ...) -> None: ...
+
+class CloseBlockSpaceRequest(_message.Message):
+    __slots__ = ("space_id",)
+    SPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    space_id: str
+    def __init__(self, space_id: _Optional[str] = ...) -> None: ...
+
+class CloseBlockSpaceResponse(_message.Message):
+    __slots__ = ("pool_blocks",)
+    POOL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    pool_blocks: int
+    def __init__(self, pool_blocks: _Optional[int] = ...) -> None: ...
 
 class Status(_message.Message):
     __slots__ = ("code", "message")
@@ -119,7 +171,7 @@ class LayerInfo(_message.Message):
     def __init__(self, index: _Optional[int] = ..., chunk_size: _Optional[int] = ..., kv_group: _Optional[int] = ..., kv_source: _Optional[int] = ..., scale: _Optional[float] = ..., alibi: _Optional[bool] = ..., alibi_slopes: _Optional[_Iterable[float]] = ..., k_scale: _Optional[float] = ..., v_scale: _Optional[float] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("version", "backend", "device", "num_heads", "num_kv_heads", "head_size", "layers", "block_size", "num_blocks", "free_blocks", "bytes_per_block", "cache_dtype", "dtypes", "active_sequences", "max_message_bytes", "compute_dtype", "spec_window")
+    __slots__ = ("version", "backend", "device", "num_heads", "num_kv_heads", "head_size", "layers", "block_size", "num_blocks", "free_blocks", "bytes_per_block", "cache_dtype", "dtypes", "active_sequences", "max_message_bytes", "compute_dtype", "spec_window", "planes_per_block", "block_spaces")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +189,8 @@ class InfoResponse(_message.Message):
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     SPEC_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    PLANES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SPACES_FIELD_NUMBER: _ClassVar[int]
     version: str
     backend: str
     device: str
@@ -154,7 +208,9 @@ class InfoResponse(_message.Message):
     max_message_bytes: int
     compute_dtype: DType
     spec_window: int
-    def __init__(self, version: _Optional[str] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerInfo, _Mapping]]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., cache_dtype: _Optional[_Union[DType, str]] = ..., dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., active_sequences: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., compute_dtype: _Optional[_Union[DType, str]] = ..., spec_window: _Optional[int] = ...) -> None: ...
+    planes_per_block: int
+    block_spaces: int
+    def __init__(self, version: _Optional[str] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerInfo, _Mapping]]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., cache_dtype: _Optional[_Union[DType, str]] = ..., dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., active_sequences: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., compute_dtype: _Optional[_Union[DType, str]] = ..., spec_window: _Optional[int] = ..., planes_per_block: _Optional[int] = ..., block_spaces: _Optional[int] = ...) -> None: ...
 
 class ForkRequest(_message.Message):
     __slots__ = ("parent", "child")

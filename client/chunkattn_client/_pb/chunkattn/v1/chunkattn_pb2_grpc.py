@@ -95,6 +95,16 @@ class ChunkAttnStub:
                 request_serializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.TransferKVRequest.SerializeToString,
                 response_deserializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.TransferKVResponse.FromString,
                 _registered_method=True)
+        self.OpenBlockSpace = channel.unary_unary(
+                '/chunkattn.v1.ChunkAttn/OpenBlockSpace',
+                request_serializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.OpenBlockSpaceRequest.SerializeToString,
+                response_deserializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.OpenBlockSpaceResponse.FromString,
+                _registered_method=True)
+        self.CloseBlockSpace = channel.unary_unary(
+                '/chunkattn.v1.ChunkAttn/CloseBlockSpace',
+                request_serializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.CloseBlockSpaceRequest.SerializeToString,
+                response_deserializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.CloseBlockSpaceResponse.FromString,
+                _registered_method=True)
 
 
 class ChunkAttnServicer:
@@ -199,6 +209,25 @@ class ChunkAttnServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenBlockSpace(self, request, context):
+        """The block API, for serving engines that run their own KV cache manager (vLLM): open a block space, then
+        send Attend / AttendStream requests whose `blocks` address it by the engine's own block ids and slots.
+        A space's blocks come from the pool now, zeroed, and count against the tenant's max_kv_blocks quota;
+        RESOURCE_EXHAUSTED when the pool, the quota or the tenant's limit of 64 open spaces cannot hold it. A
+        space is the caller's tenant's alone (another tenant's id is NOT_FOUND) and lives until CloseBlockSpace,
+        until it is unused for --idle-timeout-s, or until the server stops.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CloseBlockSpace(self, request, context):
+        """Close a block space, its blocks back to the pool. NOT_FOUND when it does not exist (any more).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ChunkAttnServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -246,6 +275,16 @@ def add_ChunkAttnServicer_to_server(servicer, server):
                     servicer.TransferKV,
                     request_deserializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.TransferKVRequest.FromString,
                     response_serializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.TransferKVResponse.SerializeToString,
+            ),
+            'OpenBlockSpace': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenBlockSpace,
+                    request_deserializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.OpenBlockSpaceRequest.FromString,
+                    response_serializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.OpenBlockSpaceResponse.SerializeToString,
+            ),
+            'CloseBlockSpace': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseBlockSpace,
+                    request_deserializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.CloseBlockSpaceRequest.FromString,
+                    response_serializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.CloseBlockSpaceResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -507,6 +546,60 @@ class ChunkAttn:
             '/chunkattn.v1.ChunkAttn/TransferKV',
             chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.TransferKVRequest.SerializeToString,
             chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.TransferKVResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenBlockSpace(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/chunkattn.v1.ChunkAttn/OpenBlockSpace',
+            chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.OpenBlockSpaceRequest.SerializeToString,
+            chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.OpenBlockSpaceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseBlockSpace(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/chunkattn.v1.ChunkAttn/CloseBlockSpace',
+            chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.CloseBlockSpaceRequest.SerializeToString,
+            chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.CloseBlockSpaceResponse.FromString,
             options,
             channel_credentials,
             insecure,

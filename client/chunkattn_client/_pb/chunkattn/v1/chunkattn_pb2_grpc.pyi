@@ -99,6 +99,16 @@ class ChunkAttnStub:
     server by target_token (or the server's --transfer-token), over TLS when the server has
     --transfer-tls-ca; the target's status is passed on (UNAUTHENTICATED for a token it refuses).
     """
+    OpenBlockSpace: _grpc.UnaryUnaryMultiCallable[_chunkattn_pb2.OpenBlockSpaceRequest, _chunkattn_pb2.OpenBlockSpaceResponse]
+    """The block API, for serving engines that run their own KV cache manager (vLLM): open a block space, then
+    send Attend / AttendStream requests whose `blocks` address it by the engine's own block ids and slots.
+    A space's blocks come from the pool now, zeroed, and count against the tenant's max_kv_blocks quota;
+    RESOURCE_EXHAUSTED when the pool, the quota or the tenant's limit of 64 open spaces cannot hold it. A
+    space is the caller's tenant's alone (another tenant's id is NOT_FOUND) and lives until CloseBlockSpace,
+    until it is unused for --idle-timeout-s, or until the server stops.
+    """
+    CloseBlockSpace: _grpc.UnaryUnaryMultiCallable[_chunkattn_pb2.CloseBlockSpaceRequest, _chunkattn_pb2.CloseBlockSpaceResponse]
+    """Close a block space, its blocks back to the pool. NOT_FOUND when it does not exist (any more)."""
 
 @_typing.type_check_only
 class ChunkAttnAsyncStub(ChunkAttnStub):
@@ -165,6 +175,16 @@ class ChunkAttnAsyncStub(ChunkAttnStub):
     server by target_token (or the server's --transfer-token), over TLS when the server has
     --transfer-tls-ca; the target's status is passed on (UNAUTHENTICATED for a token it refuses).
     """
+    OpenBlockSpace: _aio.UnaryUnaryMultiCallable[_chunkattn_pb2.OpenBlockSpaceRequest, _chunkattn_pb2.OpenBlockSpaceResponse]  # type: ignore[assignment]
+    """The block API, for serving engines that run their own KV cache manager (vLLM): open a block space, then
+    send Attend / AttendStream requests whose `blocks` address it by the engine's own block ids and slots.
+    A space's blocks come from the pool now, zeroed, and count against the tenant's max_kv_blocks quota;
+    RESOURCE_EXHAUSTED when the pool, the quota or the tenant's limit of 64 open spaces cannot hold it. A
+    space is the caller's tenant's alone (another tenant's id is NOT_FOUND) and lives until CloseBlockSpace,
+    until it is unused for --idle-timeout-s, or until the server stops.
+    """
+    CloseBlockSpace: _aio.UnaryUnaryMultiCallable[_chunkattn_pb2.CloseBlockSpaceRequest, _chunkattn_pb2.CloseBlockSpaceResponse]  # type: ignore[assignment]
+    """Close a block space, its blocks back to the pool. NOT_FOUND when it does not exist (any more)."""
 
 class ChunkAttnServicer(metaclass=_abc_1.ABCMeta):
     """The attention service. Errors use the standard gRPC status codes: INVALID_ARGUMENT (a malformed request,
@@ -282,5 +302,27 @@ class ChunkAttnServicer(metaclass=_abc_1.ABCMeta):
         server by target_token (or the server's --transfer-token), over TLS when the server has
         --transfer-tls-ca; the target's status is passed on (UNAUTHENTICATED for a token it refuses).
         """
+
+    @_abc_1.abstractmethod
+    def OpenBlockSpace(
+        self,
+        request: _chunkattn_pb2.OpenBlockSpaceRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_chunkattn_pb2.OpenBlockSpaceResponse, _abc.Awaitable[_chunkattn_pb2.OpenBlockSpaceResponse]]:
+        """The block API, for serving engines that run their own KV cache manager (vLLM): open a block space, then
+        send Attend / AttendStream requests whose `blocks` address it by the engine's own block ids and slots.
+        A space's blocks come from the pool now, zeroed, and count against the tenant's max_kv_blocks quota;
+        RESOURCE_EXHAUSTED when the pool, the quota or the tenant's limit of 64 open spaces cannot hold it. A
+        space is the caller's tenant's alone (another tenant's id is NOT_FOUND) and lives until CloseBlockSpace,
+        until it is unused for --idle-timeout-s, or until the server stops.
+        """
+
+    @_abc_1.abstractmethod
+    def CloseBlockSpace(
+        self,
+        request: _chunkattn_pb2.CloseBlockSpaceRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_chunkattn_pb2.CloseBlockSpaceResponse, _abc.Awaitable[_chunkattn_pb2.CloseBlockSpaceResponse]]:
+        """Close a block space, its blocks back to the pool. NOT_FOUND when it does not exist (any more)."""
 
 def add_ChunkAttnServicer_to_server(servicer: ChunkAttnServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,126 @@
+"""The block API at the service edge: OpenBlockSpace and CloseBlockSpace, and an AttendRequest's BlockBatch
+read into the engine's BlockCall (the integer arrays as they came; engine/blocks.py checks them against the
+space)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any, NamedTuple
+
+import grpc
+import numpy as np
+import torch
+
+from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
+from chunkattn_server.config import ModelShape
+from chunkattn_server.engine.core import Engine
+from chunkattn_server.engine.types import BlockCall, EngineStats
+from chunkattn_server.errors import InvalidArgument, InvalidBatch
+from chunkattn_server.kv.spaces import SPACE_ID_CHARS
+from chunkattn_server.metrics import Metrics
+from chunkattn_server.service.auth import Tenant
+from chunkattn_server.service.rpc import SMALL_REQUEST_BYTES, Context, Rpcs
+
+Run = Callable[[str, Callable[[Engine], Any]], Awaitable[Any]]
+
+
+class BlockArgs(NamedTuple):
+    """A block-addressed Attend request as the scheduler takes it, less its tenant (see BlockCall)."""
+
+    layer: int
+    space_id: str
+    q: torch.Tensor
+    k: torch.Tensor | None
+    v: torch.Tensor | None
+    slots: np.ndarray
+    starts: np.ndarray
+    seq_lens: np.ndarray
+    tables: np.ndarray
+
+    def call(self, tenant: str) -> BlockCall:
+        return BlockCall(
+            self.space_id, self.q, self.k, self.v, self.slots, self.starts, self.seq_lens, self.tables, tenant
+        )
+
+
+def block_args(
+    request: pb.AttendRequest, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, model: ModelShape
+) -> BlockArgs:
+    """The request's BlockBatch as arrays; InvalidArgument naming the field whose bytes cannot be read (the
+    values are the engine's to check)."""
+    if request.entries:
+        raise InvalidBatch("the request has entries and blocks; send one: entries (sequence API) or blocks (block API)")
+    model.spec(request.layer)
+    b = request.blocks
+    if not 1 <= len(b.space_id) <= SPACE_ID_CHARS:
+        raise InvalidArgument(
+            f"blocks.space_id has {len(b.space_id)} characters; expected OpenBlockSpace's id ({SPACE_ID_CHARS})"
+        )
+    starts = _ints("blocks.query_start_loc", b.query_start_loc, "<i4")
+    seq_lens = _ints("blocks.seq_lens", b.seq_lens, "<i4")
+    table = _ints("blocks.block_table", b.block_table, "<i4")
+    width = b.block_table_width
+    if width < 0 or len(table) != len(seq_lens) * width:
+        raise InvalidBatch(
+            f"blocks.block_table has {len(table)} entries; expected rows ({len(seq_lens)}, seq_lens' count) x"
+            f" block_table_width ({width})"
+        )
+    tables = table.reshape(len(seq_lens), width)
+    slots = _ints("blocks.slot_mapping", b.slot_mapping, "<i8")
+    return BlockArgs(request.layer, b.space_id, q, k, v, slots, starts, seq_lens, tables)
+
+
+def _ints(field: str, data: bytes, dtype: str) -> np.ndarray:
+    """A little-endian integer field's values, int64."""
+    size = np.dtype(dtype).itemsize
+    if len(data) % size:
+        raise InvalidBatch(f"{field} has {len(data)} bytes; expected {size}-byte little-endian integers")
+    return np.frombuffer(data, dtype=dtype).astype(np.int64)
+
+
+class BlockService:
+    """OpenBlockSpace and CloseBlockSpace. ``run`` runs a function on the engine worker."""
+
+    def __init__(self, run: Run, rpcs: Rpcs, observe_pool: Callable[[EngineStats], None], metrics: Metrics) -> None:
+        self._run = run
+        self._rpcs = rpcs
+        self._observe_pool = observe_pool
+        self._metrics = metrics
+
+    def handlers(self) -> dict[str, grpc.RpcMethodHandler[Any, Any]]:
+        r, small = self._rpcs, SMALL_REQUEST_BYTES
+        return {
+            "OpenBlockSpace": r.unary("OpenBlockSpace", self.OpenBlockSpace, pb.OpenBlockSpaceRequest, small),
+            "CloseBlockSpace": r.unary("CloseBlockSpace", self.CloseBlockSpace, pb.CloseBlockSpaceRequest, small),
+        }
+
+    async def OpenBlockSpace(  # noqa: N802
+        self, request: pb.OpenBlockSpaceRequest, context: Context, tenant: Tenant
+    ) -> pb.OpenBlockSpaceResponse:
+        num_blocks, planes, name = request.num_blocks, list(request.layer_planes), tenant.name
+
+        def open_space(e: Engine) -> tuple[pb.OpenBlockSpaceResponse, EngineStats]:
+            space = e.open_space(num_blocks, planes, tenant=name)
+            return pb.OpenBlockSpaceResponse(
+                space_id=space.space_id,
+                num_blocks=space.num_blocks,
+                block_size=e.block_size,
+                num_planes=space.num_planes,
+                pool_blocks=int(space.blocks.size),
+            ), e.stats()
+
+        response: pb.OpenBlockSpaceResponse
+        response, stats = await self._run("OpenBlockSpace", open_space)
+        self._metrics.spaces_opened.inc()
+        self._observe_pool(stats)
+        return response
+
+    async def CloseBlockSpace(  # noqa: N802
+        self, request: pb.CloseBlockSpaceRequest, context: Context, tenant: Tenant
+    ) -> pb.CloseBlockSpaceResponse:
+        space_id, name = request.space_id, tenant.name
+        freed, stats = await self._run(
+            "CloseBlockSpace", lambda e: (e.kv.spaces.close(space_id, tenant=name), e.stats())
+        )
+        self._observe_pool(stats)
+        return pb.CloseBlockSpaceResponse(pool_blocks=freed)
