@@ -1,10 +1,12 @@
 """The project's fuzz test: hypothesis drives every RPC of a real server with generated and mutated messages
-(valid ones with one field broken, random bytes, truncations, huge numbers, long strings).
+(valid ones with one field broken, random bytes, truncations, huge numbers, long strings). The block API too:
+OpenBlockSpace, CloseBlockSpace, and Attend / AttendStream requests addressed by a BlockBatch (its integer
+fields' bytes broken, cut or random, its space id any string) into a space opened for each example.
 
 After each: no UNKNOWN or INTERNAL status (and no answer lost to gRPC's metadata limit), a health check
-answered within a second, and, once the sequences the message could have created are released, the pool
-and the sequence count exactly as before. CI runs FUZZ_EXAMPLES (default 300); ``make fuzz`` runs 10,000
-and prints the statuses it saw.
+answered within a second, and, once the sequences the message could have created are released and the
+block spaces it could have opened are closed, the pool, the sequence count and the open spaces exactly as
+before. CI runs FUZZ_EXAMPLES (default 300); ``make fuzz`` runs 10,000 and prints the statuses it saw.
 """
 
 from __future__ import annotations
@@ -31,6 +33,12 @@ H, HKV, D = 4, 2, 16
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "300"))
 FORBIDDEN = (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
 SEEN: collections.Counter[str] = collections.Counter()
+# The space id in the block API's seeds, replaced when sent by the id of the space opened for the example (as
+# long, so that the message stays what it was).
+PLACEHOLDER = "space-id-placeholder-0123456789a"
+SPACE_BLOCKS = 8
+# Seeds named apart from the RPC they call, so that the block API's requests are drawn as often as the others.
+METHOD = {"AttendBlocks": "Attend", "AttendStreamBlocks": "AttendStream"}
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +58,27 @@ def attend_request(seq_id: str, position: int, n: int, layer: int = 0, request_i
     return wire.encode_attend_request(layer, [entry], q, k, v, request_id)
 
 
+def block_request(layer: int, request_id: int = 0) -> bytes:
+    """A valid block-addressed AttendRequest into PLACEHOLDER's space of SPACE_BLOCKS blocks: layer 0, a row
+    of 3 new tokens and one of 2 after 4 older keys; else one decode token after 8 older keys."""
+    if layer == 0:
+        slots, starts, seq_lens, table = [0, 1, 2, 12, 13], [0, 3, 5], [3, 6], [[0, 1], [2, 3]]
+    else:
+        slots, starts, seq_lens, table = [24], [0, 1], [9], [[4, 5, 6]]
+    n = len(slots)
+    rng = np.random.default_rng(n + layer)
+    q, k, v = (codec.to_raw(rng.standard_normal((n, h, D), np.float32)) for h in (H, HKV, HKV))
+    blocks = pb.BlockBatch(
+        space_id=PLACEHOLDER,
+        slot_mapping=np.array(slots, "<i8").tobytes(),
+        query_start_loc=np.array(starts, "<i4").tobytes(),
+        seq_lens=np.array(seq_lens, "<i4").tobytes(),
+        block_table=np.array(table, "<i4").tobytes(),
+        block_table_width=len(table[0]),
+    )
+    return wire.encode_attend_request(layer, [], q, k, v, request_id, blocks)
+
+
 def seeds(source: str, export: list[bytes]) -> dict[str, list[list[bytes]]]:
     """Valid messages of every RPC, each a list of a call's messages; ``source`` exists (3 tokens, every
     layer) and ``export`` is its ExportKV stream."""
@@ -67,6 +96,13 @@ def seeds(source: str, export: list[bytes]) -> dict[str, list[list[bytes]]]:
             [pb.TransferKVRequest(seq_id=source, target="127.0.0.1:1", new_seq_id="far").SerializeToString()]
         ],
         "ImportKV": [[header.SerializeToString(), *export[1:]]],
+        "AttendBlocks": [[block_request(0)], [block_request(3)]],
+        "AttendStreamBlocks": [[block_request(0, request_id=7), block_request(3, request_id=8)]],
+        "OpenBlockSpace": [
+            [pb.OpenBlockSpaceRequest(num_blocks=4).SerializeToString()],
+            [pb.OpenBlockSpaceRequest(num_blocks=2, layer_planes=[0, 0, 0, 1]).SerializeToString()],
+        ],
+        "CloseBlockSpace": [[pb.CloseBlockSpaceRequest(space_id=PLACEHOLDER).SerializeToString()]],
     }
 
 
@@ -148,6 +184,10 @@ KINDS: dict[str, type[Message]] = {
     "ExportKV": pb.ExportKVRequest,
     "TransferKV": pb.TransferKVRequest,
     "ImportKV": pb.KVChunk,
+    "AttendBlocks": pb.AttendRequest,
+    "AttendStreamBlocks": pb.AttendRequest,
+    "OpenBlockSpace": pb.OpenBlockSpaceRequest,
+    "CloseBlockSpace": pb.CloseBlockSpaceRequest,
 }
 
 
@@ -166,7 +206,7 @@ def case(draw: st.DrawFn, seeds: dict[str, list[list[bytes]]]) -> tuple[str, lis
         messages[i] = draw(st.binary(max_size=256))
     else:
         messages = messages[:i]  # a stream cut short (or, for a unary call, an empty request)
-        if rpc not in ("ImportKV", "AttendStream"):
+        if METHOD.get(rpc, rpc) not in ("ImportKV", "AttendStream"):
             messages = [b""]
     return rpc, messages
 
@@ -187,7 +227,15 @@ def ids_in(rpc: str, messages: list[bytes], answer: Answer) -> list[str]:
     return ids
 
 
+def spaces_in(rpc: str, answer: Answer) -> list[str]:
+    """The block space a call that succeeded may have opened."""
+    if rpc == "OpenBlockSpace" and answer.code == grpc.StatusCode.OK:
+        return [pb.OpenBlockSpaceResponse.FromString(answer.data).space_id]
+    return []
+
+
 def send(r: Raw, rpc: str, messages: list[bytes]) -> Answer:
+    rpc = METHOD.get(rpc, rpc)
     if rpc == "ImportKV":
         return r.stream(rpc, messages, timeout=10)
     if rpc == "AttendStream":
@@ -199,7 +247,7 @@ def check(answer: Answer, rpc: str) -> None:
     assert answer.code not in FORBIDDEN, (rpc, answer)
     assert "metadata" not in answer.details, (rpc, answer)
     codes = [answer.code.name]
-    if rpc == "AttendStream" and answer.code == grpc.StatusCode.OK:
+    if METHOD.get(rpc, rpc) == "AttendStream" and answer.code == grpc.StatusCode.OK:
         for data in answer.data:
             status = pb.AttendResponse.FromString(data).status
             code = (
@@ -230,6 +278,10 @@ def test_fuzz_every_rpc(server: ServerProcess) -> None:
         def one(example: tuple[str, list[bytes]]) -> None:
             rpc, messages = example
             setup()
+            opened = r.call("OpenBlockSpace", pb.OpenBlockSpaceRequest(num_blocks=SPACE_BLOCKS).SerializeToString())
+            assert opened.code == grpc.StatusCode.OK, opened
+            space_id = pb.OpenBlockSpaceResponse.FromString(opened.data).space_id
+            messages = [m.replace(PLACEHOLDER.encode(), space_id.encode()) for m in messages]
             answer = send(r, rpc, messages)
             check(answer, rpc)
             started = time.monotonic()
@@ -239,12 +291,19 @@ def test_fuzz_every_rpc(server: ServerProcess) -> None:
             valid = [s for s in dict.fromkeys(created) if s and len(s.encode()) <= 256]
             release = pb.ReleaseRequest(seq_ids=valid, missing_ok=True)
             r.call("Release", release.SerializeToString())
+            for space in [space_id, *spaces_in(rpc, answer)]:
+                closed = r.call("CloseBlockSpace", pb.CloseBlockSpaceRequest(space_id=space).SerializeToString())
+                if rpc == "CloseBlockSpace" and space == space_id and answer.code == grpc.StatusCode.OK:
+                    assert closed.code == grpc.StatusCode.NOT_FOUND, (rpc, closed)  # the call closed it
+                else:
+                    assert closed.code == grpc.StatusCode.OK, (rpc, answer, closed)
             setup()
             after = r.info()
-            assert (after.free_blocks, after.active_sequences) == (baseline.free_blocks, baseline.active_sequences), (
-                rpc,
-                answer,
-            )
+            assert (after.free_blocks, after.active_sequences, after.block_spaces) == (
+                baseline.free_blocks,
+                baseline.active_sequences,
+                0,
+            ), (rpc, answer)
 
         one()
         r.call("Release", pb.ReleaseRequest(seq_ids=[source]).SerializeToString())

@@ -126,6 +126,8 @@ def _plan(engine: Engine, layer: int, call: BlockCall) -> _Plan:
     model, spec = engine.config.model, engine.config.model.spec(layer)
     space = engine.kv.spaces.get(call.space_id, tenant=call.tenant)
     tokens = int(call.q.shape[0]) if call.q.dim() else 0
+    if tokens < 1:
+        raise InvalidBatch("q has no tokens; a block batch brings at least one new token")
     checks.check_tensors(model, layer, spec, (), tokens, call.q, call.k, call.v, engine.dtype)
     q_lens, blocks = check_rows(call, space.num_blocks, engine.block_size, reads_back=spec.kv_source is not None)
     if call.k is not None and call.v is not None and engine.scales.calibrating(layer):
