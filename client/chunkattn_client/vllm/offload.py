@@ -1,0 +1,261 @@
+"""One vLLM worker's link to a chunkattn server: its configuration (from the environment), the check of the
+server against vLLM's model and cache, its block space, and each layer's call. No vLLM import here: the
+vLLM classes (backend.py) describe the model as ``LayerShape`` values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from chunkattn_client import dtypes
+from chunkattn_client._torch import to_torch
+from chunkattn_client.batch import BlockRows
+from chunkattn_client.client import AttendStream, ChunkAttnClient, ChunkAttnError, ServerInfo
+
+Transport = Literal["stream", "unary"]
+DEFAULT_TIMEOUT_S = 60.0
+
+
+class OffloadError(RuntimeError):
+    """The server cannot serve this vLLM instance (another model, cache or block size, too small a pool), or
+    a call failed; the message says what and what to change."""
+
+
+@dataclass(frozen=True)
+class PluginConfig:
+    """What the plugin is pointed at, from the environment (all optional but the target):
+
+    CHUNKATTN_VLLM_TARGET     host:port of the server (or Envoy); unset: the plugin is off
+    CHUNKATTN_VLLM_TOKEN      bearer token (servers with --auth-tokens)
+    CHUNKATTN_VLLM_TLS_CA     PEM file: connect over TLS, trusting it; CHUNKATTN_VLLM_TLS_CERT / _KEY: a
+                              client certificate (mutual TLS)
+    CHUNKATTN_VLLM_TIMEOUT_S  per call (default 60): a server that stops answering fails the step, no hang
+    CHUNKATTN_VLLM_TRANSPORT  stream (default: one AttendStream per worker) or unary
+    CHUNKATTN_VLLM_ROUTE      routing key behind Envoy (default: one random key per worker, so that its
+                              space and calls stay on one replica)
+    """
+
+    target: str
+    token: str | None = None
+    root_certificates: bytes | None = None
+    certificate_chain: bytes | None = None
+    private_key: bytes | None = None
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    transport: Transport = "stream"
+    route: str = ""
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> PluginConfig | None:
+        """The configuration, or None when CHUNKATTN_VLLM_TARGET is unset (the plugin stays out of the way).
+        OffloadError naming the variable for a value it cannot use."""
+        target = env.get("CHUNKATTN_VLLM_TARGET", "").strip()
+        if not target:
+            return None
+        transport = env.get("CHUNKATTN_VLLM_TRANSPORT", "stream")
+        if transport not in ("stream", "unary"):
+            raise OffloadError(f"CHUNKATTN_VLLM_TRANSPORT must be stream or unary, got {transport!r}")
+        try:
+            timeout_s = float(env.get("CHUNKATTN_VLLM_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+        except ValueError:
+            raise OffloadError(
+                f"CHUNKATTN_VLLM_TIMEOUT_S must be a number, got {env['CHUNKATTN_VLLM_TIMEOUT_S']!r}"
+            ) from None
+        if not timeout_s > 0:
+            raise OffloadError(f"CHUNKATTN_VLLM_TIMEOUT_S must be > 0, got {timeout_s}")
+        return cls(
+            target=target,
+            token=env.get("CHUNKATTN_VLLM_TOKEN") or None,
+            root_certificates=_read(env, "CHUNKATTN_VLLM_TLS_CA"),
+            certificate_chain=_read(env, "CHUNKATTN_VLLM_TLS_CERT"),
+            private_key=_read(env, "CHUNKATTN_VLLM_TLS_KEY"),
+            timeout_s=timeout_s,
+            transport="unary" if transport == "unary" else "stream",
+            route=env.get("CHUNKATTN_VLLM_ROUTE") or f"vllm-{uuid.uuid4().hex[:16]}",
+        )
+
+
+def _read(env: Mapping[str, str], name: str) -> bytes | None:
+    path = env.get(name)
+    if not path:
+        return None
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise OffloadError(f"{name}={path}: {e.strerror}") from None
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """One of vLLM's attention layers as the server must serve it. cache_dtype: vLLM's kv_cache_dtype
+    ("auto": the model's dtype); k_scale, v_scale: its float8 scales; kv_source: the layer it reads KV from
+    (KV sharing), or None."""
+
+    index: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    scale: float
+    chunk_size: int
+    kv_source: int | None
+    alibi_slopes: tuple[float, ...]
+    cache_dtype: str
+    model_dtype: str
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+
+def first_difference(info: ServerInfo, layers: Sequence[LayerShape], block_size: int) -> str | None:
+    """What keeps the server from serving these layers exactly as vLLM's own backend would, or None."""
+    if len(layers) != len(info.layers):
+        return f"vLLM's model has {len(layers)} attention layers, the server's {len(info.layers)}"
+    if block_size != info.block_size:
+        return (
+            f"vLLM's KV blocks hold {block_size} tokens, the server's {info.block_size}"
+            f" (start it with --block-size {block_size})"
+        )
+    for mine, theirs in zip(layers, info.layers, strict=True):
+        i = mine.index
+        checks = [
+            ("query heads", mine.num_heads, info.num_heads),
+            ("KV heads", mine.num_kv_heads, info.num_kv_heads),
+            ("head size", mine.head_size, info.head_size),
+            ("chunk size", mine.chunk_size, theirs.chunk_size),
+            ("KV source", mine.kv_source, theirs.kv_source),
+        ]
+        for what, want, got in checks:
+            if want != got:
+                return f"layer {i}'s {what}: vLLM's is {want}, the server's {got}"
+        if not math.isclose(mine.scale, theirs.scale, rel_tol=1e-6):
+            return f"layer {i}'s softmax scale: vLLM's is {mine.scale}, the server's {theirs.scale}"
+        if tuple(mine.alibi_slopes) != tuple(theirs.alibi_slopes):
+            return f"layer {i}'s ALiBi slopes: vLLM's are {mine.alibi_slopes}, the server's {theirs.alibi_slopes}"
+        cache = mine.model_dtype if mine.cache_dtype == "auto" else dtypes.lookup(mine.cache_dtype).name
+        if cache != info.cache_dtype:
+            return (
+                f"vLLM caches KV in {cache}, the server in {info.cache_dtype} (start it with --kv-cache-dtype {cache})"
+            )
+        if dtypes.lookup(cache).fp8 and (mine.k_scale, mine.v_scale) != (theirs.k_scale, theirs.v_scale):
+            return (
+                f"layer {i}'s float8 scales: vLLM's are ({mine.k_scale}, {mine.v_scale}), the server's"
+                f" ({theirs.k_scale}, {theirs.v_scale}) (give the server the same with --kv-scales)"
+            )
+    computes = info.compute_dtype or info.cache_dtype
+    if layers and layers[0].model_dtype != computes:
+        dtype = layers[0].model_dtype
+        return f"the model computes in {dtype}, the server's attention in {computes} (start it with --dtype {dtype})"
+    return None
+
+
+class Offload:
+    """A worker's server link: checks the server against ``layers`` and opens a block space of
+    ``num_blocks`` blocks of ``block_size`` tokens laid out in ``planes`` (per layer; vLLM's KV tensors:
+    layers that alias one buffer share one plane), on one route. OffloadError when the server cannot."""
+
+    def __init__(
+        self,
+        config: PluginConfig,
+        layers: Sequence[LayerShape],
+        num_blocks: int,
+        block_size: int,
+        planes: Sequence[int],
+    ) -> None:
+        self.config = config
+        self.client = ChunkAttnClient(
+            config.target,
+            token=config.token,
+            root_certificates=config.root_certificates,
+            certificate_chain=config.certificate_chain,
+            private_key=config.private_key,
+            timeout_s=config.timeout_s,
+            route=config.route,
+        )
+        self._stream: AttendStream | None = None
+        self.space_id = ""
+        try:
+            self.info = self.client.info()
+            problem = first_difference(self.info, layers, block_size)
+            if problem:
+                raise OffloadError(
+                    f"the chunkattn server at {config.target} does not serve this model: {problem}."
+                    " Start it with: chunkattn-server --hf-config <the model's config.json>"
+                    f" --block-size {block_size}"
+                )
+            self.space_id = self._open(num_blocks, planes)
+            if config.transport == "stream":
+                self._stream = self.client.stream()
+        except ChunkAttnError as e:
+            self.close()
+            raise OffloadError(f"the chunkattn server at {config.target}: {e}") from None
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self, num_blocks: int, planes: Sequence[int]) -> str:
+        try:
+            return self.client.open_block_space(num_blocks, layer_planes=planes).space_id
+        except ChunkAttnError as e:
+            if e.code.name != "RESOURCE_EXHAUSTED":
+                raise
+            per_block = math.ceil((max(planes) + 1) / max(1, self.info.planes_per_block)) if planes else 1
+            raise OffloadError(
+                f"vLLM's KV cache has {num_blocks} blocks of {self.info.block_size} tokens, which take"
+                f" {num_blocks * per_block} of the server's blocks, and the server at {self.config.target} cannot"
+                f" give them ({e.message}). Give vLLM a smaller KV cache (--kv-cache-memory-bytes, or"
+                " VLLM_CPU_KVCACHE_SPACE on the CPU) or the server a larger pool (--kv-memory-mib)"
+            ) from None
+
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        metadata: Any,
+        output: torch.Tensor,
+    ) -> None:
+        """One layer's step: vLLM's attention metadata (query_start_loc, seq_lens, block_table, slot_mapping,
+        num_actual_tokens) and its q/k/v rows; the answer goes into ``output``'s first rows, in place."""
+        n = int(metadata.num_actual_tokens)
+        seq_lens = metadata.seq_lens.cpu().numpy()
+        rows = len(seq_lens)
+        widest = -(-int(seq_lens.max(initial=0)) // self.info.block_size)  # columns past it are not read
+        block_rows = BlockRows(
+            self.space_id,
+            metadata.slot_mapping[:n].cpu().numpy(),
+            metadata.query_start_loc[: rows + 1].cpu().numpy(),
+            seq_lens,
+            metadata.block_table[:rows, :widest].cpu().numpy(),
+        )
+        q = q[:n]
+        k = None if k is None else k[:n]
+        v = None if v is None else v[:n]
+        try:
+            if self._stream is not None:
+                out = self._stream.attend_blocks(layer, block_rows, q, k, v)
+            else:
+                out = self.client.attend_blocks(layer, block_rows, q, k, v)
+        except ChunkAttnError as e:
+            raise OffloadError(f"layer {layer}: the chunkattn server at {self.config.target}: {e}") from None
+        output[:n].copy_(to_torch(np.asarray(out), output.dtype))
+
+    def close(self) -> None:
+        """Close the stream and the space (its blocks back to the server's pool) and the channel; never
+        raises (it runs at exit, whatever state the server is in)."""
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+        if self.space_id:
+            with contextlib.suppress(ChunkAttnError):  # a server that is gone, or evicted the space: nothing held
+                self.client.close_block_space(self.space_id)
+            self.space_id = ""
+        self.client.close()

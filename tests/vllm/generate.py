@@ -1,0 +1,75 @@
+"""Greedy generation with vLLM's offline LLM, run as a script (vLLM spawns its engine process, so LLM() must
+be created under ``__main__``): ``python generate.py '<json>'`` prints one line ``RESULT <json>``.
+
+The JSON argument: {"model": dir, "llm": {LLM keyword arguments}, "batches": [[[token ids], ...], ...],
+"max_tokens": n, "prompt_logprobs": bool, "pause_after_first": bool}. Each batch is one ``generate`` call
+(its prompts run concurrently); batches run in order, so a later one can hit the prefix cache of an earlier
+one. The result: per prompt its tokens, each token's logprob (and each prompt token's), and vLLM's
+preemption and prefix-cache counters. With ``pause_after_first`` it prints ``READY`` after the first batch
+and waits for a line on stdin (the test kills the chunkattn server meanwhile). The plugin is on when
+CHUNKATTN_VLLM_TARGET is set.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+
+def counters(llm: Any) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for m in llm.get_metrics():
+        if m.name in ("vllm:num_preemptions", "vllm:prefix_cache_hits", "vllm:prefix_cache_queries"):
+            out[m.name] = float(getattr(m, "value", 0.0))
+    return out
+
+
+def main() -> None:
+    from vllm import LLM, SamplingParams
+
+    args = json.loads(sys.argv[1])
+    started = time.perf_counter()
+    llm = LLM(
+        model=args["model"],
+        skip_tokenizer_init=True,
+        dtype="float32",
+        enforce_eager=True,
+        block_size=32,
+        disable_log_stats=False,
+        **args.get("llm", {}),
+    )
+    built = time.perf_counter() - started
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=args.get("max_tokens", 16),
+        detokenize=False,
+        logprobs=1,
+        prompt_logprobs=1 if args.get("prompt_logprobs") else None,
+    )
+    results: list[dict[str, Any]] = []
+    started = time.perf_counter()
+    for i, batch in enumerate(args["batches"]):
+        for r in llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False):
+            c = r.outputs[0]
+            assert c.logprobs is not None
+            # each prompt token's logprob given the tokens before it (the first has none), when asked for
+            prompt = [] if r.prompt_logprobs is None else r.prompt_logprobs[1:]
+            results.append(
+                {
+                    "tokens": list(c.token_ids),
+                    "logprobs": [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs, strict=True)],
+                    "prompt_logprobs": [lp[t].logprob for t, lp in zip(r.prompt_token_ids[1:], prompt, strict=False)],
+                }
+            )
+        if i == 0 and args.get("pause_after_first"):
+            print("READY", flush=True)
+            sys.stdin.readline()
+    generated = time.perf_counter() - started
+    summary = {"outputs": results, "counters": counters(llm), "llm_s": built, "generate_s": generated}
+    print("RESULT " + json.dumps(summary), flush=True)
+
+
+if __name__ == "__main__":
+    main()
