@@ -43,7 +43,7 @@ test-vllm: install $(VLLM_STAMP)  ## vLLM with the chunkattn plugin against vLLM
 	$(VLLM_VENV)/bin/python -m pytest --confcutdir tests/vllm tests/vllm
 
 bench-vllm: install $(VLLM_STAMP)  ## benchmarks/vllm_offload.py: vLLM alone against vLLM offloading to a local server
-	$(VLLM_VENV)/bin/python benchmarks/vllm_offload.py --json docs/bench-vllm-$$(date +%F).json $(ARGS)
+	$(VLLM_VENV)/bin/python -m benchmarks.vllm_offload --json docs/bench-vllm-$$(date +%F).json $(ARGS)
 
 lint: install  ## ruff and mypy
 	$(BIN)/ruff check .

@@ -33,7 +33,7 @@ import pytest
 
 from chunkattn_client import ChunkAttnClient
 from tests.helpers.server_process import ServerProcess, counter, free_port
-from tests.vllm.conftest import BLOCK_SIZE, GENERATE, SERVER_PYTHON, generate
+from tests.vllm.conftest import BLOCK_SIZE, GENERATE, ROOT, SERVER_PYTHON, generate
 
 pytest.importorskip("vllm", reason="the vLLM tests run in .venv-vllm: make test-vllm")
 
@@ -266,3 +266,25 @@ def test_vllms_openai_server_answers_the_same_completions(checkpoint: Path) -> N
         _empty(server)
     assert answers[0] == answers[1]
     assert all(len(a) == 16 for a in answers[0])
+
+
+def test_the_offload_benchmark_reports_what_it_measured(tmp_path: Path) -> None:
+    """benchmarks/vllm_offload.py, smallest run: its ratios are the ratios of its own numbers, and a layer
+    call's parts add up (the call is the server's time plus the transport's)."""
+    out = tmp_path / "bench.json"
+    argv = ["--model", "tiny", "--concurrency", "2", "--prompt", "40", "--tokens", "4", "--json", str(out)]
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.vllm_offload", *argv], cwd=ROOT, capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["results"]
+    alone, offloaded, call = row["alone"], row["offloaded"], row["layer_call"]
+    assert alone["tokens_per_s"] > 0
+    assert offloaded["tokens_per_s"] > 0
+    assert row["throughput_ratio"] == pytest.approx(offloaded["tokens_per_s"] / alone["tokens_per_s"])
+    assert row["step_ratio"] == pytest.approx(offloaded["step_s"] / alone["step_s"])
+    assert f"x{row['throughput_ratio']:.2f} throughput, x{row['step_ratio']:.2f} step" in done.stdout  # the table
+    assert call["calls"] >= 4 * offloaded["steps"]  # every layer of every step went to the server
+    server = call["server_s"]
+    assert 0 < server["computing"] <= server["in_server"]
+    assert call["worker_s"]["call"] == pytest.approx(server["in_server"] + call["transport_s"])

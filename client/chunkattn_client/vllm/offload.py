@@ -6,8 +6,10 @@ vLLM classes (backend.py) describe the model as ``LayerShape`` values.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -42,6 +44,8 @@ class PluginConfig:
     CHUNKATTN_VLLM_TRANSPORT  stream (default: one AttendStream per worker) or unary
     CHUNKATTN_VLLM_ROUTE      routing key behind Envoy (default: one random key per worker, so that its
                               space and calls stay on one replica)
+    CHUNKATTN_VLLM_PROFILE    a file: the worker writes where its layer calls' time went there (JSON) when it
+                              closes (benchmarks/vllm_offload.py reads it)
     """
 
     target: str
@@ -52,6 +56,7 @@ class PluginConfig:
     timeout_s: float = DEFAULT_TIMEOUT_S
     transport: Transport = "stream"
     route: str = ""
+    profile: str | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> PluginConfig | None:
@@ -80,6 +85,7 @@ class PluginConfig:
             timeout_s=timeout_s,
             transport="unary" if transport == "unary" else "stream",
             route=env.get("CHUNKATTN_VLLM_ROUTE") or f"vllm-{uuid.uuid4().hex[:16]}",
+            profile=env.get("CHUNKATTN_VLLM_PROFILE") or None,
         )
 
 
@@ -181,6 +187,9 @@ class Offload:
         )
         self._stream: AttendStream | None = None
         self.space_id = ""
+        # Where the layer calls' time goes, in seconds: vLLM's metadata to arrays, the call (request encoding,
+        # the round trip, the answer's decoding), the answer into vLLM's output.
+        self.profile = {"calls": 0, "tokens": 0, "metadata_s": 0.0, "call_s": 0.0, "output_s": 0.0}
         try:
             self.info = self.client.info()
             problem = first_difference(self.info, layers, block_size)
@@ -225,6 +234,7 @@ class Offload:
     ) -> None:
         """One layer's step: vLLM's attention metadata (query_start_loc, seq_lens, block_table, slot_mapping,
         num_actual_tokens) and its q/k/v rows; the answer goes into ``output``'s first rows, in place."""
+        started = time.perf_counter()
         n = int(metadata.num_actual_tokens)
         seq_lens = metadata.seq_lens.cpu().numpy()
         rows = len(seq_lens)
@@ -239,6 +249,7 @@ class Offload:
         q = q[:n]
         k = None if k is None else k[:n]
         v = None if v is None else v[:n]
+        prepared = time.perf_counter()
         try:
             if self._stream is not None:
                 out = self._stream.attend_blocks(layer, block_rows, q, k, v)
@@ -246,11 +257,21 @@ class Offload:
                 out = self.client.attend_blocks(layer, block_rows, q, k, v)
         except ChunkAttnError as e:
             raise OffloadError(f"layer {layer}: the chunkattn server at {self.config.target}: {e}") from None
+        answered = time.perf_counter()
         output[:n].copy_(to_torch(np.asarray(out), output.dtype))
+        p = self.profile
+        p["calls"] += 1
+        p["tokens"] += n
+        p["metadata_s"] += prepared - started
+        p["call_s"] += answered - prepared
+        p["output_s"] += time.perf_counter() - answered
 
     def close(self) -> None:
-        """Close the stream and the space (its blocks back to the server's pool) and the channel; never
-        raises (it runs at exit, whatever state the server is in)."""
+        """Close the stream and the space (its blocks back to the server's pool) and the channel, and write
+        the profile where asked; never raises (it runs at exit, whatever state the server is in)."""
+        if self.config.profile and self.profile["calls"]:
+            with contextlib.suppress(OSError), open(self.config.profile, "w") as f:
+                json.dump(self.profile, f)
         if self._stream is not None:
             self._stream.close()
             self._stream = None
