@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tests.helpers.llama4 import write_checkpoint
 from tests.helpers.server_process import ServerProcess, counter
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,34 +62,6 @@ def main():
 if __name__ == "__main__":
     main()
 """
-
-
-def write_checkpoint(path: Path, shape: dict[str, Any]) -> None:
-    import torch
-    from transformers import Llama4ForCausalLM, Llama4TextConfig
-
-    torch.manual_seed(0)
-    layers = shape["layers"]
-    config = Llama4TextConfig(
-        vocab_size=shape["vocab"],
-        hidden_size=shape["hidden"],
-        intermediate_size=shape["hidden"],
-        intermediate_size_mlp=shape["hidden"],
-        num_hidden_layers=layers,
-        num_attention_heads=shape["heads"],
-        num_key_value_heads=shape["kv_heads"],
-        head_dim=shape["head_dim"],
-        num_local_experts=2,
-        num_experts_per_tok=1,
-        no_rope_layers=[0 if (i + 1) % 4 == 0 else 1 for i in range(layers)],
-        attention_chunk_size=shape["chunk"],
-        max_position_embeddings=4096,
-        interleave_moe_layer_step=1,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    Llama4ForCausalLM(config).save_pretrained(path)
 
 
 def run_vllm(args: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
@@ -138,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = Path(tmp) / a.model
-        write_checkpoint(checkpoint, shape)
+        write_checkpoint(checkpoint, **shape)
         per_block = BLOCK_SIZE * 2 * shape["kv_heads"] * shape["head_dim"] * 4  # one layer's K and V page
         max_len = a.prompt + a.tokens + BLOCK_SIZE
         need = max(levels) * (shape["layers"] * -(-max_len // BLOCK_SIZE)) + 64  # blocks: no preemption

@@ -37,7 +37,7 @@ def request(
 
 
 def test_a_request_becomes_checked_entries_and_the_ids_it_ends() -> None:
-    request_id, args = read_attend_request(request(entries=(("a", 0, 2, False), ("b", 3, 1, True))), MODEL)
+    request_id, args = read_attend_request(request(entries=(("a", 0, 2, False), ("b", 3, 1, True))), MODEL, "")
     assert request_id == 7
     assert isinstance(args, AttendArgs)
     assert isinstance(args.entries, Entries)
@@ -47,7 +47,7 @@ def test_a_request_becomes_checked_entries_and_the_ids_it_ends() -> None:
 
 
 def test_a_request_that_fails_its_checks_keeps_its_id() -> None:
-    request_id, args = read_attend_request(request(entries=(("a", 0, 1, False), ("a", 1, 1, False))), MODEL)
+    request_id, args = read_attend_request(request(entries=(("a", 0, 1, False), ("a", 1, 1, False))), MODEL, "")
     assert request_id == 7
     assert isinstance(args, InvalidBatch)
     assert "appears twice" in str(args)
@@ -56,10 +56,10 @@ def test_a_request_that_fails_its_checks_keeps_its_id() -> None:
 def test_checks_run_in_the_engines_order() -> None:
     """Tensors present first, then the layer, then the entries."""
     twice = (("a", 0, 1, False), ("a", 1, 1, False))
-    _, missing_q = read_attend_request(request(layer=99, entries=twice, no_q=True), MODEL)
+    _, missing_q = read_attend_request(request(layer=99, entries=twice, no_q=True), MODEL, "")
     assert isinstance(missing_q, InvalidTensor)
     assert "q is missing" in str(missing_q)
-    _, half_kv = read_attend_request(request(layer=99, entries=twice, no_v=True), MODEL)
+    _, half_kv = read_attend_request(request(layer=99, entries=twice, no_v=True), MODEL, "")
     assert isinstance(half_kv, InvalidTensor)
-    _, layer = read_attend_request(request(layer=99, entries=twice), MODEL)
+    _, layer = read_attend_request(request(layer=99, entries=twice), MODEL, "")
     assert isinstance(layer, UnknownLayer)

@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 
+from tests.helpers.llama4 import write_checkpoint
+
 ROOT = Path(__file__).resolve().parents[2]
 GENERATE = Path(__file__).with_name("generate.py")
 # The server's interpreter: the project's own venv (make install), not this one.
@@ -27,31 +29,8 @@ BLOCK_SIZE = 32
 
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import torch
-    from transformers import Llama4ForCausalLM, Llama4TextConfig
-
     path = tmp_path_factory.mktemp("tiny-llama4")
-    torch.manual_seed(0)
-    config = Llama4TextConfig(
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=256,
-        intermediate_size_mlp=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        num_local_experts=2,
-        num_experts_per_tok=1,
-        no_rope_layers=[1, 1, 1, 0],
-        attention_chunk_size=CHUNK,
-        max_position_embeddings=4096,
-        interleave_moe_layer_step=1,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    Llama4ForCausalLM(config).save_pretrained(path)
+    write_checkpoint(path, layers=4, heads=4, kv_heads=2, head_dim=64, hidden=256, chunk=CHUNK, vocab=512)
     return path
 
 

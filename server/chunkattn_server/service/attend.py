@@ -96,7 +96,9 @@ class AttendArgs(NamedTuple):
     v: torch.Tensor | None
 
 
-def read_attend_request(raw: bytes, model: ModelShape) -> tuple[int, AttendArgs | BlockArgs | InvalidArgument]:
+def read_attend_request(
+    raw: bytes, model: ModelShape, tenant: str
+) -> tuple[int, AttendArgs | BlockArgs | InvalidArgument]:
     """parse_attend_request, then the request as AttendArgs (BlockArgs for the block API): (its request_id,
     the call or the InvalidArgument it fails with). A request that parses keeps its id for its answer when its
     contents fail their checks; one that does not parse raises as parse_attend_request does. The checks run in
@@ -104,13 +106,13 @@ def read_attend_request(raw: bytes, model: ModelShape) -> tuple[int, AttendArgs 
     same first thing wherever it is checked."""
     request, tensors = parse_attend_request(raw)
     try:
-        return request.request_id, _attend_args(request, tensors, model)
+        return request.request_id, _attend_args(request, tensors, model, tenant)
     except InvalidArgument as e:
         return request.request_id, e
 
 
 def _attend_args(
-    request: pb.AttendRequest, tensors: dict[str, torch.Tensor], model: ModelShape
+    request: pb.AttendRequest, tensors: dict[str, torch.Tensor], model: ModelShape, tenant: str
 ) -> AttendArgs | BlockArgs:
     if "q" not in tensors:
         raise InvalidTensor("q is missing; send q [tokens, num_heads, head_size]")
@@ -118,7 +120,7 @@ def _attend_args(
     if (k is None) != (v is None):
         raise InvalidTensor("send both k and v, or (for a KV-sharing layer) neither")
     if request.HasField("blocks"):
-        return block_args(request, q, k, v, model)
+        return block_args(request, q, k, v, model, tenant)
     model.spec(request.layer)
     entries: list[BatchEntry] = []
     ending: list[str] = []
@@ -196,7 +198,7 @@ class ChunkAttnService:
         return response
 
     async def Attend(self, raw: bytes, context: Context, tenant: Tenant) -> bytes:  # noqa: N802
-        request_id, args = await self._parse(raw)
+        request_id, args = await self._parse(raw, tenant)
         return await self._attend("Attend", request_id, args, tenant)
 
     async def AttendStream(self, stream: Stream, context: Context, tenant: Tenant) -> None:  # noqa: N802
@@ -209,7 +211,7 @@ class ChunkAttnService:
             started = time.perf_counter()
             try:
                 with self._rpcs.admission.admit(len(raw), tenant=tenant):
-                    request_id, args = await self._parse(raw)
+                    request_id, args = await self._parse(raw, tenant)
                     response = await self._attend("AttendStream", request_id, args, tenant)
             except Exception as e:
                 code = status_code(e)
@@ -230,12 +232,12 @@ class ChunkAttnService:
 
     # -- helpers -------------------------------------------------------------------------------------
 
-    async def _parse(self, raw: bytes) -> tuple[int, AttendArgs | BlockArgs | InvalidArgument]:
+    async def _parse(self, raw: bytes, tenant: Tenant) -> tuple[int, AttendArgs | BlockArgs | InvalidArgument]:
         """read_attend_request, off the event loop for a large request."""
         if len(raw) <= SMALL_REQUEST_BYTES:
-            return read_attend_request(raw, self._model)
+            return read_attend_request(raw, self._model, tenant.name)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._rpcs.parser, read_attend_request, raw, self._model)
+        return await loop.run_in_executor(self._rpcs.parser, read_attend_request, raw, self._model, tenant.name)
 
     async def _attend(
         self, rpc: str, request_id: int, args: AttendArgs | BlockArgs | InvalidArgument, tenant: Tenant
@@ -245,7 +247,7 @@ class ChunkAttnService:
         a = args
         with self._metrics.in_flight.track_inprogress():
             if isinstance(a, BlockArgs):
-                out = await self._worker.attend_blocks(rpc, a.layer, a.call(tenant.name))
+                out = await self._worker.attend_blocks(rpc, a.layer, a.call)
             else:
                 out = await self._worker.attend(
                     rpc, a.layer, a.entries, a.q, a.k, a.v, tenant=tenant.name, ending=a.ending

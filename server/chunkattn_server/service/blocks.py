@@ -25,26 +25,19 @@ Run = Callable[[str, Callable[[Engine], Any]], Awaitable[Any]]
 
 
 class BlockArgs(NamedTuple):
-    """A block-addressed Attend request as the scheduler takes it, less its tenant (see BlockCall)."""
+    """A block-addressed Attend request as the scheduler takes it: its layer and call."""
 
     layer: int
-    space_id: str
-    q: torch.Tensor
-    k: torch.Tensor | None
-    v: torch.Tensor | None
-    slots: np.ndarray
-    starts: np.ndarray
-    seq_lens: np.ndarray
-    tables: np.ndarray
-
-    def call(self, tenant: str) -> BlockCall:
-        return BlockCall(
-            self.space_id, self.q, self.k, self.v, self.slots, self.starts, self.seq_lens, self.tables, tenant
-        )
+    call: BlockCall
 
 
 def block_args(
-    request: pb.AttendRequest, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, model: ModelShape
+    request: pb.AttendRequest,
+    q: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
+    model: ModelShape,
+    tenant: str,
 ) -> BlockArgs:
     """The request's BlockBatch as arrays; InvalidArgument naming the field whose bytes cannot be read (the
     values are the engine's to check)."""
@@ -67,7 +60,7 @@ def block_args(
         )
     tables = table.reshape(len(seq_lens), width)
     slots = _ints("blocks.slot_mapping", b.slot_mapping, "<i8")
-    return BlockArgs(request.layer, b.space_id, q, k, v, slots, starts, seq_lens, tables)
+    return BlockArgs(request.layer, BlockCall(b.space_id, q, k, v, slots, starts, seq_lens, tables, tenant))
 
 
 def _ints(field: str, data: bytes, dtype: str) -> np.ndarray:
