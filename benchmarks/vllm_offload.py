@@ -1,6 +1,6 @@
 """vLLM alone against vLLM offloading its attention to a local chunkattn server, side by side in one run.
 
-Runs in .venv-vllm, from the repository (``make bench-vllm``, or ``.venv-vllm/bin/python -m
+Runs in .venv-vllm, from the repository (``make bench-vllm-offload``, or ``.venv-vllm/bin/python -m
 benchmarks.vllm_offload``; the server runs from the project's .venv, as users run it). For each
 concurrency (1, 8, 32 by default) and each mode, one vLLM instance (greedy, float32, eager) generates
 ``concurrency`` requests of ``--prompt`` tokens and ``--tokens`` new tokens; reported: output tokens/s and
