@@ -550,3 +550,15 @@ def test_the_bench_verifies_against_a_float8_server(
     assert rc == 0
     assert result["checked"] >= 30
     assert result["mismatches"] == 0
+
+
+@pytest.mark.parametrize("cache_dtype", ["float32", "fp8_e4m3"])
+def test_a_servers_info_gives_the_fingerprint_a_kv_stream_would(cache_dtype: str) -> None:
+    """TransferKV names a target's refusal that gRPC lost (grpc/grpc#36066) from the target's Info: it must
+    read there what the target's own engine would compare a stream against."""
+    from chunkattn_server.service.attend import _static_info
+    from chunkattn_server.service.kvwire import fingerprint_of_info
+
+    scales = KVScales((0.05,), (0.02,)) if "fp8" in cache_dtype else None
+    h = Harness.build(MODELS["sharing"], cache_dtype=cache_dtype, kv_scales=scales)
+    assert fingerprint_of_info(_static_info(h.engine, 1 << 20)) == h.engine.fingerprint()

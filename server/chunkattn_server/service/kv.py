@@ -327,17 +327,26 @@ class KVService:
 
     async def _lost_refusal(self, target: str, metadata: Any) -> TargetError:
         """What to say when a target refused an import and gRPC lost its reason. A target that refuses an
-        import (credentials, a full pool, an id in use) ends the stream while we still send, and gRPC Python's
-        asyncio client then sometimes reports "Internal error from Core" in place of the target's status
-        (grpc/grpc#36066: about 1 such refusal in 50 here, and most refusals of credentials, which come before
-        any message is read). One Info call with the same credentials, on the target's kept channel (a
-        refusal does not drop it), finds out whether those were the reason; nothing was imported."""
+        import (credentials, another model, a full pool, an id in use) ends the stream while we still send,
+        and gRPC Python's asyncio client then sometimes reports "Internal error from Core" in place of the
+        target's status (grpc/grpc#36066: about 1 such refusal in 50 here, more on a loaded machine, and most
+        refusals of credentials, which come before any message is read). One Info call with the same
+        credentials, on the target's kept channel (a refusal does not drop it), finds out whether those, or
+        the model the target serves, were the reason; nothing was imported."""
         try:
             async with self._targets.use(target) as channel:
-                await pb_grpc.ChunkAttnStub(channel).Info(pb.InfoRequest(), metadata=metadata, timeout=10)
+                info = await pb_grpc.ChunkAttnStub(channel).Info(pb.InfoRequest(), metadata=metadata, timeout=10)
         except grpc.RpcError as e:
             if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
                 return TargetError.from_rpc(e, target)
+        else:
+            diffs = kvwire.fingerprint_of_info(info).differences(self._model)
+            if diffs:  # what the target says of such a stream (kv/transfer.py), in its words
+                return TargetError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"the target {target} did not import the KV: INVALID_ARGUMENT: the KV comes from another"
+                    f" model shape: {'; '.join(diffs)}",
+                )
         return TargetError(
             grpc.StatusCode.UNAVAILABLE,
             f"the target {target} ended the KV stream before it was sent, refusing the import, and gRPC lost its"

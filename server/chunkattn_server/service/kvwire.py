@@ -40,6 +40,20 @@ def manifest_to_pb(m: KVManifest) -> pb.KVHeader:
     )
 
 
+def fingerprint_of_info(info: pb.InfoResponse) -> ModelFingerprint:
+    """What a server's Info says of the model it serves, as a KV stream's header would (a dtype this server
+    does not know keeps its number)."""
+    return ModelFingerprint(
+        num_heads=info.num_heads,
+        num_kv_heads=info.num_kv_heads,
+        head_size=info.head_size,
+        block_size=info.block_size,
+        chunk_sizes=tuple(x.chunk_size for x in info.layers),
+        kv_sources=tuple(x.kv_source if x.HasField("kv_source") else None for x in info.layers),
+        cache_dtype=dtypes.wire_name(info.cache_dtype),
+    )
+
+
 def manifest_from_pb(h: pb.KVHeader, tenant: str) -> KVManifest:
     """The manifest of a header sent by ``tenant``; IncompatibleKV when it cannot be read (a dtype this server
     does not know)."""
