@@ -219,7 +219,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
     c.add_argument(
-        "--backend", default="auto", help="attention kernels: auto (triton on CUDA, torch on the CPU), torch, triton"
+        "--backend",
+        default="auto",
+        help="attention kernels: auto (triton on CUDA, torch on the CPU), torch, native (CPU: decodes in a"
+        " native kernel, built on first use; torch where it cannot be), triton",
     )
     return p
 

@@ -49,7 +49,7 @@ from chunkattn_server.kv.records import Quota
 from chunkattn_server.kv.scales import KVScales
 from chunkattn_server.kv.spaces import MAX_SPACES_PER_TENANT, BlockSpace
 from tests.helpers.blockspace import KVCacheManager
-from tests.helpers.harness import MODELS, Harness
+from tests.helpers.harness import MODELS, NATIVE, Harness
 
 Entries = list[tuple[str, int, int]]
 
@@ -434,7 +434,7 @@ def test_negative_slots_are_not_written() -> None:
 
 @pytest.mark.parametrize(
     "impl",
-    ["auto", "math", "triton"],
+    ["auto", "math", "triton", NATIVE],
 )
 def test_a_one_token_row_with_a_negative_slot_attends_over_its_own_kv(impl: str) -> None:
     h = Harness.build(MODELS["mqa"], impl=impl)

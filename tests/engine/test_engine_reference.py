@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from chunkattn_client import BatchEntry
 from chunkattn_server import LayerSpec, ModelShape
-from tests.helpers.harness import MODELS, Harness
+from tests.helpers.harness import MODELS, NATIVE, NATIVE_PROBLEM, Harness
 
 DTYPE_NAMES = ["float32", "float16", "bfloat16"]
 
@@ -24,7 +24,7 @@ def scenarios(draw: st.DrawFn) -> tuple[str, str, str, list[list[tuple[str, int]
     """
     model = draw(st.sampled_from(sorted(MODELS)))
     dtype = draw(st.sampled_from(DTYPE_NAMES))
-    impl = draw(st.sampled_from(["auto", "math"]))
+    impl = draw(st.sampled_from(["auto", "math", *(() if NATIVE_PROBLEM else ("native",))]))
     max_chunk = max(s.chunk_size for s in MODELS[model].layers) or 8
     steps = []
     for _ in range(draw(st.integers(1, 5))):
@@ -84,7 +84,7 @@ def test_mixed_prefill_and_decode_in_one_batch() -> None:
     h.step([BatchEntry("old", 7, 1), BatchEntry("new", 19, 12), BatchEntry("other", 1, 1)])
 
 
-@pytest.mark.parametrize("impl", ["auto", "math"])
+@pytest.mark.parametrize("impl", ["auto", "math", NATIVE])
 @pytest.mark.parametrize(
     ("held_every", "min_view_tokens", "max_views"),
     [

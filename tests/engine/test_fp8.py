@@ -22,7 +22,7 @@ from chunkattn_server import CacheConfig, Engine, EngineConfig, LayerSpec, Model
 from chunkattn_server.errors import ConfigError, IncompatibleKV, InvalidTensor
 from chunkattn_server.kv.manifest import BlockRecord, batches, checksum
 from chunkattn_server.kv.scales import KVScales
-from tests.helpers.harness import MODELS, Harness
+from tests.helpers.harness import MODELS, NATIVE, Harness
 from tests.helpers.server_process import SMALL, ServerProcess
 
 FP8 = ["fp8_e4m3", "fp8_e5m2"]
@@ -71,7 +71,7 @@ def test_writes_saturate_instead_of_overflowing(name: str) -> None:
 # -- the engine against the references ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("impl", ["auto", "math"])
+@pytest.mark.parametrize("impl", ["auto", "math", NATIVE])
 @pytest.mark.parametrize("model", sorted(MODELS))
 @pytest.mark.parametrize("name", FP8)
 def test_every_model_kind_matches_the_reference_on_the_cached_values(name: str, model: str, impl: str) -> None:

@@ -8,15 +8,31 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import pytest
 import torch
 
 from chunkattn_client import BatchEntry, ReferenceModel, dtypes
 from chunkattn_client.reference import within_tolerance
 from chunkattn_server import CacheConfig, Engine, EngineConfig, LayerSpec, ModelShape, torchtypes
 from chunkattn_server.attention.backends import AttentionBatch, Backend, TorchBackend
+from chunkattn_server.attention.backends.native import build as native_build
+from chunkattn_server.attention.backends.native.backend import NativeBackend
 from chunkattn_server.attention.backends.triton_backend import TritonBackend
 from chunkattn_server.kv.records import Truncation
 from chunkattn_server.kv.scales import KVScales
+
+
+def _native_problem() -> str:
+    try:
+        native_build.load()
+    except native_build.NativeUnavailable as e:
+        return str(e)
+    return ""
+
+
+NATIVE_PROBLEM = _native_problem()
+# The native backend where its kernels build here (CI builds them); elsewhere its cases skip, saying why.
+NATIVE = pytest.param("native", marks=pytest.mark.skipif(bool(NATIVE_PROBLEM), reason=NATIVE_PROBLEM or "built"))
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -80,8 +96,9 @@ class Harness:
         max_views: int = 8,
         splits: int = 1,
     ) -> Harness:
-        """impl: the torch backend's "auto" or "math" path, or "triton" (the kernels under the interpreter,
-        with ``splits`` decode splits and 16 keys per inner step, so short contexts take several)."""
+        """impl: the torch backend's "auto" or "math" path, "native" (its decodes in the native kernel), or
+        "triton" (the kernels under the interpreter, with ``splits`` decode splits and 16 keys per inner step,
+        so short contexts take several)."""
         cache_dtype = cache_dtype or dtype
         cache = CacheConfig(
             block_size=block_size, num_blocks=num_blocks, dtype=cache_dtype, scales=kv_scales, spec_window=spec_window
@@ -90,6 +107,8 @@ class Harness:
         backend: Backend
         if impl == "triton":
             backend = TritonBackend(torch.device("cpu"), block_n=16, num_splits=splits)
+        elif impl == "native":
+            backend = NativeBackend(torch.device("cpu"))
         else:
             backend = TorchBackend(torch.device("cpu"), impl=impl, min_view_tokens=min_view_tokens, max_views=max_views)  # type: ignore[arg-type]
         reference = ReferenceModel(

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from chunkattn_server.attention.backends import Backend, TorchBackend
 from chunkattn_server.errors import ConfigError
+
+log = logging.getLogger("chunkattn_server")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -19,11 +23,20 @@ def resolve_device(name: str) -> torch.device:
 
 
 def make_backend(name: str, device: torch.device) -> Backend:
-    """ "auto": triton on CUDA, torch elsewhere; or the one named."""
+    """ "auto": triton on CUDA, torch elsewhere; or the one named. "native" where its kernels cannot be built
+    or loaded (no compiler, another device): the torch backend, with a warning saying why."""
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "triton":
         from chunkattn_server.attention.backends.triton_backend import TritonBackend  # imports triton
 
         return TritonBackend(device)
+    if name == "native":
+        from chunkattn_server.attention.backends.native import build
+        from chunkattn_server.attention.backends.native.backend import NativeBackend
+
+        try:
+            return NativeBackend(device)
+        except build.NativeUnavailable as e:
+            log.warning("the native backend is unavailable (%s): serving with the torch backend", e)
     return TorchBackend(device)
