@@ -6,7 +6,7 @@ concurrency (1, 8, 32 by default) and each mode, one vLLM instance (greedy, floa
 ``concurrency`` requests of ``--prompt`` tokens and ``--tokens`` new tokens; reported: output tokens/s and
 time per engine step (the generation's wall time over vLLM's own step count), and the ratio offloaded /
 alone. With the plugin, where one layer's call goes (per call, mean): the worker's side (vLLM's metadata to
-arrays, the call, the answer into vLLM's output: CHUNKATTN_VLLM_PROFILE) and the server's (per request
+arrays; the call, the answer into vLLM's output included: CHUNKATTN_VLLM_PROFILE) and the server's (per request
 from its /metrics: the RPC's time in the server, of which queued and computing); the transport (gRPC, the
 client's encoding and decoding) is the call less the server's time.
 
@@ -75,7 +75,7 @@ def run_vllm(args: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
         if line.startswith("RESULT "):
             result: dict[str, Any] = json.loads(line.removeprefix("RESULT "))
             return result
-    raise SystemExit(f"vLLM exited {done.returncode}:\n{done.stderr[-4000:]}")
+    raise SystemExit(f"vLLM exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
 
 
 def server_side(before: dict[Any, float], after: dict[Any, float]) -> dict[str, float]:
@@ -160,7 +160,7 @@ def summary(
         return float(r["seconds"] / max(1, r["steps"]))
 
     calls = max(1, int(worker.get("calls", 0)))
-    per_call = {k.removesuffix("_s"): worker.get(k, 0.0) / calls for k in ("metadata_s", "call_s", "output_s")}
+    per_call = {k.removesuffix("_s"): worker.get(k, 0.0) / calls for k in ("metadata_s", "call_s")}
     return {
         "concurrency": concurrency,
         "alone": {"tokens_per_s": rate(alone), "step_s": step(alone), "steps": alone["steps"]},
@@ -187,7 +187,7 @@ def print_row(r: dict[str, Any]) -> None:
     print(
         f"  per layer call ({c['calls']} calls): {w['call'] * 1e3:.3f} ms call = server {s['in_server'] * 1e3:.3f}"
         f" (queued {s['queued'] * 1e3:.3f}, computing {s['computing'] * 1e3:.3f}) + transport"
-        f" {c['transport_s'] * 1e3:.3f}; metadata {w['metadata'] * 1e3:.3f}, output {w['output'] * 1e3:.3f} ms"
+        f" {c['transport_s'] * 1e3:.3f}; vLLM's metadata to arrays {w['metadata'] * 1e3:.3f} ms"
     )
 
 

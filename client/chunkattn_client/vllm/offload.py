@@ -13,7 +13,7 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -162,6 +162,39 @@ def first_difference(info: ServerInfo, layers: Sequence[LayerShape], block_size:
     return None
 
 
+MESSAGE_HEADROOM = 64 << 10  # a request's bytes beyond its tensors and tables: fields and framing
+
+
+def token_ranges(tokens: int, budget: int) -> list[tuple[int, int]]:
+    """A step's tokens [0, tokens) in consecutive ranges of at most ``budget`` tokens (one call each)."""
+    return [(a, min(tokens, a + budget)) for a in range(0, tokens, budget)] or [(0, 0)]
+
+
+class BlockPart(NamedTuple):
+    """The rows of a step's tokens [first, last): which rows (indices), their query_start_loc rebased to the
+    range, and their seq_lens cut after the range's last token."""
+
+    rows: np.ndarray
+    starts: np.ndarray
+    seq_lens: np.ndarray
+
+
+def block_part(starts: np.ndarray, seq_lens: np.ndarray, first: int, last: int) -> BlockPart:
+    """The part of a step (rows with query_start_loc ``starts`` [R + 1] and ``seq_lens`` [R]) that its tokens
+    [first, last) make: every row with a token there, each cut to those tokens. A row cut in two is two
+    calls in order: the first writes its tokens' K/V, which the second reads back through the block table
+    as the keys before its own (its seq_len counts them)."""
+    ends = starts[1:]
+    rows = np.flatnonzero((starts[:-1] < last) & (ends > first))
+    if not len(rows):  # no tokens: the one empty row vLLM would send
+        rows = np.array([0]) if len(seq_lens) else np.array([], dtype=np.int64)
+    lo = np.maximum(starts[rows], first)
+    hi = np.minimum(ends[rows], last)
+    cut = seq_lens[rows] - (ends[rows] - hi)  # keys up to the range's last token of the row
+    bounds = np.concatenate([[0], np.cumsum(hi - lo)]).astype(np.int64)
+    return BlockPart(rows, bounds, cut)
+
+
 class Offload:
     """A worker's server link: checks the server against ``layers`` and opens a block space of
     ``num_blocks`` blocks of ``block_size`` tokens laid out in ``planes`` (per layer; vLLM's KV tensors:
@@ -187,9 +220,9 @@ class Offload:
         )
         self._stream: AttendStream | None = None
         self.space_id = ""
-        # Where the layer calls' time goes, in seconds: vLLM's metadata to arrays, the call (request encoding,
-        # the round trip, the answer's decoding), the answer into vLLM's output.
-        self.profile = {"calls": 0, "tokens": 0, "metadata_s": 0.0, "call_s": 0.0, "output_s": 0.0}
+        # Where the layer calls' time goes, in seconds: vLLM's metadata to arrays; the calls (request encoding,
+        # the round trip, the answer's decoding, the answer into vLLM's output).
+        self.profile = {"calls": 0, "tokens": 0, "metadata_s": 0.0, "call_s": 0.0}
         try:
             self.info = self.client.info()
             problem = first_difference(self.info, layers, block_size)
@@ -233,38 +266,39 @@ class Offload:
         output: torch.Tensor,
     ) -> None:
         """One layer's step: vLLM's attention metadata (query_start_loc, seq_lens, block_table, slot_mapping,
-        num_actual_tokens) and its q/k/v rows; the answer goes into ``output``'s first rows, in place."""
+        num_actual_tokens) and its q/k/v rows; the answer goes into ``output``'s first rows, in place. A step
+        larger than the server's messages goes in several calls, in token order (``token_ranges``)."""
         started = time.perf_counter()
         n = int(metadata.num_actual_tokens)
-        seq_lens = metadata.seq_lens.cpu().numpy()
+        seq_lens = metadata.seq_lens.cpu().numpy().astype(np.int64)
         rows = len(seq_lens)
+        starts = metadata.query_start_loc[: rows + 1].cpu().numpy().astype(np.int64)
+        slots = metadata.slot_mapping[:n].cpu().numpy()
         widest = -(-int(seq_lens.max(initial=0)) // self.info.block_size)  # columns past it are not read
-        block_rows = BlockRows(
-            self.space_id,
-            metadata.slot_mapping[:n].cpu().numpy(),
-            metadata.query_start_loc[: rows + 1].cpu().numpy(),
-            seq_lens,
-            metadata.block_table[:rows, :widest].cpu().numpy(),
-        )
-        q = q[:n]
-        k = None if k is None else k[:n]
-        v = None if v is None else v[:n]
+        tables = metadata.block_table[:rows, :widest].cpu().numpy()
+        per_token = (q.shape[1] + (0 if k is None else 2 * k.shape[1])) * q.shape[2] * q.element_size() + 8
+        room = self.info.max_message_bytes - MESSAGE_HEADROOM - rows * (4 * widest + 16)
+        ranges = token_ranges(n, max(1, room // per_token))
         prepared = time.perf_counter()
-        try:
-            if self._stream is not None:
-                out = self._stream.attend_blocks(layer, block_rows, q, k, v)
-            else:
-                out = self.client.attend_blocks(layer, block_rows, q, k, v)
-        except ChunkAttnError as e:
-            raise OffloadError(f"layer {layer}: the chunkattn server at {self.config.target}: {e}") from None
-        answered = time.perf_counter()
-        output[:n].copy_(to_torch(np.asarray(out), output.dtype))
+        for first, last in ranges:
+            part = block_part(starts, seq_lens, first, last)
+            block_rows = BlockRows(self.space_id, slots[first:last], part.starts, part.seq_lens, tables[part.rows])
+            qs = q[first:last]
+            ks = None if k is None else k[first:last]
+            vs = None if v is None else v[first:last]
+            try:
+                if self._stream is not None:
+                    out = self._stream.attend_blocks(layer, block_rows, qs, ks, vs)
+                else:
+                    out = self.client.attend_blocks(layer, block_rows, qs, ks, vs)
+            except ChunkAttnError as e:
+                raise OffloadError(f"layer {layer}: the chunkattn server at {self.config.target}: {e}") from None
+            output[first:last].copy_(to_torch(np.asarray(out), output.dtype))
         p = self.profile
-        p["calls"] += 1
+        p["calls"] += len(ranges)
         p["tokens"] += n
         p["metadata_s"] += prepared - started
-        p["call_s"] += answered - prepared
-        p["output_s"] += time.perf_counter() - answered
+        p["call_s"] += time.perf_counter() - prepared
 
     def close(self) -> None:
         """Close the stream and the space (its blocks back to the server's pool) and the channel, and write
