@@ -41,6 +41,7 @@ from chunkattn_server.errors import (
     InvalidBatch,
     InvalidTensor,
     OutOfBlocks,
+    PositionMismatch,
     QuotaExceeded,
     UnknownLayer,
     UnknownSpace,
@@ -446,6 +447,33 @@ def test_a_one_token_row_with_a_negative_slot_attends_over_its_own_kv(impl: str)
     call = dataclasses.replace(mgr.call(space.space_id, "t", entries, 0, q, k, v), slots=np.array([-1]))
     (out,) = h.engine.attend_blocks(1, [call])
     _check(h, 1, entries, out, q, k, v)  # one key: the output is its v, repeated over the query heads
+
+
+def test_a_row_cannot_read_more_keys_than_its_space_holds() -> None:
+    """Repeated table entries could make a 1-block space read millions of keys (a gather of gigabytes): a
+    row's keys must fit in its space. Found by review."""
+    h = Harness.build(MODELS["mqa"])
+    space = h.engine.open_space(1, [], tenant="t")
+    q, k, v = h.tensors(1, 1)
+    width = 1000
+    table = np.zeros((1, width), np.int64)  # block 0, a thousand times
+    call = BlockCall(space.space_id, q, k, v, np.array([0]), np.array([0, 1]), np.array([4 * width]), table, "t")
+    (out,) = h.engine.attend_blocks(1, [call])
+    assert isinstance(out, InvalidBatch)
+    assert "than the space holds (1)" in str(out)
+
+
+def test_a_kv_sharing_layer_before_its_source_ever_wrote_is_refused() -> None:
+    """A calibrating float8 cache has no scales for a source layer never written: reading it back is
+    FAILED_PRECONDITION naming the layer to call first, not an internal error. Found by review."""
+    h = Harness.build(MODELS["sharing"], cache_dtype="fp8_e4m3", kv_scales=KVScales(calibrate=True))
+    space = h.engine.open_space(4, [], tenant="t")
+    q, _, _ = h.tensors(1, 1)
+    one = np.zeros((1, 1), np.int64)
+    call = BlockCall(space.space_id, q, None, None, np.array([0]), np.array([0, 1]), np.array([1]), one, "t")
+    (out,) = h.engine.attend_blocks(1, [call])
+    assert isinstance(out, PositionMismatch)
+    assert "call layer 0 first" in str(out)
 
 
 # -- the pool and quotas --------------------------------------------------------------------------------------------

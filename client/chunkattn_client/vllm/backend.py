@@ -64,8 +64,13 @@ def start(config: PluginConfig, runner: Any) -> None:
 
 def _attention_layers(runner: Any) -> list[tuple[int, Attention]]:
     context = runner.vllm_config.compilation_config.static_forward_context
-    found = [(extract_layer_index(name), layer) for name, layer in context.items() if isinstance(layer, Attention)]
-    return sorted(found, key=lambda x: x[0])
+    found = sorted(
+        ((extract_layer_index(name), layer) for name, layer in context.items() if isinstance(layer, Attention)),
+        key=lambda x: x[0],
+    )
+    if [index for index, _ in found] != list(range(len(found))):  # the server numbers attention layers 0..L-1
+        raise OffloadError("the model has layers that are not attention between its attention layers: not served")
+    return found
 
 
 def _describe(layers: list[tuple[int, Attention]], model_dtype: str) -> tuple[list[LayerShape], list[int], int, int]:
@@ -84,6 +89,9 @@ def _describe(layers: list[tuple[int, Attention]], model_dtype: str) -> tuple[li
             raise OffloadError(
                 f"layer {index} uses a sliding window or a logits soft cap, which chunkattn does not serve"
             )
+        kind = str(getattr(impl, "attn_type", "decoder")).lower()
+        if getattr(impl, "sinks", None) is not None or "decoder" not in kind:
+            raise OffloadError(f"layer {index} is not causal decoder attention (sinks or another type): not served")
         slopes = getattr(impl, "alibi_slopes", None)
         shapes.append(
             LayerShape(
@@ -169,6 +177,8 @@ class ChunkAttnImpl(CPUAttentionBackendImpl):
             return output
         if output_scale is not None or output_block_scale is not None:
             raise OffloadError("the chunkattn plugin does not produce quantized attention outputs")
+        if not getattr(attn_metadata, "causal", True):
+            raise OffloadError("the chunkattn plugin serves causal attention only")
         sharing = self.kv_sharing_target_layer_name is not None
         current().attend(
             extract_layer_index(layer.layer_name),

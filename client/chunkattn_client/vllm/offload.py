@@ -270,6 +270,8 @@ class Offload:
         larger than the server's messages goes in several calls, in token order (``token_ranges``)."""
         started = time.perf_counter()
         n = int(metadata.num_actual_tokens)
+        if n == 0:
+            return
         seq_lens = metadata.seq_lens.cpu().numpy().astype(np.int64)
         rows = len(seq_lens)
         starts = metadata.query_start_loc[: rows + 1].cpu().numpy().astype(np.int64)

@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from chunkattn_client.limits import MAX_BATCH, MAX_TOKENS
+from chunkattn_client.limits import MAX_BATCH
 from chunkattn_server.attention.backends import AttentionBatch
 from chunkattn_server.engine import checks
 from chunkattn_server.engine.types import BlockCall
-from chunkattn_server.errors import InvalidBatch
+from chunkattn_server.errors import InvalidBatch, PositionMismatch
 from chunkattn_server.kv.spaces import BlockSpace
 
 if TYPE_CHECKING:
@@ -59,7 +59,6 @@ def check_rows(call: BlockCall, num_blocks: int, block_size: int, *, reads_back:
     q_lens = np.diff(starts)
     _first("query_start_loc", q_lens < 0, "decreases: each row's start must be >= the previous row's", offset=1)
     _first("seq_lens", seq_lens < q_lens, "is less than its row's q_len: a row's new tokens are among its keys")
-    _first("seq_lens", seq_lens > MAX_TOKENS, f"is past the longest sequence served ({MAX_TOKENS} tokens)")
     if tables.ndim != 2 or tables.shape[0] != rows:
         raise InvalidBatch(f"block_table has shape {list(tables.shape)}; expected [{rows} rows, block_table_width]")
     blocks = -(-seq_lens // block_size)
@@ -67,6 +66,12 @@ def check_rows(call: BlockCall, num_blocks: int, block_size: int, *, reads_back:
         "seq_lens",
         blocks > tables.shape[1],
         f"needs more blocks of {block_size} tokens than block_table_width ({tables.shape[1]}) holds",
+    )
+    # A row's keys fit in its space: repeated table entries must not make a 1-block space read millions of keys.
+    _first(
+        "seq_lens",
+        blocks > num_blocks,
+        f"needs more blocks of {block_size} tokens than the space holds ({num_blocks})",
     )
     if tables.shape[1]:
         used = np.arange(tables.shape[1]) < blocks[:, None]
@@ -132,6 +137,11 @@ def _plan(engine: Engine, layer: int, call: BlockCall) -> _Plan:
     q_lens, blocks = check_rows(call, space.num_blocks, engine.block_size, reads_back=spec.kv_source is not None)
     if call.k is not None and call.v is not None and engine.scales.calibrating(layer):
         engine.check_calibration(engine.on_device(call.k), engine.on_device(call.v))
+    if spec.kv_source is not None and engine.scales.calibrating(spec.kv_source):
+        raise PositionMismatch(
+            f"layer {layer} reads layer {spec.kv_source}'s KV cache (KV sharing), which has had no write yet:"
+            f" call layer {spec.kv_source} first"
+        )
     planes = engine.config.group_size
     p = space.layer_planes[layer]
     space.last_used = time.monotonic()

@@ -106,8 +106,10 @@ def work(model: ModelShape, step: list[Job]) -> float:
     for job in step:
         if isinstance(job, AttendBlocks):  # each row: its queries over its keys (unchecked yet: in floats)
             starts, seq_lens = job.call.starts, job.call.seq_lens
-            if len(starts) == len(seq_lens) + 1:
-                pairs += float(np.dot(np.diff(starts).astype(np.float64), seq_lens.astype(np.float64)))
+            if len(starts) != len(seq_lens) + 1:
+                return float("inf")  # malformed: it fails alone, but never makes its step look small
+            q_lens = np.maximum(np.diff(starts), 0).astype(np.float64)
+            pairs += float(np.dot(q_lens, np.maximum(seq_lens, 0).astype(np.float64)))
             continue
         assert isinstance(job, Attend)  # a step of calls holds nothing else (step_queue.py)
         for e in job.entries:
