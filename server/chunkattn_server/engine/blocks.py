@@ -102,8 +102,9 @@ def _first(field: str, bad: np.ndarray, problem: str, offset: int = 0) -> None:
 
 def attend_step(engine: Engine, layer: int, calls: Sequence[BlockCall]) -> list[torch.Tensor | Exception]:
     """Per call its output ([T_i, num_heads, head_size] in its q's dtype) or the error it fails with alone
-    (nothing of it written); calls that share a plane of the pages are computed together. An error that is
-    not a call's own (a backend failure) fails every call of its plane."""
+    (a call refused by its checks wrote nothing); calls that share a plane of the pages are computed
+    together. An error that is not a call's own (a backend failure, after the calls' K/V were written at
+    their slots) fails every call of its plane."""
     engine.config.model.spec(layer)  # UnknownLayer for the whole step, as the sequence path raises it
     results: list[torch.Tensor | Exception] = [RuntimeError("not served")] * len(calls)
     by_plane: dict[int, list[tuple[int, _Plan, torch.Tensor, torch.Tensor]]] = {}
