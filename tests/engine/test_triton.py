@@ -152,7 +152,7 @@ def test_the_engine_picks_triton_on_cuda_and_torch_on_the_cpu(monkeypatch: pytes
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ConfigError, match="--backend torch"):
         make_backend("triton", CPU)
-    with pytest.raises(ConfigError, match="backend must be one of auto, torch, triton"):
+    with pytest.raises(ConfigError, match="backend must be one of auto, torch, native, triton"):
         EngineConfig(MODELS["gqa"], CacheConfig(block_size=4), backend="cudnn")
     for bad in ({"block_n": 24}, {"num_splits": 0}, {"prefill_rows": 8}):
         monkeypatch.setenv("TRITON_INTERPRET", "1")
