@@ -70,6 +70,7 @@ class NativeBackend(TorchBackend):
             batch.k_scale,
             batch.v_scale,
             batch.alibi_slopes,
+            self._kernel.split_for(len(entries), batch.k_pages.shape[0], int((ends - starts).max())),
         )
         if answer is not out:
             out.index_copy_(0, torch.from_numpy(rows), answer)

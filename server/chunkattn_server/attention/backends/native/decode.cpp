@@ -1,107 +1,333 @@
 // chunkattn's native CPU decode kernel: every decode of a step in one call, reading the paged cache through
 // the block table (no gather), all query heads of one KV head together (each K/V row read once), float32
-// accumulation, float8 pages read with their scales, ALiBi. Built per ISA (the file is compiled with the
-// flags of each: at::vec::Vectorized is as wide as they allow) and chosen at run time (native/build.py).
+// accumulation with an online softmax, float16/bfloat16/float8 pages converted in registers, ALiBi, and a
+// split over keys (merged exactly by log-sum-exp) when there are fewer sequence x KV head tasks than threads
+// can share. Built per ISA (the file is compiled with the flags of each: at::vec::Vectorized and the
+// intrinsics below are as wide as they allow) and chosen at run time (native/build.py).
 //
-// A decode s of the step: its one query q[s] [H, D] at absolute position pos[s] sees the keys
-// [key_start[s], key_end[s]) (key_end = pos + 1: its own key is in the cache already), which live in the
-// pages at physical block tables[s][(key - key_start[s] + first_offset[s]) / block_size]... written as: the
-// key at absolute position p is in block tables[s][p / bs - key_start[s] / bs], row p % bs.
+// A decode s of the step: its one query q[s] [H, D] sees the keys [key_start[s], key_end[s]) (key_end = its
+// position + 1: its own key is in the cache already). The key at absolute position p lives in physical block
+// tables[s][p / bs - key_start[s] / bs], row p % bs, of the pages [Hkv, num_blocks, bs, D].
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/Half.h>
-#include <c10/util/BFloat16.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
 
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
-constexpr int64_t kHeadsAtOnce = 8;  // query heads scored together (their accumulators stay in registers)
+constexpr int64_t kV = Vec::size();
+constexpr int64_t kHeadsAtOnce = 8;  // query heads whose accumulators stay in registers together
+constexpr int64_t kTile = 32;        // keys scored, softmaxed and accumulated together (a multiple of kV)
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// float8 codes to floats (e4m3fn and e5m2): 256-entry tables, made once.
-struct Fp8Tables {
-  float e4m3[256];
-  float e5m2[256];
-  Fp8Tables() {
-    for (int i = 0; i < 256; ++i) {
-      const float sign = (i & 0x80) ? -1.0f : 1.0f;
-      {  // e4m3fn: 4 exponent bits (bias 7), 3 mantissa bits; no infinities, 0x7f/0xff NaN
-        const int e = (i >> 3) & 0xf, m = i & 0x7;
-        float v;
-        if (e == 0xf && m == 0x7) v = std::numeric_limits<float>::quiet_NaN();
-        else if (e == 0) v = std::ldexp(static_cast<float>(m) / 8.0f, -6);
-        else v = std::ldexp(1.0f + static_cast<float>(m) / 8.0f, e - 7);
-        e4m3[i] = sign * v;
-      }
-      {  // e5m2: 5 exponent bits (bias 15), 2 mantissa bits
-        const int e = (i >> 2) & 0x1f, m = i & 0x3;
-        float v;
-        if (e == 0x1f) v = m ? std::numeric_limits<float>::quiet_NaN() : std::numeric_limits<float>::infinity();
-        else if (e == 0) v = std::ldexp(static_cast<float>(m) / 4.0f, -14);
-        else v = std::ldexp(1.0f + static_cast<float>(m) / 4.0f, e - 15);
-        e5m2[i] = sign * v;
+// Page element types. Float8 codes are read through float16: an e5m2 code is the top byte of the float16 of
+// the same value; an e4m3fn code c becomes the float16 bits sign << 15 | (c & 0x7f) << 7, which is the value
+// / 256 (exponent bias 15 instead of 7, subnormals included), the 256 folded into the scales; its NaN codes
+// (0x7f, 0xff) become a float16 NaN.
+struct E4M3 { uint8_t bits; };
+struct E5M2 { uint8_t bits; };
+
+template <typename T> constexpr float kRawScale = 1.0f;  // value = converted * kRawScale (* the cache's scale)
+template <> constexpr float kRawScale<E4M3> = 256.0f;
+
+inline uint16_t e4m3_half_bits(uint8_t c) {
+  if ((c & 0x7f) == 0x7f) return 0x7e00;
+  return static_cast<uint16_t>(((c & 0x80) << 8) | ((c & 0x7f) << 7));
+}
+
+inline float scalar(float x) { return x; }
+inline float scalar(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float scalar(c10::Half x) { return static_cast<float>(x); }
+inline float scalar(E5M2 x) { return c10::detail::fp16_ieee_to_fp32_value(static_cast<uint16_t>(x.bits << 8)); }
+inline float scalar(E4M3 x) { return c10::detail::fp16_ieee_to_fp32_value(e4m3_half_bits(x.bits)); }
+
+// kV elements from p as floats (times 1 / kRawScale).
+template <typename T>
+__attribute__((always_inline)) inline Vec load_vec(const T* p) {
+  float tmp[kV];
+  for (int64_t i = 0; i < kV; ++i) tmp[i] = scalar(p[i]);
+  return Vec::loadu(tmp);
+}
+
+// The first n < kV elements, the rest zero (a head size that is not a multiple of kV: the rare path).
+template <typename T>
+__attribute__((noinline)) Vec load_part_vec(const T* p, int64_t n) {
+  float tmp[kV] = {};
+  for (int64_t i = 0; i < n; ++i) tmp[i] = scalar(p[i]);
+  return Vec::loadu(tmp);
+}
+
+template <>
+__attribute__((always_inline)) inline Vec load_vec<float>(const float* p) { return Vec::loadu(p); }
+
+#if defined(CPU_CAPABILITY_AVX512)
+template <>
+__attribute__((always_inline)) inline Vec load_vec<c10::BFloat16>(const c10::BFloat16* p) {
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+template <>
+__attribute__((always_inline)) inline Vec load_vec<c10::Half>(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+template <>
+__attribute__((always_inline)) inline Vec load_vec<E5M2>(const E5M2* p) {
+  const __m256i c = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_cvtph_ps(_mm256_slli_epi16(c, 8));
+}
+template <>
+__attribute__((always_inline)) inline Vec load_vec<E4M3>(const E4M3* p) {
+  const __m256i c = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i mag = _mm256_and_si256(c, _mm256_set1_epi16(0x7f));
+  __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(c, _mm256_set1_epi16(0x80)), 8),
+                              _mm256_slli_epi16(mag, 7));
+  h = _mm256_blendv_epi8(h, _mm256_set1_epi16(0x7e00), _mm256_cmpeq_epi16(mag, _mm256_set1_epi16(0x7f)));
+  return _mm512_cvtph_ps(h);
+}
+inline float hsum(const Vec& v) { return _mm512_reduce_add_ps(v); }
+#elif defined(CPU_CAPABILITY_AVX2)
+template <>
+__attribute__((always_inline)) inline Vec load_vec<c10::BFloat16>(const c10::BFloat16* p) {
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+template <>
+__attribute__((always_inline)) inline Vec load_vec<c10::Half>(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+template <>
+__attribute__((always_inline)) inline Vec load_vec<E5M2>(const E5M2* p) {
+  const __m128i c = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_cvtph_ps(_mm_slli_epi16(c, 8));
+}
+template <>
+__attribute__((always_inline)) inline Vec load_vec<E4M3>(const E4M3* p) {
+  const __m128i c = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i mag = _mm_and_si128(c, _mm_set1_epi16(0x7f));
+  __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(c, _mm_set1_epi16(0x80)), 8), _mm_slli_epi16(mag, 7));
+  h = _mm_blendv_epi8(h, _mm_set1_epi16(0x7e00), _mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7f)));
+  return _mm256_cvtph_ps(h);
+}
+inline float hsum(const Vec& v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+#else
+inline float hsum(const Vec& v) {
+  float tmp[kV];
+  v.store(tmp);
+  float x = 0.0f;
+  for (int64_t i = 0; i < kV; ++i) x += tmp[i];
+  return x;
+}
+#endif
+
+inline float hmax(const Vec& v) {
+  float tmp[kV];
+  v.store(tmp);
+  float x = tmp[0];
+  for (int64_t i = 1; i < kV; ++i) x = std::max(x, tmp[i]);
+  return x;
+}
+
+// Element [i * kV, i * kV + kV) of a row of d elements (zero past d).
+template <typename T>
+__attribute__((always_inline)) inline Vec load_at(const T* row, int64_t i, int64_t d) {
+  const int64_t at = i * kV;
+  return at + kV <= d ? load_vec<T>(row + at) : load_part_vec<T>(row + at, d - at);
+}
+
+// Calls f(std::integral_constant<int, n>) for n in [1, kHeadsAtOnce]: the loops over a group's heads then
+// have a bound known at compile time and keep their accumulators in registers.
+template <typename F>
+inline void with_heads(int64_t n, F&& f) {
+  switch (n) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 7: return f(std::integral_constant<int, 7>{});
+    default: return f(std::integral_constant<int, 8>{});
+  }
+}
+
+// scores[j * kTile + r] = q_j . k_r for G heads (q [G, dv], zero past d) and K rows krows[0, rows): two rows at
+// a time, so 2G independent sums are in flight.
+template <typename Page, int G>
+inline void score_rows(const Page* const* krows, int64_t rows, const float* q, int64_t dv, int64_t d, float* scores) {
+  const int64_t chunks = dv / kV;
+  int64_t r = 0;
+  for (; r + 2 <= rows; r += 2) {
+    Vec a[G], b[G];
+    for (int j = 0; j < G; ++j) a[j] = b[j] = Vec(0.0f);
+    for (int64_t i = 0; i < chunks; ++i) {
+      const Vec k0 = load_at<Page>(krows[r], i, d), k1 = load_at<Page>(krows[r + 1], i, d);
+      for (int j = 0; j < G; ++j) {
+        const Vec qj = Vec::loadu(q + j * dv + i * kV);
+        a[j] = at::vec::fmadd(qj, k0, a[j]);
+        b[j] = at::vec::fmadd(qj, k1, b[j]);
       }
     }
+    for (int j = 0; j < G; ++j) {
+      scores[j * kTile + r] = hsum(a[j]);
+      scores[j * kTile + r + 1] = hsum(b[j]);
+    }
   }
+  for (; r < rows; ++r) {
+    Vec a[G];
+    for (int j = 0; j < G; ++j) a[j] = Vec(0.0f);
+    for (int64_t i = 0; i < chunks; ++i) {
+      const Vec k0 = load_at<Page>(krows[r], i, d);
+      for (int j = 0; j < G; ++j) a[j] = at::vec::fmadd(Vec::loadu(q + j * dv + i * kV), k0, a[j]);
+    }
+    for (int j = 0; j < G; ++j) scores[j * kTile + r] = hsum(a[j]);
+  }
+}
+
+// acc_j += sum_r p[j * kTile + r] v_r for G heads (acc [G, dv]) over V rows vrows[0, rows): per kV-wide slice,
+// each V row's slice read once for all G heads, even and odd rows in separate sums.
+template <typename Page, int G>
+inline void accumulate_rows(const Page* const* vrows, int64_t rows, const float* p, int64_t dv, int64_t d, float* acc) {
+  const int64_t chunks = dv / kV;
+  for (int64_t i = 0; i < chunks; ++i) {
+    Vec a[G], b[G];
+    for (int j = 0; j < G; ++j) {
+      a[j] = Vec::loadu(acc + j * dv + i * kV);
+      b[j] = Vec(0.0f);
+    }
+    int64_t r = 0;
+    for (; r + 2 <= rows; r += 2) {
+      const Vec v0 = load_at<Page>(vrows[r], i, d), v1 = load_at<Page>(vrows[r + 1], i, d);
+      for (int j = 0; j < G; ++j) {
+        a[j] = at::vec::fmadd(Vec(p[j * kTile + r]), v0, a[j]);
+        b[j] = at::vec::fmadd(Vec(p[j * kTile + r + 1]), v1, b[j]);
+      }
+    }
+    if (r < rows) {
+      const Vec v0 = load_at<Page>(vrows[r], i, d);
+      for (int j = 0; j < G; ++j) a[j] = at::vec::fmadd(Vec(p[j * kTile + r]), v0, a[j]);
+    }
+    for (int j = 0; j < G; ++j) (a[j] + b[j]).store(acc + j * dv + i * kV);
+  }
+}
+
+struct Shape {
+  int64_t n, heads, kv_heads, g, d, dv;  // dv: d rounded up to kV (the padded width of q and accumulators)
+  int64_t bs, width, s_head, s_block, s_row;
 };
 
-const Fp8Tables& fp8_tables() {
-  static const Fp8Tables tables;
-  return tables;
-}
-
-// One row of D elements of the page dtype, as floats (times ``scale`` for float8). Plain loops: the compiler
-// vectorizes them with the file's ISA flags.
-template <typename T>
-inline void load_row(const T* src, float* dst, int64_t d, float /*scale*/, const float* /*lut*/);
-
-template <>
-inline void load_row<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t d, float, const float*) {
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
-  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
-  for (int64_t i = 0; i < d; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;  // bfloat16: float's top half
-}
-
-template <>
-inline void load_row<c10::Half>(const c10::Half* src, float* dst, int64_t d, float, const float*) {
-  for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<float>(src[i]);
-}
-
-template <>
-inline void load_row<float>(const float* src, float* dst, int64_t d, float, const float*) {
-  std::memcpy(dst, src, sizeof(float) * d);
-}
-
-template <>
-inline void load_row<uint8_t>(const uint8_t* src, float* dst, int64_t d, float scale, const float* lut) {
-  for (int64_t i = 0; i < d; ++i) dst[i] = lut[src[i]] * scale;
-}
-
-// acc = acc * alpha + w * v
-inline void scale_add(float* acc, float alpha, float w, const float* v, int64_t d) {
-  const Vec va(alpha), vw(w);
-  int64_t i = 0;
-  for (; i + Vec::size() <= d; i += Vec::size())
-    at::vec::fmadd(Vec::loadu(acc + i), va, vw * Vec::loadu(v + i)).store(acc + i);
-  for (; i < d; ++i) acc[i] = acc[i] * alpha + w * v[i];
+// One task: query heads [h * g, h * g + g) of decode s over its keys [first, last). Leaves the unnormalized
+// accumulators in acc [g, dv] and the running max and sum in m, l [g].
+template <typename Page>
+void attend_range(const Shape& sh, const Page* kp, const Page* vp, const int32_t* table, int64_t base_block,
+                  const float* qs, int64_t h, int64_t first, int64_t last, int64_t pos, const float* slopes,
+                  float* acc, float* m, float* l, float* scores, const Page** krows, const Page** vrows) {
+  const int64_t g = sh.g, d = sh.d, dv = sh.dv;
+  std::fill(acc, acc + g * dv, 0.0f);
+  std::fill(m, m + g, kNegInf);
+  std::fill(l, l + g, 0.0f);
+  const int64_t head_off = h * sh.s_head;
+  for (int64_t t0 = first; t0 < last; t0 += kTile) {
+    const int64_t rows = std::min(kTile, last - t0);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t key = t0 + r;
+      const int64_t off = head_off + static_cast<int64_t>(table[key / sh.bs - base_block]) * sh.s_block +
+                          (key % sh.bs) * sh.s_row;
+      krows[r] = kp + off;
+      vrows[r] = vp + off;
+    }
+    // The next tile's K and V rows, asked for now: one core's demand misses alone leave the memory idle half
+    // the time. (Not for float8 pages: half the bytes, more arithmetic per byte, and the prefetches cost more
+    // than they save there.)
+    if constexpr (sizeof(Page) >= 2) {
+      const int64_t next = std::min(last, t0 + 2 * kTile);
+      for (int64_t key = std::min(last, t0 + kTile); key < next;) {
+        const int64_t stop = std::min(next, (key / sh.bs + 1) * sh.bs);
+        const int64_t off = head_off + static_cast<int64_t>(table[key / sh.bs - base_block]) * sh.s_block +
+                            (key % sh.bs) * sh.s_row;
+        const int64_t bytes = (stop - key) * sh.s_row * static_cast<int64_t>(sizeof(Page));
+        for (int64_t b = 0; b < bytes; b += 64) {
+          __builtin_prefetch(reinterpret_cast<const char*>(kp + off) + b, 0, 2);
+          __builtin_prefetch(reinterpret_cast<const char*>(vp + off) + b, 0, 2);
+        }
+        key = stop;
+      }
+    }
+    // scores[j * kTile + r] = q_j . k_r (q pre-scaled), all heads of the group per K row read
+    for (int64_t j0 = 0; j0 < g; j0 += kHeadsAtOnce)
+      with_heads(std::min(kHeadsAtOnce, g - j0), [&](auto gn) {
+        score_rows<Page, decltype(gn)::value>(krows, rows, qs + j0 * dv, dv, d, scores + j0 * kTile);
+      });
+    const int64_t padded = (rows + kV - 1) / kV * kV;
+    for (int64_t j = 0; j < g; ++j) {  // online softmax over the tile
+      float* sj = scores + j * kTile;
+      if (slopes)
+        for (int64_t r = 0; r < rows; ++r) sj[r] += slopes[h * g + j] * static_cast<float>(t0 + r - pos);
+      for (int64_t r = rows; r < padded; ++r) sj[r] = kNegInf;
+      Vec vmax(kNegInf);
+      for (int64_t r = 0; r < padded; r += kV) vmax = at::vec::maximum(vmax, Vec::loadu(sj + r));
+      const float mx = std::max(m[j], hmax(vmax));
+      if (mx == kNegInf) {  // nothing seen yet (only -inf scores): no weight
+        std::fill(sj, sj + padded, 0.0f);
+        continue;
+      }
+      const float alpha = std::exp(m[j] - mx);
+      const Vec vmx(mx);
+      Vec sum(0.0f);
+      for (int64_t r = 0; r < padded; r += kV) {
+        const Vec p = (Vec::loadu(sj + r) - vmx).exp_u20();
+        p.store(sj + r);
+        sum = sum + p;
+      }
+      l[j] = l[j] * alpha + hsum(sum);
+      m[j] = mx;
+      if (alpha != 1.0f) {
+        const Vec va(alpha);
+        for (int64_t i = 0; i < dv; i += kV) (Vec::loadu(acc + j * dv + i) * va).store(acc + j * dv + i);
+      }
+    }
+    // acc_j += sum_r p_jr v_r: per kV-wide slice of the head, each V row's slice read once for all heads
+    for (int64_t j0 = 0; j0 < g; j0 += kHeadsAtOnce)
+      with_heads(std::min(kHeadsAtOnce, g - j0), [&](auto gn) {
+        accumulate_rows<Page, decltype(gn)::value>(vrows, rows, scores + j0 * kTile, dv, d, acc + j0 * dv);
+      });
+  }
 }
 
 template <typename Page, typename Out>
 void decode_impl(const at::Tensor& q, const at::Tensor& k_pages, const at::Tensor& v_pages,
                  const at::Tensor& tables, const at::Tensor& key_start, const at::Tensor& key_end,
                  const at::Tensor& out, const at::Tensor& lse, double scale, double k_scale, double v_scale,
-                 const c10::optional<at::Tensor>& alibi, const float* lut) {
-  const int64_t n = q.size(0), heads = q.size(1), d = q.size(2);
-  const int64_t kv_heads = k_pages.size(0), bs = k_pages.size(2);
-  const int64_t g = heads / kv_heads;
-  const int64_t width = tables.size(1);
+                 const c10::optional<at::Tensor>& alibi, int64_t splits) {
+  Shape sh;
+  sh.n = q.size(0);
+  sh.heads = q.size(1);
+  sh.d = q.size(2);
+  sh.dv = (sh.d + kV - 1) / kV * kV;
+  sh.kv_heads = k_pages.size(0);
+  sh.g = sh.heads / sh.kv_heads;
+  sh.bs = k_pages.size(2);
+  sh.width = tables.size(1);
+  sh.s_head = k_pages.stride(0);
+  sh.s_block = k_pages.stride(1);
+  sh.s_row = k_pages.stride(2);
   const float* qp = q.data_ptr<float>();
   const Page* kp = reinterpret_cast<const Page*>(k_pages.data_ptr());
   const Page* vp = reinterpret_cast<const Page*>(v_pages.data_ptr());
@@ -111,85 +337,74 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_pages, const at::Tenso
   Out* op = reinterpret_cast<Out*>(out.data_ptr());
   float* lp = lse.data_ptr<float>();
   const float* slopes = alibi.has_value() ? alibi->data_ptr<float>() : nullptr;
-  // strides of the pages [Hkv, num_blocks, bs, D] (rows contiguous)
-  const int64_t s_head = k_pages.stride(0), s_block = k_pages.stride(1), s_row = k_pages.stride(2);
-  const float fk = static_cast<float>(k_scale), fv = static_cast<float>(v_scale), fs = static_cast<float>(scale);
+  // scores are (q . k_raw) * k_raw_scale * k_scale * scale; outputs sum(p v_raw) * v_raw_scale * v_scale / l.
+  // ALiBi is added after the scale, so the query carries all of it.
+  const float q_mul = static_cast<float>(scale * k_scale) * kRawScale<Page>;
+  const float v_mul = static_cast<float>(v_scale) * kRawScale<Page>;
+  const int64_t g = sh.g, d = sh.d, dv = sh.dv, tasks = sh.n * sh.kv_heads;
 
-  at::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qs(g * d), acc(g * d), krow(d), vrow(d), kt(d * bs), scores(g * bs), m(g), l(g);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t s = task / kv_heads, h = task % kv_heads;
-      const int64_t first = ks[s], last = ke[s], pos = last - 1;
-      for (int64_t j = 0; j < g; ++j) {
-        const float* src = qp + (s * heads + h * g + j) * d;
-        for (int64_t i = 0; i < d; ++i) qs[j * d + i] = src[i] * fs;
-        m[j] = -std::numeric_limits<float>::infinity();
-        l[j] = 0.0f;
-      }
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      const int64_t base_block = first / bs;
-      for (int64_t start = first; start < last;) {
-        const int64_t logical = start / bs;
-        const int64_t stop = std::min(last, (logical + 1) * bs);
-        const int64_t block = tp[s * width + (logical - base_block)];
-        const Page* kb = kp + h * s_head + block * s_block;
-        const Page* vb = vp + h * s_head + block * s_block;
-        const int64_t rows = stop - start;
-        // The block's K rows as floats, transposed (kt[i * bs + r]: element i of row r): a query head's scores
-        // are then vectors over rows, each K element read once for all the KV head's query heads.
-        for (int64_t r = 0; r < rows; ++r) {
-          load_row<Page>(kb + (start + r - logical * bs) * s_row, krow.data(), d, fk, lut);
-          for (int64_t i = 0; i < d; ++i) kt[i * bs + r] = krow[i];
-        }
-        for (int64_t j0 = 0; j0 < g; j0 += kHeadsAtOnce) {
-          const int64_t gn = std::min<int64_t>(kHeadsAtOnce, g - j0);
-          int64_t r = 0;
-          for (; r + Vec::size() <= rows; r += Vec::size()) {
-            Vec a[kHeadsAtOnce];
-            for (int64_t j = 0; j < gn; ++j) a[j] = Vec(0.0f);
-            for (int64_t i = 0; i < d; ++i) {
-              const Vec kv = Vec::loadu(kt.data() + i * bs + r);
-              for (int64_t j = 0; j < gn; ++j) a[j] = at::vec::fmadd(Vec(qs[(j0 + j) * d + i]), kv, a[j]);
-            }
-            for (int64_t j = 0; j < gn; ++j) a[j].store(scores.data() + (j0 + j) * bs + r);
-          }
-          for (; r < rows; ++r) {
-            for (int64_t j = 0; j < gn; ++j) {
-              float x = 0.0f;
-              for (int64_t i = 0; i < d; ++i) x += qs[(j0 + j) * d + i] * kt[i * bs + r];
-              scores[(j0 + j) * bs + r] = x;
-            }
-          }
-        }
-        if (slopes) {
-          for (int64_t j = 0; j < g; ++j)
-            for (int64_t r = 0; r < rows; ++r) scores[j * bs + r] += slopes[h * g + j] * static_cast<float>(start + r - pos);
-        }
-        for (int64_t j = 0; j < g; ++j) {  // online softmax over the block's rows
-          float mx = m[j];
-          for (int64_t r = 0; r < rows; ++r) mx = std::max(mx, scores[j * bs + r]);
-          const float alpha = std::exp(m[j] - mx);
-          l[j] *= alpha;
-          for (int64_t i = 0; i < d; ++i) acc[j * d + i] *= alpha;
-          for (int64_t r = 0; r < rows; ++r) {
-            const float p = std::exp(scores[j * bs + r] - mx);
-            scores[j * bs + r] = p;
-            l[j] += p;
-          }
-          m[j] = mx;
-        }
-        for (int64_t r = 0; r < rows; ++r) {
-          load_row<Page>(vb + (start + r - logical * bs) * s_row, vrow.data(), d, fv, lut);
-          for (int64_t j = 0; j < g; ++j) scale_add(acc.data() + j * d, 1.0f, scores[j * bs + r], vrow.data(), d);
-        }
-        start = stop;
+  // With splits > 1 each task's keys are cut in `splits` parts (whole tiles each); the parts' normalized
+  // outputs and log-sum-exps go to part_out / part_lse and are merged below.
+  std::vector<float> part_out(splits > 1 ? tasks * splits * g * dv : 0);
+  std::vector<float> part_lse(splits > 1 ? tasks * splits * g : 0);
+
+  at::parallel_for(0, tasks * splits, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qs(g * dv, 0.0f), acc(g * dv), m(g), l(g), scores(g * kTile);
+    std::vector<const Page*> krows(kTile), vrows(kTile);
+    for (int64_t work = begin; work < end; ++work) {
+      const int64_t task = work / splits, part = work % splits;
+      const int64_t s = task / sh.kv_heads, h = task % sh.kv_heads;
+      const int64_t first = ks[s], last = ke[s];
+      int64_t lo = first, hi = last;
+      if (splits > 1) {
+        const int64_t tiles = (last - first + kTile - 1) / kTile;
+        lo = std::min(last, first + (tiles * part / splits) * kTile);
+        hi = std::min(last, first + (tiles * (part + 1) / splits) * kTile);
       }
       for (int64_t j = 0; j < g; ++j) {
-        const float inv = l[j] > 0 ? 1.0f / l[j] : 0.0f;
-        Out* dst = op + (s * heads + h * g + j) * d;
-        for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<Out>(acc[j * d + i] * inv);
-        lp[s * heads + h * g + j] = l[j] > 0 ? m[j] + std::log(l[j]) : -std::numeric_limits<float>::infinity();
+        const float* src = qp + (s * sh.heads + h * g + j) * d;
+        for (int64_t i = 0; i < d; ++i) qs[j * dv + i] = src[i] * q_mul;
       }
+      attend_range<Page>(sh, kp, vp, tp + s * sh.width, first / sh.bs, qs.data(), h, lo, hi, last - 1, slopes,
+                         acc.data(), m.data(), l.data(), scores.data(), krows.data(), vrows.data());
+      for (int64_t j = 0; j < g; ++j) {
+        const float inv = l[j] > 0 ? v_mul / l[j] : 0.0f;
+        const float lse_j = l[j] > 0 ? m[j] + std::log(l[j]) : kNegInf;
+        if (splits == 1) {
+          Out* dst = op + (s * sh.heads + h * g + j) * d;
+          for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<Out>(acc[j * dv + i] * inv);
+          lp[s * sh.heads + h * g + j] = lse_j;
+        } else {
+          float* dst = part_out.data() + (work * g + j) * dv;
+          for (int64_t i = 0; i < d; ++i) dst[i] = acc[j * dv + i] * inv;
+          part_lse[work * g + j] = lse_j;
+        }
+      }
+    }
+  });
+  if (splits == 1) return;
+  at::parallel_for(0, tasks * g, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> sum(d);
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t task = w / g, j = w % g;
+      const int64_t s = task / sh.kv_heads, h = task % sh.kv_heads;
+      float mx = kNegInf;
+      for (int64_t p = 0; p < splits; ++p) mx = std::max(mx, part_lse[(task * splits + p) * g + j]);
+      std::fill(sum.begin(), sum.end(), 0.0f);
+      float total = 0.0f;
+      if (mx != kNegInf) {
+        for (int64_t p = 0; p < splits; ++p) {
+          const float wgt = std::exp(part_lse[(task * splits + p) * g + j] - mx);
+          if (wgt == 0.0f) continue;
+          const float* src = part_out.data() + ((task * splits + p) * g + j) * dv;
+          for (int64_t i = 0; i < d; ++i) sum[i] += wgt * src[i];
+          total += wgt;
+        }
+      }
+      const float inv = total > 0 ? 1.0f / total : 0.0f;
+      Out* dst = op + (s * sh.heads + h * g + j) * d;
+      for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<Out>(sum[i] * inv);
+      lp[s * sh.heads + h * g + j] = total > 0 ? mx + std::log(total) : kNegInf;
     }
   });
 }
@@ -198,48 +413,68 @@ template <typename Out>
 void dispatch_pages(const at::Tensor& q, const at::Tensor& k_pages, const at::Tensor& v_pages,
                     const at::Tensor& tables, const at::Tensor& key_start, const at::Tensor& key_end,
                     const at::Tensor& out, const at::Tensor& lse, double scale, double k_scale, double v_scale,
-                    const c10::optional<at::Tensor>& alibi) {
+                    const c10::optional<at::Tensor>& alibi, int64_t splits) {
+#define CHUNKATTN_DECODE(PAGE) \
+  return decode_impl<PAGE, Out>(q, k_pages, v_pages, tables, key_start, key_end, out, lse, scale, k_scale, v_scale, alibi, splits)
   switch (k_pages.scalar_type()) {
-    case at::kFloat:
-      return decode_impl<float, Out>(q, k_pages, v_pages, tables, key_start, key_end, out, lse, scale, 1.0, 1.0, alibi, nullptr);
-    case at::kBFloat16:
-      return decode_impl<c10::BFloat16, Out>(q, k_pages, v_pages, tables, key_start, key_end, out, lse, scale, 1.0, 1.0, alibi, nullptr);
-    case at::kHalf:
-      return decode_impl<c10::Half, Out>(q, k_pages, v_pages, tables, key_start, key_end, out, lse, scale, 1.0, 1.0, alibi, nullptr);
-    case at::kFloat8_e4m3fn:
-      return decode_impl<uint8_t, Out>(q, k_pages, v_pages, tables, key_start, key_end, out, lse, scale, k_scale, v_scale, alibi, fp8_tables().e4m3);
-    case at::kFloat8_e5m2:
-      return decode_impl<uint8_t, Out>(q, k_pages, v_pages, tables, key_start, key_end, out, lse, scale, k_scale, v_scale, alibi, fp8_tables().e5m2);
+    case at::kFloat: CHUNKATTN_DECODE(float);
+    case at::kBFloat16: CHUNKATTN_DECODE(c10::BFloat16);
+    case at::kHalf: CHUNKATTN_DECODE(c10::Half);
+    case at::kFloat8_e4m3fn: CHUNKATTN_DECODE(E4M3);
+    case at::kFloat8_e5m2: CHUNKATTN_DECODE(E5M2);
     default:
       TORCH_CHECK(false, "chunkattn native decode: pages of dtype ", k_pages.scalar_type(), " are not served");
   }
+#undef CHUNKATTN_DECODE
 }
 
 }  // namespace
 
-// q [S, H, D] float32 (scaled inside); pages [Hkv, num_blocks, bs, D]; tables [S, W] int32; key_start, key_end
-// [S] int64; out [S, H, D] of float32, bfloat16 or float16; lse [S, H] float32 (natural log).
+// q [S, H, D] float32 (scaled inside); pages [Hkv, num_blocks, bs, D] (float32, bfloat16, float16, float8
+// e4m3fn / e5m2 read as stored * k_scale or v_scale); tables [S, W] int32; key_start, key_end [S] int64;
+// out [S, H, D] of float32, bfloat16 or float16; lse [S, H] float32 (natural log); splits: parts per
+// sequence's keys (1: none; see split_for).
 void decode(at::Tensor q, at::Tensor k_pages, at::Tensor v_pages, at::Tensor tables, at::Tensor key_start,
             at::Tensor key_end, at::Tensor out, at::Tensor lse, double scale, double k_scale, double v_scale,
-            c10::optional<at::Tensor> alibi) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be contiguous float32");
+            c10::optional<at::Tensor> alibi, int64_t splits) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous() && q.dim() == 3, "q must be contiguous [S, H, D] float32");
+  TORCH_CHECK(k_pages.dim() == 4 && k_pages.size(3) == q.size(2), "pages must be [Hkv, blocks, bs, D]");
   TORCH_CHECK(k_pages.stride(3) == 1 && v_pages.stride(3) == 1, "page rows must be contiguous");
-  TORCH_CHECK(k_pages.strides() == v_pages.strides(), "K and V pages must share a layout");
-  TORCH_CHECK(tables.scalar_type() == at::kInt && tables.is_contiguous(), "tables must be contiguous int32");
-  TORCH_CHECK(out.is_contiguous() && lse.is_contiguous() && lse.scalar_type() == at::kFloat, "bad out or lse");
+  TORCH_CHECK(k_pages.strides() == v_pages.strides() && k_pages.sizes() == v_pages.sizes() &&
+                  k_pages.scalar_type() == v_pages.scalar_type(), "K and V pages must share a layout");
+  TORCH_CHECK(tables.scalar_type() == at::kInt && tables.is_contiguous() && tables.size(0) == q.size(0),
+              "tables must be contiguous int32 [S, W]");
+  TORCH_CHECK(key_start.scalar_type() == at::kLong && key_end.scalar_type() == at::kLong &&
+                  key_start.is_contiguous() && key_end.is_contiguous(), "key ranges must be contiguous int64");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out must be contiguous, q's shape");
+  TORCH_CHECK(lse.is_contiguous() && lse.scalar_type() == at::kFloat, "lse must be contiguous float32");
   TORCH_CHECK(q.size(1) % k_pages.size(0) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(splits >= 1, "splits must be >= 1");
+  TORCH_CHECK(!alibi.has_value() || (alibi->scalar_type() == at::kFloat && alibi->is_contiguous() &&
+                                     alibi->numel() == q.size(1)), "alibi slopes must be float32 [H]");
   switch (out.scalar_type()) {
     case at::kFloat:
-      return dispatch_pages<float>(q, k_pages, v_pages, tables, key_start, key_end, out, lse, scale, k_scale, v_scale, alibi);
+      return dispatch_pages<float>(q, k_pages, v_pages, tables, key_start, key_end, out, lse, scale, k_scale, v_scale, alibi, splits);
     case at::kBFloat16:
-      return dispatch_pages<c10::BFloat16>(q, k_pages, v_pages, tables, key_start, key_end, out, lse, scale, k_scale, v_scale, alibi);
+      return dispatch_pages<c10::BFloat16>(q, k_pages, v_pages, tables, key_start, key_end, out, lse, scale, k_scale, v_scale, alibi, splits);
     case at::kHalf:
-      return dispatch_pages<c10::Half>(q, k_pages, v_pages, tables, key_start, key_end, out, lse, scale, k_scale, v_scale, alibi);
+      return dispatch_pages<c10::Half>(q, k_pages, v_pages, tables, key_start, key_end, out, lse, scale, k_scale, v_scale, alibi, splits);
     default:
       TORCH_CHECK(false, "chunkattn native decode: outputs of dtype ", out.scalar_type(), " are not served");
   }
 }
 
+// How many parts to cut each decode's keys into so that all threads have work: 1 when sequences x KV heads
+// already give every thread a few tasks; else enough parts for ~4 tasks per thread, no part under 256 keys.
+int64_t split_for(int64_t seqs, int64_t kv_heads, int64_t longest) {
+  const int64_t threads = at::get_num_threads();
+  const int64_t tasks = seqs * kv_heads;
+  if (tasks >= 4 * threads) return 1;
+  const int64_t wanted = (4 * threads + tasks - 1) / tasks;
+  return std::max<int64_t>(1, std::min<int64_t>(wanted, longest / 256));
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode", &decode, "every decode of a step over the paged cache (see decode.cpp)");
+  m.def("split_for", &split_for, "parts per decode's keys for a step of seqs x kv_heads tasks");
 }
