@@ -180,7 +180,7 @@ class EngineConfig:
     """Everything the engine needs.
 
     device: "auto" (CUDA when available, else CPU), "cpu" or "cuda[:N]".
-    backend: "auto" (triton on CUDA, torch on the CPU), "torch", "native" (the torch backend with the native
+    backend: "auto" (triton on CUDA, native on the CPU), "torch", "native" (the torch backend with the native
         CPU decode kernel; torch where it cannot be built) or "triton".
     dtype: the compute dtype (``dtypes.COMPUTE``): queries, and K/V read from the cache, are converted to
         it; "auto" is bfloat16 on CUDA and float32 on the CPU.

@@ -221,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--backend",
         default="auto",
-        help="attention kernels: auto (triton on CUDA, torch on the CPU), torch, native (CPU: decodes in a"
+        help="attention kernels: auto (triton on CUDA, native on the CPU), torch, native (CPU: decodes in a"
         " native kernel, built on first use; torch where it cannot be), triton",
     )
     return p

@@ -19,7 +19,7 @@ from chunkattn_server.attention.backends.base import AttentionBatch
 from chunkattn_server.attention.backends.triton_backend import TritonBackend, TritonLaunchError
 from chunkattn_server.engine.device import make_backend
 from chunkattn_server.errors import ConfigError
-from tests.helpers.harness import MODELS, Harness
+from tests.helpers.harness import MODELS, NATIVE_PROBLEM, Harness
 
 CPU = torch.device("cpu")
 
@@ -146,8 +146,8 @@ def test_launch_checks_refuse_bad_batches_before_running(change: dict[str, objec
     assert message in str(e.value)
 
 
-def test_the_engine_picks_triton_on_cuda_and_torch_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert make_backend("auto", CPU).name == "torch"
+def test_the_engine_picks_triton_on_cuda_and_native_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert make_backend("auto", CPU).name == ("torch" if NATIVE_PROBLEM else "native")
     assert make_backend("triton", CPU).name == "triton"  # the interpreter is on in tests
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ConfigError, match="--backend torch"):

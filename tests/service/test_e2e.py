@@ -28,6 +28,7 @@ from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2_grpc as pb_grpc
 from chunkattn_client.reference import within_tolerance
 from chunkattn_server.config import DEFAULT_MAX_MESSAGE_MIB
+from tests.helpers.harness import NATIVE_PROBLEM
 from tests.helpers.server_process import SMALL, ServerProcess, connections
 
 H, HKV, D = 4, 2, 16
@@ -111,7 +112,7 @@ def test_info_describes_the_model_and_the_pool(client: ChunkAttnClient) -> None:
     assert info.num_blocks == 4096
     assert info.cache_dtype == "float32"
     assert set(info.dtypes) == {"float32", "float16", "bfloat16"}
-    assert (info.backend, info.device) == ("torch", "cpu")
+    assert (info.backend, info.device) == ("torch" if NATIVE_PROBLEM else "native", "cpu")  # auto on the CPU
     assert info.max_message_bytes == DEFAULT_MAX_MESSAGE_MIB << 20
 
 

@@ -23,10 +23,10 @@ def resolve_device(name: str) -> torch.device:
 
 
 def make_backend(name: str, device: torch.device) -> Backend:
-    """ "auto": triton on CUDA, torch elsewhere; or the one named. "native" where its kernels cannot be built
+    """ "auto": triton on CUDA, native on the CPU; or the one named. "native" where its kernels cannot be built
     or loaded (no compiler, another device): the torch backend, with a warning saying why."""
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+        name = "triton" if device.type == "cuda" else "native"
     if name == "triton":
         from chunkattn_server.attention.backends.triton_backend import TritonBackend  # imports triton
 
