@@ -2,9 +2,10 @@
 # CI's image and compose check (run by .ci/run after `make test`), on a machine with no image registry:
 #   1. a Docker engine: Debian's docker.io, started by hand with its state in a temporary folder;
 #   2. a base image: debootstrap of Debian bookworm (Python 3.11 and its venv module), imported;
-#   3. the chunkattn image from the Dockerfile, with the host's CPU torch wheel served on loopback;
-#   4. that image run alone: its HEALTHCHECK turns healthy, Info answers, a verified bench passes, SIGTERM
-#      stops it with exit 0;
+#   3. the chunkattn image from the Dockerfile, with the host's CPU torch wheel served on loopback: no compiler,
+#      ninja or pip in it, no triton;
+#   4. that image run alone: its HEALTHCHECK turns healthy, Info and chunkattn_build_info say backend native
+#      (the kernels prebuilt in the builder stage), a verified bench passes, SIGTERM stops it with exit 0;
 #   5. the compose stack's servers, Envoy and Prometheus (deploy/ci/compose.ci.yml: local images), traffic
 #      through Envoy verified and spread over both replicas, Prometheus scraping all three.
 # A trap stops what it started (by PID) and removes what it made: containers, the engine and its state,
@@ -114,9 +115,17 @@ $(tail -30 "$D/build.log")"
 build_s=$(($(date +%s) - start))
 size=$($DOCKER image inspect chunkattn:ci --format '{{.Size}}')
 say "image chunkattn:ci built in ${build_s} s, $((size / 1000000)) MB"
-found=$($DOCKER run --rm --entrypoint sh chunkattn:ci -c 'id -u; command -v gcc cc pip pip3 apt-get || true')
+found=$($DOCKER run --rm --entrypoint sh chunkattn:ci -c 'id -u; command -v gcc g++ cc c++ ninja pip pip3 apt-get || true')
 [ "$found" = "10001
-/usr/bin/apt-get" ] || [ "$found" = 10001 ] || fail "the image should run as 10001 without compilers or pip; found: $found"
+/usr/bin/apt-get" ] || [ "$found" = 10001 ] \
+    || fail "the image should run as 10001 without a compiler, ninja or pip; found: $found"
+# triton cannot run without a GPU: only the CUDA build (its torch requires it) has it.
+if triton=$($DOCKER run --rm --entrypoint python chunkattn:ci -c 'import triton; print(triton.__file__)' 2>&1); then
+    fail "the CPU image has triton: $triton"
+fi
+grep -q "No module named 'triton'" <<<"$triton" || fail "import triton failed, but not for want of triton: $triton"
+native=$($DOCKER run --rm --entrypoint sh chunkattn:ci -c 'ls "$CHUNKATTN_NATIVE_DIR"' | tr '\n' ' ')
+say "image: user 10001, no compiler, ninja, pip or triton; prebuilt kernels: $native"
 
 # 4. The image alone: health, Info, a verified bench, SIGTERM.
 grpc_port=$(free_port)
@@ -129,7 +138,13 @@ for _ in $(seq 120); do
 done
 [ "$($DOCKER inspect -f '{{.State.Health.Status}}' chunkattn-ci-alone)" = healthy ] \
     || fail "the container's HEALTHCHECK never passed: $($DOCKER logs chunkattn-ci-alone 2>&1 | tail -20)"
-$CLI info --target "127.0.0.1:$grpc_port"
+info=$($CLI info --target "127.0.0.1:$grpc_port") || fail "Info: $info"
+echo "$info"
+grep -q "backend native on cpu" <<<"$info" || fail "the image should serve with its prebuilt native kernels: $info
+$($DOCKER logs chunkattn-ci-alone 2>&1 | grep -i native)"
+metrics=$(curl -sf "http://127.0.0.1:$metrics_port/metrics") || fail "no metrics on port $metrics_port"
+grep -q '^chunkattn_build_info{.*backend="native"' <<<"$metrics" \
+    || fail "chunkattn_build_info should say backend native: $(grep chunkattn_build_info <<<"$metrics")"
 $CLI bench --target "127.0.0.1:$grpc_port" --sequences 8 --concurrency 2 --prompt-len 64 --output-len 8 \
     --verify 20 --progress none | tail -2
 $DOCKER stop -t 30 chunkattn-ci-alone >/dev/null
@@ -138,7 +153,7 @@ code=$($DOCKER inspect -f '{{.State.ExitCode}}' chunkattn-ci-alone)
 # Read the logs whole: `docker logs | grep -q` fails under pipefail when grep exits early (SIGPIPE).
 logs=$($DOCKER logs chunkattn-ci-alone 2>&1)
 grep -q "draining" <<<"$logs" || fail "SIGTERM did not reach the server (no drain): $(tail -10 <<<"$logs")"
-say "image alone: healthy, Info, verified bench, SIGTERM -> drain, exit 0"
+say "image alone: healthy, Info and build_info say native, verified bench, SIGTERM -> drain, exit 0"
 
 # 5. The compose stack: servers, Envoy, Prometheus.
 $DOCKER build -q -t chunkattn-envoy:ci --build-arg BASE=chunkattn-base:ci --network host -f deploy/ci/envoy.Dockerfile \

@@ -3,15 +3,24 @@ ninja) into torch's extension cache, once per ISA, and loaded for the widest ISA
 CPU kernels choose at run time: at::vec::Vectorized is as wide as the flags a file is compiled with, so a
 file is built per ISA, never with -march=native). ``load()`` returns the module, or raises NativeUnavailable
 saying why (no compiler, a failed build): the engine then serves with the torch backend and logs it.
+
+Prebuilt: ``python -m chunkattn_server.attention.backends.native.build --out DIR`` builds every ISA into DIR
+(the Docker image's builder stage does, so that the image ships no compiler), and with CHUNKATTN_NATIVE_DIR=DIR
+``load()`` imports the chosen ISA's shared object from there and never compiles: a missing or broken file is
+NativeUnavailable, saying which file and why.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
+import importlib.util
 import logging
 import os
 import shutil
 import sys
+import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -20,6 +29,7 @@ import torch
 log = logging.getLogger("chunkattn_server")
 
 SOURCE = Path(__file__).with_name("decode.cpp")
+CLI = "python -m chunkattn_server.attention.backends.native.build"
 
 # torch's name for the CPU's widest vector ISA -> our build of the kernel for it.
 FLAGS: dict[str, list[str]] = {
@@ -46,31 +56,114 @@ def isa() -> str:
     return capability if capability in FLAGS else "DEFAULT"
 
 
+def module_name(chosen: str) -> str:
+    """The extension's module name for an ISA; its shared object is this name + ".so"."""
+    return f"chunkattn_native_{chosen.lower()}"
+
+
 def load() -> ModuleType:
-    """The kernels' module for this CPU (built once per ISA and torch version, then cached by torch);
-    CHUNKATTN_NATIVE=0 turns them off."""
+    """The kernels' module for this CPU: from CHUNKATTN_NATIVE_DIR when set, else built once per ISA and torch
+    version and cached by torch; CHUNKATTN_NATIVE=0 turns them off."""
     if os.environ.get("CHUNKATTN_NATIVE") == "0":
         raise NativeUnavailable("CHUNKATTN_NATIVE=0 turns the native kernels off")
+    folder = os.environ.get("CHUNKATTN_NATIVE_DIR")
+    if folder:
+        return _prebuilt(folder, isa())
     return _build(isa())
 
 
 @functools.cache
-def _build(chosen: str) -> ModuleType:
+def _prebuilt(folder: str, chosen: str) -> ModuleType:
+    path = Path(folder) / f"{module_name(chosen)}.so"
+    where = f"CHUNKATTN_NATIVE_DIR={folder}"
+    if not path.is_file():
+        raise NativeUnavailable(f"{where} has no {path.name} for this CPU ({chosen}); build it with {CLI} --out DIR")
+    try:
+        spec = importlib.util.spec_from_file_location(module_name(chosen), path)
+        if spec is None or spec.loader is None:
+            raise ImportError("not an extension module")
+        module = importlib.util.module_from_spec(spec)  # dlopen: torch, imported above, provides its libraries
+        spec.loader.exec_module(module)
+    except Exception as e:  # another torch's build, another platform's, a truncated file
+        lines = str(e).strip().splitlines() or [repr(e)]
+        raise NativeUnavailable(f"{where}: {path} did not load: {lines[-1]}") from None
+    log.info("native kernels: %s build loaded from %s", chosen, path)
+    return module
+
+
+def _compile(chosen: str, build_directory: str | None = None) -> ModuleType:
+    """Build (or find in the build directory, torch's cache by default) and import one ISA's module."""
     bin_dir = os.path.dirname(sys.executable)  # a venv's ninja (requirements/dev.txt), where PATH lacks it
     if shutil.which("ninja") is None and shutil.which("ninja", path=bin_dir):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-    try:
-        from torch.utils import cpp_extension
+    from torch.utils import cpp_extension
 
-        module: ModuleType = cpp_extension.load(
-            name=f"chunkattn_native_{chosen.lower()}",
-            sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-fopenmp", "-ffp-contract=fast", *FLAGS[chosen]],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+    module: ModuleType = cpp_extension.load(
+        name=module_name(chosen),
+        sources=[str(SOURCE)],
+        extra_cflags=["-O3", "-fopenmp", "-ffp-contract=fast", *FLAGS[chosen]],
+        extra_ldflags=["-fopenmp"],
+        build_directory=build_directory,
+        verbose=False,
+    )
+    return module
+
+
+@functools.cache
+def _build(chosen: str) -> ModuleType:
+    try:
+        module = _compile(chosen)
     except Exception as e:  # no compiler, no ninja, a build error: say why, and let the caller fall back
         lines = str(e).strip().splitlines() or [repr(e)]
         raise NativeUnavailable(f"the native kernels did not build or load ({chosen}): {lines[-1]}") from None
     log.info("native kernels: %s build loaded", chosen)
     return module
+
+
+def prebuild(out: Path, isas: Sequence[str]) -> list[Path]:
+    """Build each ISA's module and leave in ``out`` only its shared object (what CHUNKATTN_NATIVE_DIR=out loads),
+    the objects and ninja files in a temporary folder. torch imports each build once, so a wider ISA than the
+    building CPU's runs its module initialisation there (as ATen's per-ISA files do at every start). Run in a
+    fresh process: torch renames a module built twice in one (``_v1``), and that name is refused."""
+    out.mkdir(parents=True, exist_ok=True)
+    built = []
+    for chosen in isas:
+        name = module_name(chosen)
+        with tempfile.TemporaryDirectory(prefix=f"{name}-") as tmp:
+            module = _compile(chosen, tmp)
+            if module.__name__ != name or module.__file__ is None:
+                raise RuntimeError(f"torch built {module.__name__!r}, not {name!r}: build in a fresh process")
+            target = out / f"{name}.so"
+            shutil.copyfile(module.__file__, target)
+        built.append(target)
+    return built
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The CLI: build the kernels into a folder, for an image or machine without a compiler."""
+    parser = argparse.ArgumentParser(
+        prog=CLI,
+        description="Build the native CPU kernels, one shared object per ISA, into a folder; a server run with"
+        " CHUNKATTN_NATIVE_DIR=that folder loads the one for its CPU and needs no compiler (the Docker image's"
+        " builder stage runs this). Needs g++ and ninja, and the torch that will load them.",
+    )
+    parser.add_argument("--out", type=Path, required=True, metavar="DIR", help="the folder to leave the .so files in")
+    parser.add_argument(
+        "--isa",
+        default=",".join(FLAGS),
+        metavar="LIST",
+        help=f"comma-separated ISAs to build (default: all, {','.join(FLAGS)})",
+    )
+    args = parser.parse_args(argv)
+    isas = [s.strip().upper() for s in args.isa.split(",") if s.strip()]
+    unknown = [s for s in isas if s not in FLAGS]
+    if unknown or not isas:
+        parser.error(f"--isa: expected some of {', '.join(FLAGS)}, got {args.isa!r}")
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    for path in prebuild(args.out, isas):
+        log.info("built %s (%d KiB)", path, path.stat().st_size >> 10)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
