@@ -33,6 +33,7 @@ constexpr int64_t kV = Vec::size();
 constexpr int64_t kHeadsAtOnce = 8;  // query heads whose accumulators stay in registers together
 constexpr int64_t kTile = 32;        // keys scored, softmaxed and accumulated together (a multiple of kV)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+static_assert(kTile % kV == 0, "a tile's scores are read in whole vectors");
 
 // Page element types. Float8 codes are read through float16: an e5m2 code is the top byte of the float16 of
 // the same value; an e4m3fn code c becomes the float16 bits sign << 15 | (c & 0x7f) << 7, which is the value
@@ -169,12 +170,20 @@ inline void with_heads(int64_t n, F&& f) {
 }
 
 // scores[j * kTile + r] = q_j . k_r for G heads (q [G, dv], zero past d) and K rows krows[0, rows): two rows at
-// a time, so 2G independent sums are in flight.
+// a time, so 2G independent sums are in flight. Meanwhile the rows pk[r], pv[r] (r < pf_rows: the next tile's)
+// are prefetched into L1, two per row pair.
 template <typename Page, int G>
-inline void score_rows(const Page* const* krows, int64_t rows, const float* q, int64_t dv, int64_t d, float* scores) {
+inline void score_rows(const Page* const* krows, int64_t rows, const float* q, int64_t dv, int64_t d, float* scores,
+                       const Page* const* pk, const Page* const* pv, int64_t pf_rows) {
   const int64_t chunks = dv / kV;
+  const int64_t row_bytes = d * static_cast<int64_t>(sizeof(Page));
   int64_t r = 0;
   for (; r + 2 <= rows; r += 2) {
+    for (int64_t x = r; x < std::min(r + 2, pf_rows); ++x)
+      for (int64_t b = 0; b < row_bytes; b += 64) {
+        __builtin_prefetch(reinterpret_cast<const char*>(pk[x]) + b, 0, 3);
+        __builtin_prefetch(reinterpret_cast<const char*>(pv[x]) + b, 0, 3);
+      }
     Vec a[G], b[G];
     for (int j = 0; j < G; ++j) a[j] = b[j] = Vec(0.0f);
     for (int64_t i = 0; i < chunks; ++i) {
@@ -244,6 +253,8 @@ void attend_range(const Shape& sh, const Page* kp, const Page* vp, const int32_t
   std::fill(m, m + g, kNegInf);
   std::fill(l, l + g, 0.0f);
   const int64_t head_off = h * sh.s_head;
+  const Page* next_k[kTile];
+  const Page* next_v[kTile];
   for (int64_t t0 = first; t0 < last; t0 += kTile) {
     const int64_t rows = std::min(kTile, last - t0);
     for (int64_t r = 0; r < rows; ++r) {
@@ -253,27 +264,21 @@ void attend_range(const Shape& sh, const Page* kp, const Page* vp, const int32_t
       krows[r] = kp + off;
       vrows[r] = vp + off;
     }
-    // The next tile's K and V rows, asked for now: one core's demand misses alone leave the memory idle half
-    // the time. (Not for float8 pages: half the bytes, more arithmetic per byte, and the prefetches cost more
-    // than they save there.)
-    if constexpr (sizeof(Page) >= 2) {
-      const int64_t next = std::min(last, t0 + 2 * kTile);
-      for (int64_t key = std::min(last, t0 + kTile); key < next;) {
-        const int64_t stop = std::min(next, (key / sh.bs + 1) * sh.bs);
-        const int64_t off = head_off + static_cast<int64_t>(table[key / sh.bs - base_block]) * sh.s_block +
-                            (key % sh.bs) * sh.s_row;
-        const int64_t bytes = (stop - key) * sh.s_row * static_cast<int64_t>(sizeof(Page));
-        for (int64_t b = 0; b < bytes; b += 64) {
-          __builtin_prefetch(reinterpret_cast<const char*>(kp + off) + b, 0, 2);
-          __builtin_prefetch(reinterpret_cast<const char*>(vp + off) + b, 0, 2);
-        }
-        key = stop;
-      }
+    // The next tile's K and V rows, asked for while this tile's K rows are scored (two rows' lines per
+    // row pair): one core's demand misses alone leave the memory idle much of the time, and a block of
+    // another sequence's (a scattered pool) is a new page the hardware prefetcher cannot guess.
+    int64_t pf_rows = 0;
+    for (int64_t key = t0 + kTile; key < std::min(last, t0 + 2 * kTile); ++key, ++pf_rows) {
+      const int64_t off = head_off + static_cast<int64_t>(table[key / sh.bs - base_block]) * sh.s_block +
+                          (key % sh.bs) * sh.s_row;
+      next_k[pf_rows] = kp + off;
+      next_v[pf_rows] = vp + off;
     }
     // scores[j * kTile + r] = q_j . k_r (q pre-scaled), all heads of the group per K row read
     for (int64_t j0 = 0; j0 < g; j0 += kHeadsAtOnce)
       with_heads(std::min(kHeadsAtOnce, g - j0), [&](auto gn) {
-        score_rows<Page, decltype(gn)::value>(krows, rows, qs + j0 * dv, dv, d, scores + j0 * kTile);
+        score_rows<Page, decltype(gn)::value>(krows, rows, qs + j0 * dv, dv, d, scores + j0 * kTile, next_k, next_v,
+                                                j0 == 0 ? pf_rows : 0);
       });
     const int64_t padded = (rows + kV - 1) / kV * kV;
     for (int64_t j = 0; j < g; ++j) {  // online softmax over the tile
@@ -448,8 +453,24 @@ void decode(at::Tensor q, at::Tensor k_pages, at::Tensor v_pages, at::Tensor tab
                   key_start.is_contiguous() && key_end.is_contiguous(), "key ranges must be contiguous int64");
   TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out must be contiguous, q's shape");
   TORCH_CHECK(lse.is_contiguous() && lse.scalar_type() == at::kFloat, "lse must be contiguous float32");
-  TORCH_CHECK(q.size(1) % k_pages.size(0) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(k_pages.size(0) > 0 && q.size(1) % k_pages.size(0) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(tables.dim() == 2 && key_start.numel() == q.size(0) && key_end.numel() == q.size(0),
+              "tables must be [S, W] and key ranges [S]");
+  TORCH_CHECK(lse.dim() == 2 && lse.size(0) == q.size(0) && lse.size(1) == q.size(1), "lse must be [S, H]");
   TORCH_CHECK(splits >= 1, "splits must be >= 1");
+  {  // every block the kernel will read is in the pages: O(S x W), nothing next to the attention
+    const int64_t bs = k_pages.size(2), blocks = k_pages.size(1), width = tables.size(1);
+    const int32_t* tp = tables.data_ptr<int32_t>();
+    const int64_t* ks = key_start.data_ptr<int64_t>();
+    const int64_t* ke = key_end.data_ptr<int64_t>();
+    for (int64_t s = 0; s < q.size(0); ++s) {
+      TORCH_CHECK(0 <= ks[s] && ks[s] < ke[s] && (ke[s] - 1) / bs - ks[s] / bs < width,
+                  "decode ", s, ": keys [", ks[s], ", ", ke[s], ") do not fit a table of ", width, " blocks");
+      for (int64_t b = 0; b <= (ke[s] - 1) / bs - ks[s] / bs; ++b)
+        TORCH_CHECK(0 <= tp[s * width + b] && tp[s * width + b] < blocks, "decode ", s, ": block ",
+                    tp[s * width + b], " is not in the pages (", blocks, " blocks)");
+    }
+  }
   TORCH_CHECK(!alibi.has_value() || (alibi->scalar_type() == at::kFloat && alibi->is_contiguous() &&
                                      alibi->numel() == q.size(1)), "alibi slopes must be float32 [H]");
   switch (out.scalar_type()) {
@@ -475,6 +496,9 @@ int64_t split_for(int64_t seqs, int64_t kv_heads, int64_t longest) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode", &decode, "every decode of a step over the paged cache (see decode.cpp)");
+  // The GIL is released while the kernel runs (its arguments are converted first): other Python threads, the
+  // server's gRPC handlers, go on meanwhile, as they do around torch's own ops.
+  m.def("decode", &decode, py::call_guard<py::gil_scoped_release>(),
+        "every decode of a step over the paged cache (see decode.cpp)");
   m.def("split_for", &split_for, "parts per decode's keys for a step of seqs x kv_heads tasks");
 }
