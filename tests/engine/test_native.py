@@ -60,9 +60,31 @@ def test_a_prebuilt_folder_without_this_cpus_file_is_refused_naming_it(
     with pytest.raises(build.NativeUnavailable) as e:
         build.load()
     assert str(e.value) == (
-        f"CHUNKATTN_NATIVE_DIR={tmp_path} has no chunkattn_native_avx2.so for this CPU (AVX2); build it with"
-        " python -m chunkattn_server.attention.backends.native.build --out DIR"
+        f"CHUNKATTN_NATIVE_DIR={tmp_path} has none of chunkattn_native_avx2.so, chunkattn_native_default.so for"
+        " this CPU (AVX2); build with python -m chunkattn_server.attention.backends.native.build --out DIR"
     )
+
+
+def test_a_prebuilt_folder_without_this_cpus_isa_serves_a_narrower_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A folder built on a CPU without AVX512 holds AVX2 and DEFAULT: an AVX512 CPU takes the widest there
+    (here a broken DEFAULT file, so that its refusal names the file it chose), never a wider one."""
+    (tmp_path / "chunkattn_native_default.so").write_bytes(b"not a shared object")
+    (tmp_path / "chunkattn_native_avx512.so").write_bytes(b"wider than this CPU")
+    monkeypatch.setenv("CHUNKATTN_NATIVE_DIR", str(tmp_path))
+    monkeypatch.setenv("CHUNKATTN_NATIVE_ISA", "AVX2")
+    monkeypatch.setattr(build, "_compile", _never_compile)
+    with pytest.raises(build.NativeUnavailable, match=r"chunkattn_native_default\.so did not load"):
+        build.load()
+
+
+def test_the_build_cli_builds_no_isa_this_cpu_cannot_import(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CHUNKATTN_NATIVE_ISA", "AVX2")
+    monkeypatch.setattr(build, "_compile", _never_compile)
+    assert build.runnable(build.isa()) == ["AVX2", "DEFAULT"]
+    with pytest.raises(ValueError, match=r"this CPU \(AVX2\) cannot run AVX512"):
+        build.main(["--out", "unused", "--isa", "AVX512,AVX2"])
 
 
 def test_a_prebuilt_file_that_does_not_load_is_refused_saying_why(
@@ -86,7 +108,8 @@ def test_without_its_prebuilt_file_the_native_backend_falls_back_to_torch_and_sa
     with caplog.at_level(logging.WARNING, logger="chunkattn_server"):
         backend = make_backend("native", CPU)
     assert type(backend) is TorchBackend
-    assert f"native backend is unavailable (CHUNKATTN_NATIVE_DIR={tmp_path} has no chunkattn_native_" in caplog.text
+    said = f"native backend is unavailable (CHUNKATTN_NATIVE_DIR={tmp_path} has none of chunkattn_native_"
+    assert said in caplog.text
 
 
 def test_the_build_cli_refuses_an_unknown_isa() -> None:

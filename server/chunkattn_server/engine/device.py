@@ -28,7 +28,13 @@ def make_backend(name: str, device: torch.device) -> Backend:
     if name == "auto":
         name = "triton" if device.type == "cuda" else "native"
     if name == "triton":
-        from chunkattn_server.attention.backends.triton_backend import TritonBackend  # imports triton
+        try:
+            from chunkattn_server.attention.backends.triton_backend import TritonBackend  # imports triton
+        except ImportError as e:
+            raise ConfigError(
+                f"--backend triton needs triton, which this install lacks ({e}): torch's CUDA build brings it;"
+                " on the CPU use --backend native or torch"
+            ) from None
 
         return TritonBackend(device)
     if name == "native":

@@ -17,6 +17,7 @@ import functools
 import importlib.util
 import logging
 import os
+import platform
 import shutil
 import sys
 import tempfile
@@ -31,7 +32,9 @@ log = logging.getLogger("chunkattn_server")
 SOURCE = Path(__file__).with_name("decode.cpp")
 CLI = "python -m chunkattn_server.attention.backends.native.build"
 
-# torch's name for the CPU's widest vector ISA -> our build of the kernel for it.
+X86 = ("x86_64", "AMD64", "i686", "i386")
+
+# torch's name for the CPU's widest vector ISA -> our build of the kernel for it, widest first.
 FLAGS: dict[str, list[str]] = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c",
                "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"],
@@ -53,7 +56,13 @@ def isa() -> str:
             raise NativeUnavailable(f"CHUNKATTN_NATIVE_ISA={forced!r}: expected one of {', '.join(FLAGS)}")
         return forced
     capability = torch.backends.cpu.get_cpu_capability()
-    return capability if capability in FLAGS else "DEFAULT"
+    return capability if capability in FLAGS and platform.machine() in X86 else "DEFAULT"
+
+
+def runnable(chosen: str) -> list[str]:
+    """The ISAs a CPU that runs ``chosen`` can run, widest first (FLAGS is ordered so)."""
+    names = list(FLAGS)
+    return names[names.index(chosen) :]
 
 
 def module_name(chosen: str) -> str:
@@ -74,12 +83,16 @@ def load() -> ModuleType:
 
 @functools.cache
 def _prebuilt(folder: str, chosen: str) -> ModuleType:
-    path = Path(folder) / f"{module_name(chosen)}.so"
+    """The widest prebuilt module in ``folder`` this CPU runs (``chosen``'s, else a narrower one: a folder
+    built on a CPU without AVX512 holds no AVX512 build)."""
     where = f"CHUNKATTN_NATIVE_DIR={folder}"
-    if not path.is_file():
-        raise NativeUnavailable(f"{where} has no {path.name} for this CPU ({chosen}); build it with {CLI} --out DIR")
+    found = [Path(folder) / f"{module_name(i)}.so" for i in runnable(chosen)]
+    path = next((p for p in found if p.is_file()), None)
+    if path is None:
+        names = ", ".join(p.name for p in found)
+        raise NativeUnavailable(f"{where} has none of {names} for this CPU ({chosen}); build with {CLI} --out DIR")
     try:
-        spec = importlib.util.spec_from_file_location(module_name(chosen), path)
+        spec = importlib.util.spec_from_file_location(path.stem, path)
         if spec is None or spec.loader is None:
             raise ImportError("not an extension module")
         module = importlib.util.module_from_spec(spec)  # dlopen: torch, imported above, provides its libraries
@@ -87,7 +100,7 @@ def _prebuilt(folder: str, chosen: str) -> ModuleType:
     except Exception as e:  # another torch's build, another platform's, a truncated file
         lines = str(e).strip().splitlines() or [repr(e)]
         raise NativeUnavailable(f"{where}: {path} did not load: {lines[-1]}") from None
-    log.info("native kernels: %s build loaded from %s", chosen, path)
+    log.info("native kernels: %s loaded (this CPU runs %s)", path, chosen)
     return module
 
 
@@ -122,9 +135,12 @@ def _build(chosen: str) -> ModuleType:
 
 def prebuild(out: Path, isas: Sequence[str]) -> list[Path]:
     """Build each ISA's module and leave in ``out`` only its shared object (what CHUNKATTN_NATIVE_DIR=out loads),
-    the objects and ninja files in a temporary folder. torch imports each build once, so a wider ISA than the
-    building CPU's runs its module initialisation there (as ATen's per-ISA files do at every start). Run in a
+    the objects and ninja files in a temporary folder. torch imports each build once (its module
+    initialisation runs here, compiled with the ISA's flags), so only ISAs this CPU runs are built. Run in a
     fresh process: torch renames a module built twice in one (``_v1``), and that name is refused."""
+    wider = [i for i in isas if i not in runnable(isa())]
+    if wider:
+        raise ValueError(f"this CPU ({isa()}) cannot run {', '.join(wider)}: build those on a CPU that does")
     out.mkdir(parents=True, exist_ok=True)
     built = []
     for chosen in isas:
@@ -150,9 +166,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, metavar="DIR", help="the folder to leave the .so files in")
     parser.add_argument(
         "--isa",
-        default=",".join(FLAGS),
+        default=",".join(runnable(isa())),
         metavar="LIST",
-        help=f"comma-separated ISAs to build (default: all, {','.join(FLAGS)})",
+        help=f"comma-separated ISAs to build, of {','.join(FLAGS)} (default: every one this CPU runs: a build is"
+        " imported once to check it, and a wider ISA's would stop this CPU; a server on a wider CPU then loads"
+        " the widest built)",
     )
     args = parser.parse_args(argv)
     isas = [s.strip().upper() for s in args.isa.split(",") if s.strip()]
