@@ -10,6 +10,9 @@ $(STAMP): requirements/dev.txt requirements/constraints.txt client/pyproject.tom
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check -c requirements/constraints.txt \
 		-r requirements/dev.txt -e 'client[bench,hf]' -e server
+	@# The native CPU kernels, built now (about 30 s) rather than on the server's or the tests' first use; where
+	@# they cannot be built this says why, and the server will serve with the torch backend.
+	$(BIN)/python -m chunkattn_server.attention.backends.native.build --check
 	touch $(STAMP)
 
 install: $(STAMP)  ## create .venv if missing and install both packages (editable) with the dev tools

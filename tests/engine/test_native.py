@@ -171,3 +171,14 @@ def test_a_prebuilt_folder_holds_only_the_shared_object_and_serves(prebuilt: Pat
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.splitlines()[-1] == str(so)
+
+
+def test_the_build_check_says_why_the_kernels_are_unavailable_and_exits_0(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``make install`` runs the check: a machine without the kernels installs, and is told the server will
+    serve with the torch backend."""
+    monkeypatch.setenv("CHUNKATTN_NATIVE", "0")
+    with caplog.at_level(logging.WARNING, logger="chunkattn_server"):
+        assert build.main(["--check"]) == 0
+    assert "native kernels unavailable: CHUNKATTN_NATIVE=0 turns the native kernels off" in caplog.text

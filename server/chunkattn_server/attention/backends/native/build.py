@@ -124,6 +124,11 @@ def _compile(chosen: str, build_directory: str | None = None) -> ModuleType:
 
 @functools.cache
 def _build(chosen: str) -> ModuleType:
+    log.info(
+        "native kernels: loading the %s build (compiled first if this torch and source have no build in torch's"
+        " extension cache yet: about 30 s, once per machine)",
+        chosen,
+    )
     try:
         module = _compile(chosen)
     except Exception as e:  # no compiler, no ninja, a build error: say why, and let the caller fall back
@@ -156,14 +161,22 @@ def prebuild(out: Path, isas: Sequence[str]) -> list[Path]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The CLI: build the kernels into a folder, for an image or machine without a compiler."""
+    """The CLI: build the kernels into a folder, for an image or machine without a compiler; or, with --check,
+    as the server will load them here (``make install`` runs it)."""
     parser = argparse.ArgumentParser(
         prog=CLI,
         description="Build the native CPU kernels, one shared object per ISA, into a folder; a server run with"
         " CHUNKATTN_NATIVE_DIR=that folder loads the one for its CPU and needs no compiler (the Docker image's"
         " builder stage runs this). Needs g++ and ninja, and the torch that will load them.",
     )
-    parser.add_argument("--out", type=Path, required=True, metavar="DIR", help="the folder to leave the .so files in")
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--out", type=Path, metavar="DIR", help="the folder to leave the .so files in")
+    what.add_argument(
+        "--check",
+        action="store_true",
+        help="build (or find built) this CPU's kernels in torch's extension cache, as the server loads them, and"
+        " say whether they are available; exits 0 either way (the server then serves with the torch backend)",
+    )
     parser.add_argument(
         "--isa",
         default=",".join(runnable(isa())),
@@ -178,6 +191,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown or not isas:
         parser.error(f"--isa: expected some of {', '.join(FLAGS)}, got {args.isa!r}")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.check:
+        try:
+            load()
+        except NativeUnavailable as e:
+            log.warning("native kernels unavailable: %s; the server will serve with the torch backend", e)
+        return 0
     for path in prebuild(args.out, isas):
         log.info("built %s (%d KiB)", path, path.stat().st_size >> 10)
     return 0
