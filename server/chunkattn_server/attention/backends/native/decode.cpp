@@ -171,7 +171,8 @@ inline void with_heads(int64_t n, F&& f) {
 
 // scores[j * kTile + r] = q_j . k_r for G heads (q [G, dv], zero past d) and K rows krows[0, rows): two rows at
 // a time, so 2G independent sums are in flight. Meanwhile the rows pk[r], pv[r] (r < pf_rows: the next tile's)
-// are prefetched into L1, two per row pair.
+// are prefetched, two per row pair, into L2 (prefetcht1): into L1 the prefetches hold the line-fill buffers
+// that this tile's own loads wait for (fp32 decode 63 -> 43 ms, bf16 34 -> 23 here with L2).
 template <typename Page, int G>
 inline void score_rows(const Page* const* krows, int64_t rows, const float* q, int64_t dv, int64_t d, float* scores,
                        const Page* const* pk, const Page* const* pv, int64_t pf_rows) {
@@ -181,8 +182,8 @@ inline void score_rows(const Page* const* krows, int64_t rows, const float* q, i
   for (; r + 2 <= rows; r += 2) {
     for (int64_t x = r; x < std::min(r + 2, pf_rows); ++x)
       for (int64_t b = 0; b < row_bytes; b += 64) {
-        __builtin_prefetch(reinterpret_cast<const char*>(pk[x]) + b, 0, 3);
-        __builtin_prefetch(reinterpret_cast<const char*>(pv[x]) + b, 0, 3);
+        __builtin_prefetch(reinterpret_cast<const char*>(pk[x]) + b, 0, 2);
+        __builtin_prefetch(reinterpret_cast<const char*>(pv[x]) + b, 0, 2);
       }
     Vec a[G], b[G];
     for (int j = 0; j < G; ++j) a[j] = b[j] = Vec(0.0f);
