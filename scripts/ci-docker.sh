@@ -169,8 +169,17 @@ $COMPOSE up -d --no-build server-1 server-2 envoy prometheus >"$D/compose.log" 2
 .venv/bin/python -c 'from chunkattn_server.tools.probe import wait_routable as w; w("127.0.0.1:50051", "http://127.0.0.1:9901", 2, 120)' \
     || fail "Envoy did not route to both replicas: $($COMPOSE logs --tail 20 2>&1)"
 say "compose stack up in $(($(date +%s) - start)) s"
+# What Envoy saw of its replicas (health checks, outlier ejections, ring changes, DNS), for a failure's message.
+envoy_state() {
+    curl -sf http://127.0.0.1:9901/stats | grep -E "^cluster\.chunkattn\.(health_check|outlier|membership|lb_|update|assignment)" \
+        | grep -v ": 0$"
+    curl -sf "http://127.0.0.1:9901/clusters" | grep -E "::(health_flags|rq_total|hostname)::"
+    $COMPOSE logs --tail 15 server-1 server-2 2>&1
+}
 bench=$($CLI bench --target 127.0.0.1:50051 --sequences 24 --concurrency 4 --prompt-len 64 --output-len 8 \
-    --verify 40 --progress none) || fail "bench through Envoy: $bench"
+    --verify 40 --progress none) || fail "bench through Envoy: $bench
+Envoy and the replicas then:
+$(envoy_state)"
 grep -q " 0 mismatches" <<<"$bench" || fail "bench through Envoy did not verify: $bench"
 served=""
 for _ in $(seq 60); do  # Prometheus scrapes every 5 s: wait until it has seen both replicas' calls and Envoy

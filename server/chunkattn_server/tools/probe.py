@@ -42,21 +42,28 @@ def healthy(admin_url: str) -> int:
     return sum(not h.get("health_status", {}).get("failed_active_health_check", False) for h in hosts)
 
 
-def routable(target: str, admin_url: str, replicas: int) -> bool:
+def routable(target: str, admin_url: str, replicas: int, connections: int = 8) -> bool:
     """Whether Envoy (clients' ``target``, admin at ``admin_url``) has ``replicas`` healthy replicas and its
-    calls reach each of them: health checks through it with 32 routing keys per replica, counted per replica.
-    (Envoy's workers see a replica that passed its health check a moment after its admin page does; until
-    they do, sessions whose keys are the newcomer's would start elsewhere and then move.)"""
+    calls reach each of them from every one of ``connections`` new connections: per connection, health checks
+    with 32 routing keys per replica, counted per replica. Envoy's workers (the compose stack runs two) each
+    take a replica that passed its health check a moment after the admin page shows it, and a connection
+    belongs to one worker: until every worker has it, sessions on a late worker's connections start on
+    another replica and then move (NOT_FOUND). Eight connections, spread over the workers by the kernel,
+    leave a late worker unseen 1 time in 2^7 with two workers."""
     if healthy(admin_url) != replicas:
         return False
-    before = requests_per_replica(admin_url)
-    with grpc.insecure_channel(target) as channel:
-        check = health_pb2_grpc.HealthStub(channel).Check
-        for i in range(32 * replicas):
-            with contextlib.suppress(grpc.RpcError):
-                check(health_pb2.HealthCheckRequest(), timeout=2, metadata=((ROUTE_HEADER, f"probe-{i}"),))
-    after = requests_per_replica(admin_url)
-    return len(after) == replicas and all(after[h] > before.get(h, 0) for h in after)
+    for _ in range(connections):
+        before = requests_per_replica(admin_url)
+        # A channel of its own subchannels: a new connection (gRPC shares them between like channels).
+        with grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
+            check = health_pb2_grpc.HealthStub(channel).Check
+            for i in range(32 * replicas):
+                with contextlib.suppress(grpc.RpcError):
+                    check(health_pb2.HealthCheckRequest(), timeout=2, metadata=((ROUTE_HEADER, f"probe-{i}"),))
+        after = requests_per_replica(admin_url)
+        if len(after) != replicas or not all(after[h] > before.get(h, 0) for h in after):
+            return False
+    return True
 
 
 def wait_routable(target: str, admin_url: str, replicas: int, timeout_s: float) -> None:
