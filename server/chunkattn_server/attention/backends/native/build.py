@@ -98,10 +98,15 @@ def _prebuilt(folder: str, chosen: str) -> ModuleType:
         module = importlib.util.module_from_spec(spec)  # dlopen: torch, imported above, provides its libraries
         spec.loader.exec_module(module)
     except Exception as e:  # another torch's build, another platform's, a truncated file
-        lines = str(e).strip().splitlines() or [repr(e)]
-        raise NativeUnavailable(f"{where}: {path} did not load: {lines[-1]}") from None
+        raise NativeUnavailable(f"{where}: {path} did not load: {_last_line(e)}") from None
     log.info("native kernels: %s loaded (this CPU runs %s)", path, chosen)
     return module
+
+
+def _last_line(e: Exception) -> str:
+    """An exception's last line: a compiler's or loader's message ends with what went wrong."""
+    lines = str(e).strip().splitlines() or [repr(e)]
+    return lines[-1]
 
 
 def _compile(chosen: str, build_directory: str | None = None) -> ModuleType:
@@ -132,8 +137,7 @@ def _build(chosen: str) -> ModuleType:
     try:
         module = _compile(chosen)
     except Exception as e:  # no compiler, no ninja, a build error: say why, and let the caller fall back
-        lines = str(e).strip().splitlines() or [repr(e)]
-        raise NativeUnavailable(f"the native kernels did not build or load ({chosen}): {lines[-1]}") from None
+        raise NativeUnavailable(f"the native kernels did not build or load ({chosen}): {_last_line(e)}") from None
     log.info("native kernels: %s build loaded", chosen)
     return module
 
