@@ -25,9 +25,12 @@ fresh output), so ours carries its host-side work and vLLM's carries none. Both 
 the dev machines); a vLLM server would also pin its OpenMP threads to cores (VLLM_CPU_OMP_THREADS_BIND).
 
 vLLM's cache, as its CPU backend allocates it: one tensor per layer [num_blocks, Hkv, 2 * block_size, D] (its
-``[num_blocks, Hkv, block_size, 2 * D]`` viewed as such), split on dim 2 into the K and V halves; within a block
-and head, V is [block_size, D] but K is stored transposed, [D, block_size] (as its "vec" and "vec16" ISAs
-write it, the ones these machines get; on another ISA, AMX say, the cache comparison below is skipped). A
+``[num_blocks, Hkv, block_size, 2 * D]`` viewed as such), split on dim 2 into the K and V halves. Within a block
+and head, where each token's K and V elements go depends on the ISA vLLM's kernel picks for the row's dtype
+(``_get_attn_isa``, recorded per row: "vec" on AVX-512 without AMX, where K is stored transposed; "amx" for
+bfloat16 where the CPU has AMX, with K and V packed for its tiles): the benchmark learns the layout once per
+(dtype, cache) by writing one block of distinct values with vLLM's own write op and reading where each landed
+(``VLLMCache.layout``), so the caches are compared on every machine whatever the ISA. A
 float8 cache is uint8 storage with ``kv_cache_dtype`` naming the format and per-layer float scales. Ours: per
 plane K and V tensors [Hkv, num_blocks, block_size, D] (kv/cache.py). Blocks of 32 tokens in both: vLLM's
 CPU backend asks for a multiple of 32 (``get_supported_kernel_block_sizes``); its kernel takes 16 only through
@@ -73,6 +76,8 @@ import contenders  # benchmarks/contenders.py
 from timing import cpu_name, publish, rounds  # benchmarks/timing.py
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# float8 codes that both formats store and read back as themselves: not -0 (vLLM writes +0), no NaN or inf.
+SAFE_CODES = [c for c in range(256) if c != 0x80 and c & 0x7F < 0x7C][:240]
 # (compute dtype, cache dtype): "auto" is the compute dtype, as in both projects' configuration.
 DECODE_CACHES = (("float32", "auto"), ("bfloat16", "auto"), ("bfloat16", "fp8_e4m3"), ("bfloat16", "fp8_e5m2"))
 LAYOUTS = ("allocator", "scattered")
@@ -158,6 +163,7 @@ class VLLMCache:
         self.kv = torch.zeros(num_blocks, heads[1], 2 * block_size, head_size, dtype=storage)
         self.k, self.v = self.kv.chunk(2, dim=2)  # [num_blocks, Hkv, block_size, D] views (K's interior: [D, bs])
         self.isa: str = _get_attn_isa(self.dtype, block_size, head_size, cache)
+        self._order: torch.Tensor | None = None  # layout(), learned on first use
 
     def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Store k, v [T, Hkv, D] (the compute dtype) at ``slots`` [T] int64."""
@@ -177,15 +183,59 @@ class VLLMCache:
             batch.block_table, 0.0, metadata, None, None, *self.scales, self.cache,
         )  # fmt: skip
 
-    def tokens(self, blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The first ``n`` tokens' K and V [n, Hkv, D] held in ``blocks`` (as stored: uint8 for float8), or None
-        where the kernel's ISA packs K otherwise than the "vec" layout read here."""
-        if self.isa not in ("vec", "vec16"):
-            return None
-        hkv, d, bs = self.heads[1], self.head_size, self.block_size
-        k = self.k[blocks].reshape(len(blocks), hkv, d, bs).transpose(2, 3)  # K's interior is [D, bs]
-        v = self.v[blocks]  # [blocks, Hkv, bs, D]
+    def tokens(self, blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``n`` tokens' K and V [n, Hkv, D] held in ``blocks`` (as stored: uint8 for float8), read
+        through the layout vLLM's write op has on this machine (``layout``)."""
+        hkv, d = self.heads[1], self.head_size
+        order = self.layout()
+        held = self.kv[blocks].flatten(2)[:, :, order]  # [blocks, Hkv, 2 * bs * D]: K then V, token-major
+        k, v = held.view(len(blocks), hkv, 2, self.block_size, d).unbind(2)
         return k.transpose(1, 2).reshape(-1, hkv, d)[:n], v.transpose(1, 2).reshape(-1, hkv, d)[:n]
+
+    def layout(self) -> torch.Tensor:
+        """Where vLLM's write op puts each element of a block: ``order`` [2 * bs * D] int64 such that a block's
+        head slice, flattened, indexed by ``order`` is K [bs, D] then V [bs, D] in token order. Learned by
+        writing one block whose every K and V element is a distinct code (K: t * D + i, V: bs * D + t * D + i),
+        with the same op, ISA and cache dtype, and reading where each code landed (per head; all heads agree)."""
+        if self._order is not None:
+            return self._order
+        bs, d, hkv = self.block_size, self.head_size, self.heads[1]
+        count = 2 * bs * d
+        probe = VLLMCache(1, self.heads, d, bs, str(self.dtype).removeprefix("torch."), self.cache)
+        codes = torch.arange(count).view(2, bs, 1, d).expand(2, bs, hkv, d)
+        landed = torch.zeros(hkv, count, dtype=torch.int64)
+        base = len(SAFE_CODES) if self.cache != "auto" else count
+        for digit in range(2 if self.cache != "auto" else 1):  # float8: two base-240 digits of each code
+            part = (codes // base**digit) % base
+            probe.kv.zero_()
+            probe.write(self._encode(part[0], self.scales[0]), self._encode(part[1], self.scales[1]), torch.arange(bs))
+            landed += self._decode(probe.kv[0].flatten(1)) * base**digit
+        order = torch.argsort(landed, dim=1)
+        if not (landed.sort(dim=1).values == torch.arange(count)).all() or not (order == order[0]).all():
+            raise RuntimeError(f"vLLM's {self.isa} cache layout is not a permutation of each head's block: not read")
+        self._order = order[0]
+        return self._order
+
+    def _encode(self, codes: torch.Tensor, scale: float) -> torch.Tensor:
+        """K or V in the compute dtype that this cache stores as ``codes`` (distinct bits per code); a float8
+        cache's over ``scale`` (its K's or V's)."""
+        if self.cache != "auto":  # a float8 number times the scale (a power of two): stored exactly as its code
+            fp8 = torchtypes.of(self.cache)
+            raw = torch.tensor(SAFE_CODES, dtype=torch.uint8)[codes].view(fp8)
+            return (raw.float() * scale).to(self.dtype)
+        if self.dtype == torch.float32:
+            return codes.float()  # exact below 2^24
+        return (codes + 0x3F80).to(torch.int16).view(torch.bfloat16)  # normal numbers from 1.0 up, all distinct
+
+    def _decode(self, stored: torch.Tensor) -> torch.Tensor:
+        """The codes ``_encode`` made, read back from a block's storage [Hkv, 2 * bs * D]."""
+        if self.cache != "auto":
+            lookup = torch.full((256,), -1, dtype=torch.int64)
+            lookup[torch.tensor(SAFE_CODES)] = torch.arange(len(SAFE_CODES))
+            return lookup[stored.long()]
+        if self.dtype == torch.float32:
+            return stored.long()
+        return stored.view(torch.int16).long() - 0x3F80
 
     def move_blocks(self, where: torch.Tensor) -> None:
         """Move block b's contents to block ``where[b]`` (a permutation of the block ids)."""
@@ -241,13 +291,11 @@ def our_tokens(engine: Engine, seq: int, n: int) -> tuple[torch.Tensor, torch.Te
     return k, v
 
 
-def same_contents(theirs: VLLMCache, table: torch.Tensor, ours: dict[str, Engine], n: int) -> bool | None:
+def same_contents(theirs: VLLMCache, table: torch.Tensor, ours: dict[str, Engine], n: int) -> bool:
     """Whether every engine's cache holds, bit for bit, what vLLM's holds for the first ``n`` tokens of each
-    sequence (None: vLLM's layout on this machine is not the one read here)."""
+    sequence."""
     for seq in range(table.shape[0]):
         held = theirs.tokens(table[seq].long(), n)
-        if held is None:
-            return None
         for engine in ours.values():
             mine = our_tokens(engine, seq, n)
             if not all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(held, mine, strict=True)):
@@ -319,7 +367,7 @@ def bench_decode(s: Shapes, dtype: str, cache: str, backends: tuple[str, ...], r
         steppers.update({name: contenders.Decoder(engine, q1, k1, v1, ctx - 1) for name, engine in ours.items()})
         first = {name: step().clone() for name, step in steppers.items()}  # position ctx - 1: over ctx keys
         times = rounds(steppers, repeats)
-        rows.append(_row("decode", dtype, cache, layout, times, first, same))
+        rows.append(_row("decode", dtype, cache, layout, theirs.isa, times, first, same))
         for engine in ours.values():  # back to the prefilled context for the next layout
             for i in range(b):
                 engine.kv.truncate(f"s{i}", ctx - 1, tenant="")
@@ -355,7 +403,7 @@ def bench_prefill(s: Shapes, dtype: str, backends: tuple[str, ...], repeats: int
     runs: dict[str, Callable[[], torch.Tensor]] = {"vllm": vllm_prefill}
     runs.update({name: functools.partial(ours, engine) for name, engine in engines.items()})
     first = {name: run().clone() for name, run in runs.items()}
-    return _row("prefill", dtype, "auto", "-", rounds(runs, repeats), first, None)
+    return _row("prefill", dtype, "auto", "-", theirs.isa, rounds(runs, repeats), first, None)
 
 
 def _row(
@@ -363,6 +411,7 @@ def _row(
     dtype: str,
     cache: str,
     layout: str,
+    isa: str,
     times: dict[str, float],
     outputs: dict[str, torch.Tensor],
     same_cache: bool | None,
@@ -374,6 +423,7 @@ def _row(
         "compute": dtype,
         "cache": cache,
         "layout": layout,
+        "isa": isa,  # vLLM's kernel ISA for this row's dtype and cache (its cache layout too)
         "seconds": times,
         "vs_vllm": {name: times[name] / times["vllm"] for name in ours},
         "max_abs_diff": {name: diff for name, (diff, _) in checks.items()},
@@ -390,13 +440,13 @@ def report(result: dict[str, Any]) -> str:
     s = result["shapes"]
     lines = [
         f"vLLM's CPU attention kernel against chunkattn's engine, {result['date']}, {result['machine']}",
-        f"vllm {result['vllm']} (ISA {result['isa']}, split KV {result['split_kv']}), blocks of {s['block_size']}"
+        f"vllm {result['vllm']} (its kernel's ISA per row; split KV {result['split_kv']}), blocks of {s['block_size']}"
         " in both caches; medians, ratios ours / vLLM (below 1: ours faster)",
     ]
     if result["native_unavailable"]:
         lines.append(f"native backend unavailable, torch only: {result['native_unavailable']}")
     header = (
-        f"{'compute':<9} {'cache':<9} {'layout':<10} {'vLLM':>9} {'torch':>9} {'native':>9}"
+        f"{'compute':<9} {'cache':<9} {'layout':<10} {'ISA':<5} {'vLLM':>9} {'torch':>9} {'native':>9}"
         f" {'torch/vLLM':>10} {'native/vLLM':>11}  {'max |ours - vLLM| torch, native (tol)':<38} same cache"
     )
     for kind, title in (
@@ -419,7 +469,8 @@ def report(result: dict[str, Any]) -> str:
             check = f"{errors} ({r['tolerance']:.0e}) {'ok' if r['agree'] else 'DIFFER'}"
             same = {True: "yes", False: "NO", None: "-"}[r["same_cache"]]
             lines.append(
-                f"{r['compute']:<9} {r['cache']:<9} {r['layout']:<10} {_time(t['vllm'])} {_time(t['torch'])}"
+                f"{r['compute']:<9} {r['cache']:<9} {r['layout']:<10} {r['isa']:<5} {_time(t['vllm'])}"
+                f" {_time(t['torch'])}"
                 f" {_time(t['native']) if native else '-':>9} {ratio['torch']:>9.2f}x"
                 f" {(format(ratio['native'], '.2f') + 'x') if native else '-':>11}"
                 f"  {check:<38} {same}"
@@ -467,7 +518,6 @@ def main(argv: list[str] | None = None) -> int:
         "machine": f"{cpu_name()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads,"
         f" torch {torch.__version__}",
         "vllm": vllm.__version__,
-        "isa": _get_attn_isa(torch.float32, shapes.block_size, shapes.head_size, "auto"),
         "split_kv": bool(envs.VLLM_CPU_ATTN_SPLIT_KV),
         "shapes": asdict(shapes),
         "native_unavailable": unavailable,

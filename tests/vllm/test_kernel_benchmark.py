@@ -16,6 +16,14 @@ ROOT = Path(__file__).resolve().parents[2]
 pytest.importorskip("vllm", reason="the vLLM tests run in .venv-vllm: make test-vllm")
 
 
+def isa(compute: str, cache: str) -> str:
+    """The ISA vLLM's CPU attention picks here for a row (32 keys a block, the smoke run's head size 32)."""
+    import torch
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    return str(_get_attn_isa(getattr(torch, compute), 32, 32, cache))
+
+
 def test_kernel_benchmark_smoke_run_agrees_with_vllm_on_every_row(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     paths = [str(ROOT / "server"), *filter(None, [os.environ.get("PYTHONPATH")])]
@@ -45,5 +53,6 @@ def test_kernel_benchmark_smoke_run_agrees_with_vllm_on_every_row(tmp_path: Path
     for r in rows:
         assert set(r["seconds"]) == {"vllm"} | ours, r
         assert r["agree"], r
-        assert r["same_cache"] is not False, r
-    assert (data["isa"] != "vec") or all(r["same_cache"] for r in rows if r["kind"] == "decode")
+        assert r["isa"] == isa(r["compute"], r["cache"]), r  # the ISA the row ran with: bfloat16 on AMX where there is
+        # every decode row's caches compared bit for bit, whatever the ISA's layout (the benchmark learns it)
+        assert r["same_cache"] is (True if r["kind"] == "decode" else None), r
