@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install browser prometheus test test-fast test-vllm lint format serve cluster bench bench-calls bench-gpu bench-vllm bench-vllm-offload demo proto clean fuzz soak
+.PHONY: install browser prometheus test test-fast test-vllm lint format serve cluster bench bench-calls bench-neighbours bench-gpu bench-vllm bench-vllm-offload demo proto clean fuzz soak
 
 $(STAMP): requirements/dev.txt requirements/constraints.txt client/pyproject.toml server/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -73,6 +73,9 @@ bench: install  ## benchmarks/engine.py: ours against the SDPA baselines, on thi
 
 bench-calls: install  ## benchmarks/calls.py: many clients' decode-sized calls against a plain gRPC echo
 	$(BIN)/python benchmarks/calls.py --json docs/bench-calls-$$(date +%F).json $(ARGS)
+
+bench-neighbours: install  ## benchmarks/neighbours.py: one tenant's heaviest allowed requests against another's decodes
+	$(BIN)/python benchmarks/neighbours.py --json docs/bench-neighbours-$$(date +%F).json $(ARGS)
 
 bench-gpu: install  ## benchmarks/gpu.py on a CUDA machine: the triton backend checked, then timed
 	$(BIN)/python benchmarks/gpu.py --json docs/bench-gpu-$$(date +%F).json $(ARGS)

@@ -2,10 +2,12 @@
 
 - ``ChunkAttnClient`` / ``AsyncChunkAttnClient``: the sync and asyncio gRPC clients (same methods).
 - ``ChunkAttnError``: every failure, with its gRPC status code.
-- ``BatchEntry``: one sequence's part of a call; ``BlockRows``: a block-addressed call's rows (the block API).
+- ``BatchEntry``: one sequence's part of a call; ``BlockRows``: a block-addressed call's rows (the block API);
+  ``BlockSpace`` and ``OpenSpace``: an opened block space, and one as ListBlockSpaces reports it.
 - ``reference``: the float64 numpy reference of the semantics; ``codec``: tensors <-> messages.
 """
 
+from chunkattn_client._types import BlockSpace, OpenSpace
 from chunkattn_client.aio import AsyncAttendStream, AsyncChunkAttnClient
 from chunkattn_client.batch import BatchEntry, BlockRows
 from chunkattn_client.client import AttendStream, ChunkAttnClient, ChunkAttnError, LayerInfo, ServerInfo
@@ -17,9 +19,11 @@ __all__ = [
     "AttendStream",
     "BatchEntry",
     "BlockRows",
+    "BlockSpace",
     "ChunkAttnClient",
     "ChunkAttnError",
     "LayerInfo",
+    "OpenSpace",
     "ReferenceModel",
     "ServerInfo",
     "__version__",

@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2
 from chunkattn_client import codec, wire
 from chunkattn_client._errors import ChunkAttnError
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
-from chunkattn_client._types import BlockSpace, KVImport, KVTransfer, ServerInfo, Truncated
+from chunkattn_client._types import BlockSpace, KVImport, KVTransfer, OpenSpace, ServerInfo, Truncated
 from chunkattn_client.batch import BatchEntry, BlockRows
 
 T = TypeVar("T")
@@ -225,8 +225,8 @@ def attend_blocks(layer: int, rows: BlockRows, q: Any, k: Any, v: Any, dtype: st
     return Call("Raw", "Attend", request, decode_attend_response)
 
 
-def open_block_space(num_blocks: int, layer_planes: Sequence[int]) -> Call[BlockSpace]:
-    request = pb.OpenBlockSpaceRequest(num_blocks=num_blocks, layer_planes=list(layer_planes))
+def open_block_space(num_blocks: int, layer_planes: Sequence[int], lease_s: float) -> Call[BlockSpace]:
+    request = pb.OpenBlockSpaceRequest(num_blocks=num_blocks, layer_planes=list(layer_planes), lease_s=lease_s)
     return Call("ChunkAttn", "OpenBlockSpace", request, BlockSpace.from_pb)
 
 
@@ -236,6 +236,22 @@ def close_block_space(space_id: str) -> Call[int]:
 
 def _pool_blocks(r: pb.CloseBlockSpaceResponse) -> int:
     return int(r.pool_blocks)
+
+
+def renew_block_space(space_id: str) -> Call[float]:
+    return Call("ChunkAttn", "RenewBlockSpace", pb.RenewBlockSpaceRequest(space_id=space_id), _lease)
+
+
+def _lease(r: pb.RenewBlockSpaceResponse) -> float:
+    return float(r.lease_s)
+
+
+def list_block_spaces() -> Call[list[OpenSpace]]:
+    return Call("ChunkAttn", "ListBlockSpaces", pb.ListBlockSpacesRequest(), _spaces)
+
+
+def _spaces(r: pb.ListBlockSpacesResponse) -> list[OpenSpace]:
+    return [OpenSpace.from_pb(s) for s in r.spaces]
 
 
 def decode_attend_response(raw: bytes, request_id: int | None = None) -> Output:

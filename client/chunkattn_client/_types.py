@@ -63,6 +63,8 @@ class ServerInfo:
     # The block API: layers' K/V one pool block holds, and the caller's open block spaces (0 from an older server).
     planes_per_block: int = 0
     block_spaces: int = 0
+    # The most query-key pairs one Attend call may compute (0: no bound, or a server older than the field).
+    max_call_work: int = 0
 
     @classmethod
     def from_pb(cls, r: pb.InfoResponse) -> ServerInfo:
@@ -87,6 +89,7 @@ class ServerInfo:
             spec_window=r.spec_window,
             planes_per_block=r.planes_per_block,
             block_spaces=r.block_spaces,
+            max_call_work=r.max_call_work,
         )
 
 
@@ -107,17 +110,37 @@ class Truncated:
 @dataclass(frozen=True)
 class BlockSpace:
     """An open block space (OpenBlockSpace): its id, its blocks (ids 0 .. num_blocks - 1) of block_size
-    tokens, its planes per block, and the server's pool blocks it holds."""
+    tokens, its planes per block, the server's pool blocks it holds, and its lease: seconds it may go unused
+    (no call, no renewal) before the server closes it (0: never)."""
 
     space_id: str
     num_blocks: int
     block_size: int
     num_planes: int
     pool_blocks: int
+    lease_s: float = 0.0
 
     @classmethod
     def from_pb(cls, r: pb.OpenBlockSpaceResponse) -> BlockSpace:
-        return cls(r.space_id, r.num_blocks, r.block_size, r.num_planes, r.pool_blocks)
+        return cls(r.space_id, r.num_blocks, r.block_size, r.num_planes, r.pool_blocks, r.lease_s)
+
+
+@dataclass(frozen=True)
+class OpenSpace:
+    """One of the caller's open block spaces, as ListBlockSpaces reports it: as BlockSpace, plus seconds since
+    its last use (a call or a renewal) and since it opened."""
+
+    space_id: str
+    num_blocks: int
+    num_planes: int
+    pool_blocks: int
+    lease_s: float
+    idle_s: float
+    age_s: float
+
+    @classmethod
+    def from_pb(cls, r: pb.BlockSpaceInfo) -> OpenSpace:
+        return cls(r.space_id, r.num_blocks, r.num_planes, r.pool_blocks, r.lease_s, r.idle_s, r.age_s)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from chunkattn_client._errors import rpc_errors
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_client._requests import AttendOptions, Entries, Output, TransferOptions
 from chunkattn_client._stream import Answer, StreamState, failure
-from chunkattn_client._types import BlockSpace, KVImport, KVTransfer, ServerInfo, Truncated
+from chunkattn_client._types import BlockSpace, KVImport, KVTransfer, OpenSpace, ServerInfo, Truncated
 from chunkattn_client.batch import BlockRows
 
 T = TypeVar("T")
@@ -59,11 +59,19 @@ class AsyncChunkAttnClient(ClientBase):
     async def release(self, seq_ids: Sequence[str], *, missing_ok: bool = False) -> int:
         return await self._unary(calls.release(seq_ids, missing_ok))
 
-    async def open_block_space(self, num_blocks: int, *, layer_planes: Sequence[int] = ()) -> BlockSpace:
-        return await self._unary(calls.open_block_space(num_blocks, layer_planes))
+    async def open_block_space(
+        self, num_blocks: int, *, layer_planes: Sequence[int] = (), lease_s: float = 0.0
+    ) -> BlockSpace:
+        return await self._unary(calls.open_block_space(num_blocks, layer_planes, lease_s))
 
     async def close_block_space(self, space_id: str) -> int:
         return await self._unary(calls.close_block_space(space_id))
+
+    async def renew_block_space(self, space_id: str) -> float:
+        return await self._unary(calls.renew_block_space(space_id))
+
+    async def list_block_spaces(self) -> list[OpenSpace]:
+        return await self._unary(calls.list_block_spaces())
 
     async def attend_blocks(
         self, layer: int, rows: BlockRows, q: Any, k: Any = None, v: Any = None, *, dtype: str | None = None

@@ -46,7 +46,7 @@ from chunkattn_client._requests import (
     transfer_request,
 )
 from chunkattn_client._stream import Answer, StreamState, failure
-from chunkattn_client._types import BlockSpace, KVImport, KVTransfer, LayerInfo, ServerInfo, Truncated
+from chunkattn_client._types import BlockSpace, KVImport, KVTransfer, LayerInfo, OpenSpace, ServerInfo, Truncated
 from chunkattn_client.batch import BlockRows
 
 __all__ = [
@@ -125,14 +125,26 @@ class ChunkAttnClient(ClientBase):
         """Release sequences; returns how many existed."""
         return self._unary(calls.release(seq_ids, missing_ok))
 
-    def open_block_space(self, num_blocks: int, *, layer_planes: Sequence[int] = ()) -> BlockSpace:
+    def open_block_space(
+        self, num_blocks: int, *, layer_planes: Sequence[int] = (), lease_s: float = 0.0
+    ) -> BlockSpace:
         """Open a block space of ``num_blocks`` blocks (the block API; see docs/vllm.md). ``layer_planes``:
-        per layer the plane its K/V takes in a block (empty: one per writing layer)."""
-        return self._unary(calls.open_block_space(num_blocks, layer_planes))
+        per layer the plane its K/V takes in a block (empty: one per writing layer). ``lease_s``: seconds it
+        may go unused before the server closes it (0: the server's --idle-timeout-s); renew it within that
+        (``renew_block_space``). The answer's ``lease_s`` is the lease it got."""
+        return self._unary(calls.open_block_space(num_blocks, layer_planes, lease_s))
 
     def close_block_space(self, space_id: str) -> int:
         """Close a block space; returns the pool blocks it gave back."""
         return self._unary(calls.close_block_space(space_id))
+
+    def renew_block_space(self, space_id: str) -> float:
+        """Mark a block space used now (its lease starts again); returns its lease in seconds (0: none)."""
+        return self._unary(calls.renew_block_space(space_id))
+
+    def list_block_spaces(self) -> list[OpenSpace]:
+        """The caller's tenant's open block spaces, oldest first (one whose id was lost can still be closed)."""
+        return self._unary(calls.list_block_spaces())
 
     def attend_blocks(
         self, layer: int, rows: BlockRows, q: Any, k: Any = None, v: Any = None, *, dtype: str | None = None

@@ -36,6 +36,7 @@ __all__ = [
     "fp8_decode",
     "fp8_round",
     "lookup",
+    "max_abs",
     "of_wire",
     "wire_name",
 ]
@@ -150,6 +151,21 @@ def wire_name(value: int) -> str:
     lookups, for values that must be known."""
     d = BY_WIRE.get(value)
     return f"unknown({value})" if d is None else d.name
+
+
+def max_abs(raw: bytes | memoryview, d: DType) -> float:
+    """The largest |value| of ``d`` in ``raw`` (little-endian; 0 for none; NaN where one is NaN), read from
+    the bits: bfloat16 as the top half of float32, float8 through its code table."""
+    if not len(raw):
+        return 0.0
+    words = np.frombuffer(raw, dtype=d.storage)
+    if d.fp8:
+        values = np.abs(fp8_values(d.name))[words]
+    elif d.name == "bfloat16":
+        values = np.abs((words.astype(np.uint32) << 16).view(np.float32))
+    else:
+        values = np.abs(words)
+    return float(values.max())
 
 
 def all_finite(raw: bytes | memoryview, d: DType) -> bool:

@@ -51,9 +51,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         given = [f"--{f.replace('_', '-')}" for f in SHAPE_FLAGS if getattr(args, f) is not None]
         if given:
             raise ConfigError(f"--hf-config sets the model's shape; drop {', '.join(given)} or drop --hf-config")
-        return EngineConfig(
-            hf_model(args.hf_config), cache_config(args), device=args.device, backend=args.backend, dtype=args.dtype
-        )
+        model = hf_model(args.hf_config)
+        return EngineConfig(model, cache_config(args), args.device, args.backend, args.dtype, args.max_call_work)
     shape = dict(PRESETS[args.preset])
     for key in ("chunk_size", "global_every", "heads", "kv_heads", "head_size"):
         if getattr(args, key) is not None:
@@ -82,7 +81,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             num_kv_heads=shape["kv_heads"],
             head_size=shape["head_size"],
         )
-    return EngineConfig(model, cache_config(args), device=args.device, backend=args.backend, dtype=args.dtype)
+    return EngineConfig(model, cache_config(args), args.device, args.backend, args.dtype, args.max_call_work)
 
 
 def cache_config(args: argparse.Namespace) -> CacheConfig:

@@ -38,6 +38,23 @@ class LayerSpec:
     alibi_slopes: tuple[float, ...] | None = None
 
 
+# Bounds that keep every finite input's attention finite in every backend (they compute scores in float32,
+# largest 2^128): |scale * q.k| stays below 2^SCORE_LOG2, which leaves 2^28 for each path's own intermediate
+# values (a float8 scale folded into q, ALiBi's bias, the order of a sum); a sum of up to 2^31 keys' weighted
+# values stays below it too. No trained model comes near them; an activation that does is a bug upstream.
+SCORE_LOG2 = 100
+V_LIMIT = 2.0**64  # the largest |v| a call may bring
+MAX_SCALE = 2.0**8  # the largest softmax scale a layer may have
+MAX_SLOPE = 2.0**32  # the largest |ALiBi slope|: its bias stays below 2^63 over 2^31 positions
+
+
+def qk_limit(head_size: int, scale: float) -> float:
+    """The largest |q| and |k| a layer of ``head_size`` and softmax ``scale`` takes: the largest power of two B
+    with head_size * B^2 * max(1, scale) <= 2^SCORE_LOG2, so that no score scale * q.k can overflow (2^46,
+    about 7e13, for a head size of 128 and a scale below 1)."""
+    return 2.0 ** math.floor((SCORE_LOG2 - math.log2(head_size * max(1.0, scale))) / 2)
+
+
 @dataclass(frozen=True)
 class KVGroup:
     """Layers that share one block table per sequence (same chunk size), as vLLM's hybrid allocator does.
@@ -73,15 +90,29 @@ class ModelShape:
         for i, spec in enumerate(self.layers):
             self._check_layer(i, spec)
 
+    def scale_of(self, layer: int) -> float:
+        """The softmax scale a layer uses: its own, or 1 / sqrt(head_size)."""
+        return self.layers[layer].scale or 1.0 / math.sqrt(self.head_size)
+
+    def value_limits(self, layer: int) -> tuple[float, float]:
+        """The largest |q| or |k|, and |v|, a layer takes (``qk_limit``, V_LIMIT): larger finite values could
+        overflow its scores or its weighted sums."""
+        return qk_limit(self.head_size, self.scale_of(layer)), V_LIMIT
+
     def _check_layer(self, i: int, spec: LayerSpec) -> None:
         if spec.chunk_size < 0:
             raise ConfigError(f"layer {i}: chunk_size must be >= 0 (0 = global), got {spec.chunk_size}")
-        if spec.scale is not None and not (math.isfinite(spec.scale) and spec.scale > 0):
-            raise ConfigError(f"layer {i}: scale must be a positive finite number, got {spec.scale}")
+        if spec.scale is not None and not 0 < spec.scale <= MAX_SCALE:  # NaN fails too
+            raise ConfigError(f"layer {i}: scale must be a number in (0, {MAX_SCALE:g}], got {spec.scale}")
         if spec.alibi_slopes is not None and len(spec.alibi_slopes) != self.num_heads:
             raise ConfigError(
                 f"layer {i}: alibi_slopes needs one slope per query head ({self.num_heads}),"
                 f" got {len(spec.alibi_slopes)}"
+            )
+        if spec.alibi_slopes is not None and not all(abs(x) <= MAX_SLOPE for x in spec.alibi_slopes):
+            raise ConfigError(
+                f"layer {i}: alibi_slopes must be finite numbers of at most {MAX_SLOPE:g} in magnitude,"
+                f" got {list(spec.alibi_slopes)}"
             )
         src = spec.kv_source
         if src is None:
@@ -175,6 +206,19 @@ class CacheConfig:
         return self.dtype != "auto" and dtypes.BY_NAME[self.dtype].fp8
 
 
+# The most work one Attend call may ask for (--max-call-work; Info's max_call_work; chunkattn_client.work: its
+# query-key pairs, plus 8,192 per piece computed apart): what one call can hold the engine for, while every
+# other tenant's steps wait (docs/results.md, "Neighbours", has what the heaviest such calls cost on the dev
+# machines); a GPU does the same work in milliseconds.
+DEFAULT_CALL_WORK = {"cpu": 1 << 22, "cuda": 1 << 30}
+MAX_CALL_WORK = 1 << 62  # what Info's int64 field holds, with room
+
+
+def default_call_work(device_type: str) -> int:
+    """The default bound on one call's work on a device of this type (a CUDA GPU's, elsewhere)."""
+    return DEFAULT_CALL_WORK.get(device_type, DEFAULT_CALL_WORK["cuda"])
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs.
@@ -184,6 +228,9 @@ class EngineConfig:
         CPU decode kernel; torch where it cannot be built) or "triton".
     dtype: the compute dtype (``dtypes.COMPUTE``): queries, and K/V read from the cache, are converted to
         it; "auto" is bfloat16 on CUDA and float32 on the CPU.
+    max_call_work: the most work one call may ask for (chunkattn_client.work: query-key pairs, and 8,192 per
+        piece computed apart; 0: no bound, as in-process callers have by default; None: ``default_call_work``
+        for the device, as the server has).
     """
 
     model: ModelShape
@@ -191,8 +238,11 @@ class EngineConfig:
     device: str = "auto"
     backend: str = "auto"
     dtype: str = "auto"
+    max_call_work: int | None = 0
 
     def __post_init__(self) -> None:
+        if self.max_call_work is not None and not 0 <= self.max_call_work <= MAX_CALL_WORK:
+            raise ConfigError(f"max_call_work must be 0 (no bound) to {MAX_CALL_WORK} (2^62), got {self.max_call_work}")
         if self.dtype != "auto":
             try:
                 dtypes.lookup(self.dtype, dtypes.COMPUTE, "the compute dtype")

@@ -15,6 +15,7 @@ so that a model runner and the server can be pointed at the same model.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from typing import Any
 
@@ -27,6 +28,7 @@ from chunkattn_server.config import (
     DEFAULT_MAX_OPEN_CALLS,
     DEFAULT_STREAM_IDLE_S,
     DEFAULT_TRANSFER_KEEPALIVE_S,
+    MAX_CALL_WORK,
 )
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -79,6 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_STREAM_IDLE_S,
         help="close a stream whose client sends nothing (or reads nothing) this long, with DEADLINE_EXCEEDED"
         f" (default {DEFAULT_STREAM_IDLE_S:g}; 0: never)",
+    )
+    g.add_argument(
+        "--max-call-work",
+        type=int,
+        help="the most work one Attend call may ask for (the keys each new token sees, plus 8,192 per piece the"
+        " engine computes apart: docs/server.md), beyond which it gets INVALID_ARGUMENT: what one call may hold"
+        " the engine for while others wait (default: 2^22 on the CPU, 2^30 on CUDA; 0: no bound; at most 2^62)",
     )
     b = p.add_argument_group("batching (concurrent clients' Attend calls of one layer share an engine step)")
     b.add_argument(
@@ -266,13 +275,15 @@ def check(args: argparse.Namespace) -> None:
     """Exit with a usage error (status 2) naming the first flag out of range."""
     for flag in ("idle_timeout_s", "grace_s", "drain_delay_s", "max_concurrent_rpcs", "max_message_mib",
                  "kv_import_stall_s", "stream_idle_s", "max_inflight_mib", "max_open_calls",
-                 "max_batch_delay_us"):  # fmt: skip
+                 "max_batch_delay_us", "max_call_work"):  # fmt: skip
         value = getattr(args, flag)
-        if value is not None and not value >= 0:  # NaN too
-            build_parser().error(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
+        if value is not None and not 0 <= value < math.inf:  # NaN too; 0 is "never" where a flag has a never
+            build_parser().error(f"--{flag.replace('_', '-')} must be a finite number >= 0, got {getattr(args, flag)}")
     for flag in ("max_message_mib", "max_batch_tokens"):
         if getattr(args, flag) < 1:
             build_parser().error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.max_call_work is not None and args.max_call_work > MAX_CALL_WORK:
+        build_parser().error(f"--max-call-work must be at most 2^62 ({MAX_CALL_WORK}), got {args.max_call_work}")
     try:
         check_keepalive(args.transfer_keepalive_s)
     except ValueError as e:

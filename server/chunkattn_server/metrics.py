@@ -138,7 +138,9 @@ class Metrics:
             "chunkattn_block_spaces_opened_total", "Block spaces opened by OpenBlockSpace.", registry=r
         )
         self.spaces_evicted = Counter(
-            "chunkattn_block_spaces_evicted_total", "Block spaces closed because they were idle too long.", registry=r
+            "chunkattn_block_spaces_evicted_total",
+            "Block spaces closed because they went unused past their lease (or --idle-timeout-s).",
+            registry=r,
         )
         self.calls = Counter(
             "chunkattn_attend_calls_total",

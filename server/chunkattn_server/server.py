@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import logging
+import math
 import signal
 import socket
 from collections.abc import Callable
@@ -26,6 +28,7 @@ from chunkattn_server import http, reflection
 from chunkattn_server.config import EngineConfig, ServerConfig, check_together
 from chunkattn_server.engine.core import Engine
 from chunkattn_server.engine.scheduler import Scheduler
+from chunkattn_server.engine.types import EngineStats
 from chunkattn_server.errors import ConfigError
 from chunkattn_server.metrics import Metrics
 from chunkattn_server.service.attend import ChunkAttnService
@@ -177,9 +180,7 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
 
     loop.add_signal_handler(signal.SIGHUP, on_sighup)
 
-    evictor = (
-        asyncio.create_task(_evict_idle(worker, metrics, config.idle_timeout_s)) if config.idle_timeout_s else None
-    )
+    evictor = asyncio.create_task(_evict_idle(worker, metrics, config.idle_timeout_s, service.spaces_opened))
 
     await stop.wait()
     log.info("draining: NOT_SERVING, refusing new calls, %.1f s for calls in flight", config.grace_s)
@@ -187,8 +188,7 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     service.drain()
-    if evictor is not None:
-        await _cancel(evictor)
+    await _cancel(evictor)
     try:
         # Load balancers learn of the drain from health checks: until they have, they still send calls here,
         # which the service refuses with UNAVAILABLE (safe to retry elsewhere). Stopping gRPC sooner would
@@ -281,27 +281,45 @@ def _quotas(auth: Authenticator) -> Callable[[Engine], None]:
     return job
 
 
-async def _evict_idle(worker: Scheduler, metrics: Metrics, idle_timeout_s: float) -> None:
-    """Release sequences, and close block spaces, untouched for longer than idle_timeout_s, checking every
-    quarter of it."""
-    period = max(0.05, min(idle_timeout_s / 4, 30.0))
+async def _evict_idle(worker: Scheduler, metrics: Metrics, idle_timeout_s: float, opened: asyncio.Event) -> None:
+    """Release sequences untouched for longer than idle_timeout_s (0: never), checking every quarter of it (at
+    most 30 s); close block spaces unused past their lease (kv/spaces.py) as soon as the earliest can expire.
+    ``opened`` is set when a space opens (a new deadline). No engine job runs while nothing can expire."""
+    loop = asyncio.get_running_loop()  # its clock is time.monotonic, as the spaces' and sequences' last use
+    period = max(0.05, min(idle_timeout_s / 4, 30.0)) if idle_timeout_s else math.inf
+    next_sequences = loop.time() + period
+    next_space = math.inf
     while True:
-        await asyncio.sleep(period)
+        wait = min(next_sequences, next_space) - loop.time()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(opened.wait(), None if wait == math.inf else max(0.05, wait))
+        opened.clear()
+        sequences = loop.time() >= next_sequences
+        if sequences:
+            next_sequences = loop.time() + period
         try:
-            evicted, closed, stats = await worker.run(
-                "evict",
-                lambda e: (e.kv.evict_idle(idle_timeout_s), e.kv.spaces.evict_idle(idle_timeout_s), e.stats()),
-            )
+            sweep = functools.partial(_sweep, idle_timeout_s, sequences)
+            evicted, closed, due, stats = await worker.run("evict", sweep)
         except Exception:  # a failed sweep must not end eviction (or later the shutdown)
-            log.exception("idle eviction failed; trying again in %.1f s", period)
+            log.exception("idle eviction failed; trying again in 1 s")
+            next_space = loop.time() + 1.0
             continue
+        next_space = math.inf if due is None else due
         if evicted or closed:
-            metrics.evicted.inc(len(evicted))
-            metrics.spaces_evicted.inc(len(closed))
+            metrics.evicted.inc(evicted)
+            metrics.spaces_evicted.inc(closed)
             metrics.observe_pool(stats)
             log.info(
-                "released %d idle sequences and closed %d idle block spaces (idle > %.1f s)",
-                len(evicted),
-                len(closed),
+                "released %d sequences idle > %.1f s and closed %d block spaces unused past their lease",
+                evicted,
                 idle_timeout_s,
+                closed,
             )
+
+
+def _sweep(idle_timeout_s: float, sequences: bool, e: Engine) -> tuple[int, int, float | None, EngineStats]:
+    """The evictor's engine job: sequences released (when ``sequences``), spaces closed, the next space's
+    deadline, and the pool after."""
+    evicted = len(e.kv.evict_idle(idle_timeout_s)) if sequences else 0
+    closed = len(e.kv.spaces.expire(idle_timeout_s))
+    return evicted, closed, e.kv.spaces.next_expiry(idle_timeout_s), e.stats()

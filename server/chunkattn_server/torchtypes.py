@@ -8,6 +8,8 @@ rounded to nearest even: what ``dtypes.fp8_round`` computes in numpy, bit for bi
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from chunkattn_client import dtypes
@@ -47,3 +49,16 @@ def load(x: torch.Tensor, scale: float, compute: torch.dtype) -> torch.Tensor:
     if scale != 1.0:
         y.mul_(scale)
     return y if compute == torch.float32 else y.to(compute)
+
+
+def storable(cache: torch.dtype, compute: torch.dtype) -> float:
+    """The largest |k| and |v| a cache of ``cache`` stores and gives back finite in ``compute``: no bound where
+    it holds every compute value (the compute dtype itself, float32, or float8, which saturates over its
+    scales); else the largest power of two both hold (a float16 cache of float32 K/V: 2^15, since 1e5 would be
+    stored as inf; a bfloat16 cache in float16 compute: 2^15, since 65504 would be stored as 65536)."""
+    if cache == compute or cache.itemsize == 1:
+        return math.inf
+    c, x = torch.finfo(cache), torch.finfo(compute)
+    if c.max >= x.max and c.eps <= x.eps:
+        return math.inf
+    return 2.0 ** math.floor(math.log2(min(c.max, x.max)))

@@ -120,6 +120,23 @@ def test_a_prefill_larger_than_a_message_goes_in_several_calls(
     assert max_logit_difference(result, local) <= 1e-4
 
 
+def test_a_prefill_past_the_servers_work_bound_goes_in_calls_within_it(
+    model: Any, prompts: list[list[int]], local: Generation, tmp_path: Path
+) -> None:
+    """Issue 35.4: a server bounds the work of one call (--max-call-work, Info's max_call_work: query-key pairs,
+    and 8,192 per piece computed apart). At 3 pieces' worth, the 60-token prefill (6 pieces on a chunked layer,
+    C = 16; 3 on the global one) goes in several calls per layer, within the bound; decodes pay no piece and go
+    one call each; the tokens are the local model's."""
+    with _server_for(model.config, tmp_path, "--max-call-work", "24576") as s, ChunkAttnClient(s.target) as c:
+        assert c.info().max_call_work == 24576
+        with OffloadSession(c, model, transport="stream") as session:
+            result = session.generate(prompts, NEW, keep_logits=True)
+        assert c.info().active_sequences == 0
+    assert result.calls > LAYERS * 2 + LAYERS * (NEW - 1)
+    assert result.tokens == local.tokens
+    assert max_logit_difference(result, local) <= 1e-4
+
+
 def test_a_verify_forward_and_a_truncate_equal_the_local_model_on_the_kept_tokens(
     model: Any, prompts: list[list[int]], local: Generation, tmp_path: Path
 ) -> None:

@@ -186,9 +186,10 @@ def test_a_killed_replica_fails_only_its_own_sessions() -> None:
 
 def test_sigterm_takes_a_replica_out_of_the_ring_while_its_call_in_flight_finishes() -> None:
     # The demo model (the server's default): a 4,096-token prefill of its global layer (3) computes for
-    # about a second on these CPUs, long enough to be caught in flight.
+    # about a second on these CPUs, long enough to be caught in flight (past the CPU's default work bound:
+    # --max-call-work 0 lifts it).
     with (
-        make_cluster(2, "--num-blocks", "1200", "--grace-s", "30") as c,
+        make_cluster(2, "--num-blocks", "1200", "--grace-s", "30", "--max-call-work", "0") as c,
         ChunkAttnClient(c.target, timeout_s=60) as envoy,
     ):
         (key,) = keys_on(c, 0, envoy, "drain", want=1)

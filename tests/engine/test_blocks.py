@@ -34,6 +34,8 @@ import torch
 
 from chunkattn_client import BatchEntry
 from chunkattn_client.reference import chunked_attention, within_tolerance
+from chunkattn_client.work import PIECE_WORK
+from chunkattn_server import CacheConfig, EngineConfig
 from chunkattn_server.engine.core import Engine
 from chunkattn_server.engine.types import BlockCall
 from chunkattn_server.errors import (
@@ -46,9 +48,10 @@ from chunkattn_server.errors import (
     UnknownLayer,
     UnknownSpace,
 )
+from chunkattn_server.kv import spaces as spaces_module
 from chunkattn_server.kv.records import Quota
 from chunkattn_server.kv.scales import KVScales
-from chunkattn_server.kv.spaces import MAX_SPACES_PER_TENANT, BlockSpace
+from chunkattn_server.kv.spaces import MAX_LEASE_S, MAX_SPACES_PER_TENANT, OPEN_WINDOW_S, BlockSpace
 from tests.helpers.blockspace import KVCacheManager
 from tests.helpers.harness import MODELS, NATIVE, Harness
 
@@ -284,6 +287,18 @@ HOSTILE: dict[str, tuple[int, Callable[[Engine, BlockCall], BlockCall], type[Exc
         InvalidBatch,
         r"seq_lens",
     ),
+    "a decode's slot elsewhere than its table puts it": (
+        2,
+        lambda e, c: _set("slots", 7, int(c.slots[7]) ^ 1)(e, c),  # b's position 3 written over its position 2
+        InvalidBatch,
+        r"slot_mapping\[7\] is \d+; token 7 is key 3 of row 1, which block_table row 1 puts in slot",
+    ),
+    "a prefill token's slot elsewhere": (
+        0,
+        lambda e, c: _set("slots", 2, int(c.slots[5]))(e, c),
+        InvalidBatch,
+        r"slot_mapping\[2\] is \d+; token 2 is key 4 of row 0, which block_table row 0 puts in slot \d+ ",
+    ),
     "KV sharing, negative slot": (1, _set("slots", 4, -1), InvalidBatch, r"slot_mapping\[4\] is negative"),
     "KV sharing, global, negative slot": (3, _set("slots", 0, -3), InvalidBatch, r"slot_mapping\[0\]"),
     "KV sharing given k and v": (1, _with_kv, InvalidTensor, r"without k and v"),
@@ -320,6 +335,63 @@ def test_hostile_calls_raise_naming_the_field_and_change_nothing(case: str) -> N
     (out,) = h.engine.attend_blocks(layer, [good])  # the valid call still works, on an intact cache
     _check(h, layer, NEXT, out, q, k, v)
     assert _same_pages(h.engine, pages) == (h.model.layers[layer].kv_source is not None)  # a write shows
+
+
+def test_two_new_tokens_in_one_slot_are_refused() -> None:
+    """Two rows whose tables put their new keys in one slot: whichever was written last would be the other's
+    key too. Found by review (issue 35.1)."""
+    h = Harness.build(MODELS["mqa"])
+    space = h.engine.open_space(2, [], tenant="t")
+    q, k, v = h.tensors(1, 2)
+    call = BlockCall(
+        space.space_id, q, k, v, np.array([0, 0]), np.array([0, 1, 2]), np.array([1, 1]), np.array([[0], [0]]), "t"
+    )
+    pages = _pages(h.engine)
+    (result,) = h.engine.attend_blocks(1, [call])
+    assert isinstance(result, InvalidBatch), result
+    assert "slot_mapping[1] is 0, the slot of token 0 too" in str(result)
+    assert _same_pages(h.engine, pages)
+
+
+@pytest.mark.parametrize("impl", ["auto", NATIVE])
+def test_another_calls_padding_never_changes_how_a_row_is_computed(impl: str) -> None:
+    """Issue 35.1: whether a one-token row reads its own key from the pages or from its call's k was decided once
+    per step, so another tenant's padding token (slot -1) in the same step changed it. Decided per row now: A's
+    decodes give the same answer alone and merged with B's padded call, which is itself answered over its own k/v."""
+    together, alone = Harness.build(MODELS["gqa"], impl=impl), Harness.build(MODELS["gqa"], impl=impl)
+    entries = [("s", 0, 9)]
+    spaces = [h.engine.open_space(8, [], tenant="a") for h in (together, alone)]
+    b_space = together.engine.open_space(8, [], tenant="b")
+    mgr, b_mgr = KVCacheManager(8, 4, seed=1), KVCacheManager(8, 4, seed=2)
+    mgr.schedule(entries)
+    b_mgr.schedule([("p", 0, 2)])
+    for layer, spec in enumerate(together.model.layers):  # a's prefill, in both engines
+        q, k, v = together.tensors(layer, 9)
+        for h, sp in zip((together, alone), spaces, strict=True):
+            (out,) = h.engine.attend_blocks(layer, [mgr.call(sp.space_id, "a", entries, spec.chunk_size, q, k, v)])
+            if h is together:
+                _check(h, layer, entries, out, q, k, v)  # (the reference records the prefill)
+    decode = [("s", 9, 1)]
+    mgr.schedule(decode)
+    for layer, spec in enumerate(together.model.layers):
+        q, k, v = together.tensors(layer, 1)
+        mine = mgr.call(spaces[0].space_id, "a", decode, spec.chunk_size, q, k, v)
+        qb, kb, vb = together.tensors(layer, 2)
+        theirs = b_mgr.call(b_space.space_id, "b", [("p", 0, 2)], spec.chunk_size, qb, kb, vb)
+        theirs = dataclasses.replace(theirs, slots=np.array([theirs.slots[0], -1]))  # a padding token
+        merged, padded = together.engine.attend_blocks(layer, [mine, theirs])
+        (solo,) = alone.engine.attend_blocks(layer, [dataclasses.replace(mine, space_id=spaces[1].space_id)])
+        assert isinstance(merged, torch.Tensor), merged
+        assert isinstance(solo, torch.Tensor), solo
+        assert torch.allclose(merged, solo, rtol=0, atol=1e-6), float((merged - solo).abs().max())
+        _check(together, layer, decode, merged, q, k, v)
+        assert isinstance(padded, torch.Tensor), padded
+        assert kb is not None
+        assert vb is not None
+        kr, vr = kb.double().numpy(), vb.double().numpy()
+        want = chunked_attention(qb.double().numpy(), kr, vr, [0, 1], chunk_size=0)  # over its own two keys
+        ok, err = within_tolerance(padded.double().numpy(), want, "float32")
+        assert ok, err
 
 
 def test_the_layers_chunk_size_is_not_applied() -> None:
@@ -370,50 +442,61 @@ def test_an_unknown_layer_fails_the_whole_step() -> None:
 
 
 def test_a_space_never_shows_a_released_sequences_bytes() -> None:
-    """Tenant a's sequence fills blocks of a small pool and is released; tenant b's space takes the whole pool:
-    every plane of its blocks is zero, and a row whose older keys were never written attends over zeros."""
+    """Tenant a's sequence fills blocks of a small pool and is released; tenant b's space takes the whole pool.
+    Opening it zeroes nothing (a space of the whole pool is bookkeeping, not a pass over the pages), yet no
+    call ever reads a's bytes: the first call that touches a space block zeroes it in every plane, so a row
+    whose older keys were never written attends over zeros, in this layer and in every other (other planes)."""
     h = Harness.build(MODELS["gqa"], num_blocks=18)  # G = 2; 6 writing layers: 3 pool blocks a space block
     for layer in range(h.model.num_layers):
         q, k, v = h.tensors(layer, 14)
         h.engine.attend(layer, [BatchEntry("s", 0, 14)], q, k, v, tenant="a")
-    dirty = {b for pages in (*h.engine.cache.k, *h.engine.cache.v) for b in range(18) if pages[:, b].any()}
+    pages = (*h.engine.cache.k, *h.engine.cache.v)
+    dirty = {b for p in pages for b in range(18) if p[:, b].any()}
     assert len(dirty) >= 4
     h.engine.kv.release(["s"], tenant="a")
     assert h.engine.pool.num_free == 18
 
     space = h.engine.open_space(6, [], tenant="b")
     assert set(space.pool_blocks()) == set(range(18)) >= dirty
-    for pages in (*h.engine.cache.k, *h.engine.cache.v):
-        assert not pages[:, space.pool_blocks()].any()
+    assert {b for p in pages for b in range(18) if p[:, b].any()} == dirty  # nothing zeroed at open
 
-    # keys 0..5 of the row were never written: it attends over zeros and its own 2 new keys
-    layer = 2  # global, default scale
-    q, k, v = h.tensors(layer, 2)
-    assert k is not None
-    assert v is not None
-    call = BlockCall(
-        space_id=space.space_id,
-        q=q,
-        k=k,
-        v=v,
-        slots=np.array([6, 7], dtype=np.int64),
-        starts=np.array([0, 2], dtype=np.int64),
-        seq_lens=np.array([8], dtype=np.int64),
-        tables=np.array([[0, 1]], dtype=np.int64),
-        tenant="b",
-    )
-    (out,) = h.engine.attend_blocks(layer, [call])
-    assert isinstance(out, torch.Tensor), out
-    zeros = np.zeros((6, *k.shape[1:]))
-    want = chunked_attention(
-        q.double().numpy(),
-        np.concatenate([zeros, k.double().numpy()]),
-        np.concatenate([zeros, v.double().numpy()]),
-        [6, 7],
-        chunk_size=0,
-    )
-    ok, err = within_tolerance(out.double().numpy(), want, "float32")
-    assert ok, err
+    def row(layer: int, written: int) -> None:
+        """One row at the end of space blocks 0 and 1 (keys 0..7), its last ``written`` keys new: the older
+        ones were never written, and must read as zeros."""
+        q, k, v = h.tensors(layer, written)
+        assert k is not None
+        assert v is not None
+        call = BlockCall(
+            space_id=space.space_id,
+            q=q,
+            k=k,
+            v=v,
+            slots=np.arange(8 - written, 8, dtype=np.int64),
+            starts=np.array([0, written], dtype=np.int64),
+            seq_lens=np.array([8], dtype=np.int64),
+            tables=np.array([[0, 1]], dtype=np.int64),
+            tenant="b",
+        )
+        (out,) = h.engine.attend_blocks(layer, [call])
+        assert isinstance(out, torch.Tensor), out
+        zeros = np.zeros((8 - written, *k.shape[1:]))
+        want = chunked_attention(
+            q.double().numpy(),
+            np.concatenate([zeros, k.double().numpy()]),
+            np.concatenate([zeros, v.double().numpy()]),
+            list(range(8 - written, 8)),
+            chunk_size=0,
+        )
+        ok, err = within_tolerance(out.double().numpy(), want, "float32")
+        assert ok, f"layer {layer}: {err}"
+
+    row(2, 2)  # global, default scale: keys 0..5 never written
+    touched = space.blocks[:2].reshape(-1).tolist()
+    for p in pages:  # the two space blocks' pool blocks hold nothing but the row's two new keys, in its plane
+        assert p[:, touched].count_nonzero() <= 2 * h.model.num_kv_heads * h.model.head_size
+    assert {b for p in pages for b in range(18) if p[:, b].any()} - set(touched)  # the rest still untouched
+    row(4, 1)  # another layer, another plane, over the same blocks: a decode over 7 zero keys
+    row(5, 3)
 
 
 def test_negative_slots_are_not_written() -> None:
@@ -546,17 +629,79 @@ def test_idle_spaces_are_evicted_and_used_ones_kept() -> None:
     idle, used = (h.engine.open_space(2, [], tenant=t) for t in ("a", "b"))
     idle.last_used -= 100
     used.last_used -= 100
-    assert h.engine.kv.spaces.evict_idle(50.0, now=time.monotonic() - 200) == []  # none idle that long then
+    assert h.engine.kv.spaces.expire(50.0, now=time.monotonic() - 200) == []  # none idle that long then
     mgr = KVCacheManager(2, 4)
     mgr.schedule([("s", 0, 3)])
     q, k, v = h.tensors(0, 3)
     (out,) = h.engine.attend_blocks(0, [mgr.call(used.space_id, "b", [("s", 0, 3)], 4, q, k, v)])
     assert isinstance(out, torch.Tensor)  # a call marks its space used
-    assert h.engine.kv.spaces.evict_idle(50.0) == [("a", idle.space_id)]
+    assert h.engine.kv.spaces.expire(50.0) == [("a", idle.space_id)]
     assert h.engine.pool.num_free == 20 - 4
     assert h.engine.stats().spaces_by_tenant == {"b": 1}
-    assert h.engine.kv.spaces.evict_idle(50.0, now=time.monotonic() + 100) == [("b", used.space_id)]
+    assert h.engine.kv.spaces.expire(50.0, now=time.monotonic() + 100) == [("b", used.space_id)]
     assert h.engine.pool.num_free == 20
+
+
+def test_a_lease_closes_a_space_its_client_stopped_renewing_whatever_the_idle_timeout() -> None:
+    """A space opened with a lease (vLLM's plugin renews it) is closed once unused that long, also on a server
+    that never evicts idle KV (--idle-timeout-s 0); a renewal or a call starts the lease again; without a lease
+    of its own a space follows the idle timeout, and the shorter of the two wins."""
+    h = Harness.build(MODELS["mqa"], num_blocks=40)
+    spaces = h.engine.kv.spaces
+    t0 = time.monotonic()
+    leased = spaces.open(2, [], tenant="a", lease_s=10.0, now=t0)
+    renewed = spaces.open(2, [], tenant="a", lease_s=10.0, now=t0)
+    plain = spaces.open(2, [], tenant="b", now=t0)
+    long = spaces.open(2, [], tenant="b", lease_s=1000.0, now=t0)
+    assert spaces.expire(0.0, now=t0 + 9) == []
+    spaces.renew(renewed.space_id, tenant="a", now=t0 + 9)
+    with pytest.raises(UnknownSpace):
+        spaces.renew(renewed.space_id, tenant="b")  # not another tenant's to renew
+    assert spaces.expire(0.0, now=t0 + 11) == [("a", leased.space_id)]
+    assert spaces.expire(0.0, now=t0 + 10_000) == [("a", renewed.space_id), ("b", long.space_id)]
+    assert [s.space_id for s in spaces.of("b")] == [plain.space_id]  # no lease, no idle timeout: kept
+    again = spaces.open(2, [], tenant="b", lease_s=1000.0, now=t0 + 10_000)
+    assert spaces.expire(60.0, now=t0 + 10_061) == [("b", plain.space_id), ("b", again.space_id)]  # the shorter
+    assert h.engine.pool.num_free == 40
+    for bad in (-1.0, 0.5, MAX_LEASE_S + 1, float("nan"), float("inf")):
+        with pytest.raises(InvalidArgument, match="lease_s"):
+            spaces.open(2, [], tenant="a", lease_s=bad)
+    assert h.engine.pool.num_free == 40
+
+
+def test_a_tenant_lists_its_own_spaces_only() -> None:
+    h = Harness.build(MODELS["mqa"], num_blocks=40)
+    spaces = h.engine.kv.spaces
+    mine = [h.engine.open_space(n, [], tenant="a") for n in (3, 1)]
+    theirs = h.engine.open_space(2, [], tenant="b")
+    assert [s.space_id for s in spaces.of("a")] == [s.space_id for s in mine]
+    assert [s.space_id for s in spaces.of("b")] == [theirs.space_id]
+    assert spaces.of("c") == []
+    spaces.close(mine[0].space_id, tenant="a")
+    assert [s.space_id for s in spaces.of("a")] == [mine[1].space_id]
+
+
+def test_a_tenant_opens_at_most_the_pools_size_per_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Opening and closing the largest space in a loop costs the engine the pool's bookkeeping each time: a
+    tenant may open the pool's size in pool blocks per OPEN_WINDOW_S (at least OPEN_FLOOR: zero here),
+    refilled continuously; other tenants have their own allowance."""
+    monkeypatch.setattr(spaces_module, "OPEN_FLOOR", 0)
+    h = Harness.build(MODELS["mqa"], num_blocks=40)  # 2 layers, 2 planes: a space block is 2 pool blocks
+    spaces = h.engine.kv.spaces
+    assert spaces.open_allowance == 40
+    t0 = time.monotonic()
+    first = spaces.open(15, [], tenant="a", now=t0)
+    spaces.close(first.space_id, tenant="a")
+    free = h.engine.pool.num_free
+    with pytest.raises(QuotaExceeded, match=r"40 pool blocks per 10 s .* retry in 5\.0 s"):
+        spaces.open(15, [], tenant="a", now=t0)  # 10 left, 30 needed: 20 more blocks at 4 per second
+    assert h.engine.pool.num_free == free
+    assert spaces.by_tenant() == {}
+    spaces.close(spaces.open(5, [], tenant="a", now=t0).space_id, tenant="a")  # what is left may be used
+    spaces.close(spaces.open(20, [], tenant="b", now=t0).space_id, tenant="b")  # another tenant's own allowance
+    with pytest.raises(QuotaExceeded):
+        spaces.open(1, [], tenant="a", now=t0 + 0.1)
+    spaces.open(20, [], tenant="a", now=t0 + OPEN_WINDOW_S)  # full again after a window
 
 
 def test_a_tenant_holds_at_most_its_spaces() -> None:
@@ -594,3 +739,73 @@ def test_a_float8_cache_gives_what_the_sequence_api_gives(scales: KVScales) -> N
             assert isinstance(out, torch.Tensor)
             seq = h.engine.attend(layer, [BatchEntry(*e) for e in entries], q, k, v, tenant="a")
             assert torch.allclose(out, seq, rtol=0, atol=1e-5), float((out - seq).abs().max())
+
+
+# -- the work of one call ------------------------------------------------------------------------------------
+
+
+def test_a_call_past_the_work_bound_is_refused_after_its_own_checks_and_changes_nothing() -> None:
+    """Issue 35.4: rows x keys read through repeated table entries held the engine for seconds. An engine with
+    max_call_work refuses a block call computing more query-key pairs (InvalidBatch naming the count and the
+    bound), after the rows' own checks, so a malformed call is still told what is malformed; within the bound it
+    is served."""
+    model = MODELS["mqa"]
+    engine = Engine(EngineConfig(model, CacheConfig(block_size=4, num_blocks=64), device="cpu", max_call_work=1000))
+    assert engine.max_call_work == 1000
+    assert Engine(EngineConfig(model, CacheConfig(block_size=4, num_blocks=8), device="cpu")).max_call_work == 0
+    assert Engine(
+        EngineConfig(model, CacheConfig(block_size=4, num_blocks=8), device="cpu", max_call_work=None)
+    ).max_call_work == (1 << 22)  # the server's default on the CPU
+    space = engine.open_space(32, [], tenant="t")  # the whole pool: 2 planes a space block
+
+    def rows(n: int, keys: int) -> BlockCall:
+        """n decode rows, each reading keys 0 .. keys - 1 of blocks 0 .. and its own last block (31 - r)."""
+        blocks = -(-keys // 4)
+        table = np.tile(np.arange(blocks), (n, 1))
+        table[:, -1] = 31 - np.arange(n)
+        slots = table[:, -1] * 4 + (keys - 1) % 4
+        g = torch.Generator().manual_seed(n)
+        q = torch.randn(n, model.num_heads, model.head_size, generator=g)
+        kv = torch.randn(n, model.num_kv_heads, model.head_size, generator=g)
+        return BlockCall(space.space_id, q, kv, kv, slots, np.arange(n + 1), np.full(n, keys), table, "t")
+
+    pages = _pages(engine)
+    (refused,) = engine.attend_blocks(1, [rows(16, 64)])  # 16 x 64 = 1,024 pairs
+    assert isinstance(refused, InvalidBatch), refused
+    assert "call's work is 1,024 (the keys each new token sees" in str(refused)
+    assert "at most 1,000 per call (--max-call-work" in str(refused)
+    assert _same_pages(engine, pages)
+    bad = dataclasses.replace(rows(16, 64), seq_lens=np.full(16, 10**6))  # malformed and past the bound
+    (refused,) = engine.attend_blocks(1, [bad])
+    assert "seq_lens[0] needs more blocks" in str(refused)
+    (out,) = engine.attend_blocks(1, [rows(15, 64)])  # 960 pairs
+    assert isinstance(out, torch.Tensor), out
+    two = rows(16, 64)  # row 0 brings keys 62 and 63: a row of 2 new tokens is computed apart, a piece more
+    two = dataclasses.replace(two, starts=np.array([0, *range(2, 17)]), seq_lens=two.seq_lens[:15])
+    two = dataclasses.replace(two, tables=two.tables[:15], slots=np.array([31 * 4 + 2, 31 * 4 + 3, *two.slots[1:15]]))
+    (refused,) = engine.attend_blocks(1, [two])
+    assert f"call's work is {15 * 64 + 63 + PIECE_WORK:,}" in str(refused), refused
+
+
+@pytest.mark.parametrize("cache", [None, "fp8_e4m3"])
+@pytest.mark.parametrize("model", ["gqa", "alibi"])
+@pytest.mark.parametrize("impl", ["auto", "math", "triton", NATIVE])
+def test_a_padded_decode_reads_its_context_from_the_pages_and_its_key_from_its_call(
+    impl: str, model: str, cache: str | None
+) -> None:
+    """A one-token row whose slot is -1 (vLLM's padding) after 9 written keys: its key is not in the pages, so it
+    attends over the 9 there and its own from the call (the native kernel reads the 9 and folds the own key in
+    by log-sum-exp); beside a written decode in the same call, which reads its own key from the pages."""
+    scales = KVScales((0.05,), (0.02,)) if cache else None
+    h = Harness.build(MODELS[model], impl=impl, cache_dtype=cache, kv_scales=scales)
+    space = h.engine.open_space(16, [], tenant="t")
+    mgr = KVCacheManager(16, 4, seed=9)
+    prefill, step = [("a", 0, 9), ("b", 0, 6)], [("a", 9, 1), ("b", 6, 1)]
+    _run_step(h, mgr, space, prefill, tenant="t")
+    mgr.schedule(step)
+    for layer, spec in enumerate(h.model.layers):
+        q, k, v = h.tensors(layer, 2)
+        call = mgr.call(space.space_id, "t", step, spec.chunk_size, q, k, v)
+        call = dataclasses.replace(call, slots=np.array([-1, call.slots[1]]))  # a's decode is padding
+        (out,) = h.engine.attend_blocks(layer, [call])
+        _check(h, layer, step, out, q, k, v)

@@ -24,7 +24,7 @@ def _model(*layers: LayerSpec, heads: int = 4, kv: int = 2, dim: int = 8) -> Mod
         (lambda: _model(LayerSpec(16), dim=0), "head_size must be a positive integer"),
         (lambda: _model(), "at least one layer"),
         (lambda: _model(LayerSpec(-16)), "chunk_size must be >= 0"),
-        (lambda: _model(LayerSpec(16, scale=0.0)), "scale must be a positive finite number"),
+        (lambda: _model(LayerSpec(16, scale=0.0)), r"scale must be a number in \(0, 256\]"),
         (lambda: _model(LayerSpec(16, alibi_slopes=(1.0,))), "one slope per query head \\(4\\)"),
         (lambda: _model(LayerSpec(16, kv_source=0)), "kv_source must be another layer"),
         (lambda: _model(LayerSpec(16), LayerSpec(16, kv_source=5)), "kv_source must be another layer in \\[0, 2\\)"),
@@ -93,6 +93,31 @@ def test_a_keepalive_servers_would_refuse_or_grpc_cannot_take_is_refused_up_fron
     for client in (ChunkAttnClient, AsyncChunkAttnClient):
         with pytest.raises(ValueError, match=re.escape(f"s; got {float(value)!r}")):
             client("127.0.0.1:1", keepalive_s=float(value))
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [(f, v) for f in ("--idle-timeout-s", "--stream-idle-s", "--grace-s") for v in ("-1", "nan", "inf")]
+    + [("--max-call-work", "-1")],  # an integer flag: argparse itself refuses nan and inf
+)
+def test_a_duration_or_limit_that_is_not_a_finite_number_is_refused(
+    flag: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--idle-timeout-s inf was taken and made every space's lease inf, which a client renewing every third of
+    its lease cannot wait for (found by the review of issue 35). 0 says "never" where a flag has a never."""
+    with pytest.raises(SystemExit) as e:
+        check(parse([flag, value]))
+    assert e.value.code == 2
+    assert f"{flag} must be a finite number >= 0" in capsys.readouterr().err
+
+
+def test_a_work_bound_past_what_info_holds_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by the review of issue 35: 2^63 passed the flags and stopped the start with a protobuf traceback."""
+    with pytest.raises(SystemExit) as e:
+        check(parse(["--max-call-work", str(2**63)]))
+    assert e.value.code == 2
+    assert "--max-call-work must be at most 2^62" in capsys.readouterr().err
+    check(parse(["--max-call-work", str(2**62)]))
 
 
 @pytest.mark.parametrize("value", [0.0, 5.0, 86_400.0])

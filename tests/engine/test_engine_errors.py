@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from chunkattn_client import BatchEntry
-from chunkattn_server import Engine
+from chunkattn_client.work import PIECE_WORK
+from chunkattn_server import CacheConfig, Engine, EngineConfig
 from chunkattn_server.errors import (
     EngineError,
     InvalidArgument,
@@ -255,3 +256,28 @@ def test_a_non_finite_value_fails_its_own_call_of_a_merged_step_in_every_dtype(
         assert torch.isfinite(out[1]).all()
         h.engine.kv.release(["good"], tenant="")
         assert snapshot(h.engine) == before
+
+
+def test_a_call_past_the_work_bound_is_refused_and_changes_nothing() -> None:
+    """Issue 35.4: a long global prefill holds the engine while every other call waits. With max_call_work
+    PIECE_WORK + 100, 14 new tokens at 0 on the global layer (1 + 2 + ... + 14 = 105 query-key pairs, one piece)
+    are refused, naming both counts, and nothing changes; 13 (91 pairs) are served. On the chunked layer (C = 4)
+    4 tokens in one chunk are one piece, 5 over two chunks two: past it; decodes pay no piece."""
+    model = MODELS["mqa"]  # layer 0: C = 4, layer 1: global
+    bound = PIECE_WORK + 100
+    config = EngineConfig(model, CacheConfig(block_size=4, num_blocks=64), device="cpu", max_call_work=bound)
+    engine = Engine(config)
+
+    def qkv(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return tuple(torch.randn(n, h, model.head_size) for h in (4, 1, 1))  # type: ignore[return-value]
+
+    before = snapshot(engine)
+    with pytest.raises(InvalidBatch, match=rf"call's work is {PIECE_WORK + 105:,} .* at most {bound:,} per call"):
+        engine.attend(1, [BatchEntry("s", 0, 14)], *qkv(14), tenant="")
+    assert snapshot(engine) == before
+    engine.attend(1, [BatchEntry("s", 0, 13)], *qkv(13), tenant="")
+    engine.attend(0, [BatchEntry("c", 0, 4)], *qkv(4), tenant="")
+    with pytest.raises(InvalidBatch, match=rf"call's work is {2 * PIECE_WORK + 11:,}"):
+        engine.attend(0, [BatchEntry("c", 4, 5)], *qkv(5), tenant="")  # keys 1, 2, 3, 4 | 1
+    for position in range(4, 40):  # decodes: their keys only
+        engine.attend(0, [BatchEntry("c", position, 1)], *qkv(1), tenant="")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from chunkattn_server.errors import (
     SequenceExists,
 )
 from chunkattn_server.kv.manifest import BlockRecord, KVManifest, batches, checksum
+from chunkattn_server.kv.scales import KVScales
 from tests.helpers.harness import MODELS, snapshot
 
 
@@ -266,3 +268,46 @@ def test_release_after_an_export_refuses_a_sequence_that_changed_since() -> None
     assert "s" in src.kv.sequence_ids(tenant="")
     src.transfer.release_exported(src.transfer.export_manifest("s", tenant=""))
     assert src.kv.sequence_ids(tenant="") == []
+
+
+@pytest.mark.parametrize(("which", "value", "bound"), [("k", 1e20, "2^48"), ("v", 3e38, "2^64")])
+def test_a_record_past_the_value_bounds_is_refused_as_attend_would_refuse_it(
+    which: str, value: float, bound: str
+) -> None:
+    """Issue 35.3: Attend refuses q, k and v past the bounds that keep attention finite; an import of K/V past
+    them, finite and intact (its checksum matches), would make the same NaN later, and is refused too."""
+    _, dst, manifest, records = _ready()
+    r = records[3]
+    k, v = np.frombuffer(r.k, np.float32).copy(), np.frombuffer(r.v, np.float32).copy()
+    (k if which == "k" else v)[5] = value
+    bad = dataclasses.replace(
+        r, k=k.tobytes(), v=v.tobytes(), checksum=checksum(r.layer, r.logical, (k.tobytes(), v.tobytes()))
+    )
+    assert bad.intact()
+    session = dst.transfer.begin_import(manifest, tenant="")
+    with pytest.raises(IncompatibleKV, match=rf"holds a {which.upper()} of .* past .* \({re.escape(bound)}\)"):
+        dst.transfer.import_records(session, [*records[:3], bad])
+    dst.transfer.abort_import(session)
+    _unchanged(dst)
+
+
+@pytest.mark.parametrize("cache", ["fp8_e4m3", "fp8_e5m2"])
+def test_kv_written_at_the_bound_moves_to_a_twin_though_float8_rounded_it_up(cache: str) -> None:
+    """Found by the review of issue 35: a k of 2^48 (the bound) over a k_scale of 2^48 / 310 is stored as the
+    float8 number nearest 310, which can read back a little past 2^48; the twin took it for KV past the bound.
+    An import allows the cache's rounding, half a float8 step."""
+    shape = MODELS["gqa"]  # head size 16, scale 0.25: |k| at most 2^48
+    scales = KVScales(k=(2.0**48 / 310,), v=(1.0,))
+
+    def fp8_engine() -> Engine:
+        return Engine(
+            EngineConfig(shape, CacheConfig(block_size=4, num_blocks=64, dtype=cache, scales=scales), device="cpu")
+        )
+
+    src, dst = fp8_engine(), fp8_engine()
+    for layer, spec in enumerate(shape.layers):
+        q = torch.ones(5, shape.num_heads, shape.head_size)
+        k = torch.full((5, shape.num_kv_heads, shape.head_size), 2.0**48) if spec.kv_source is None else None
+        src.attend(layer, [BatchEntry("s", 0, 5)], q, k, None if k is None else torch.ones_like(k), tenant="")
+    move(src, dst, "s")
+    assert dst.kv.sequence_ids(tenant="") == ["s"]

@@ -33,6 +33,7 @@ Covered:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import copy
 import json
@@ -43,6 +44,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -54,6 +56,7 @@ from chunkattn_client import (
     AsyncChunkAttnClient,
     BatchEntry,
     BlockRows,
+    BlockSpace,
     ChunkAttnClient,
     ChunkAttnError,
     ReferenceModel,
@@ -933,7 +936,7 @@ def test_a_vanished_clients_space_is_evicted_when_idle_and_a_used_one_is_not() -
         kept = c.open_block_space(2)
         assert use_kept() <= 1e-5
         assert c.close_block_space(kept.space_id) == kept.pool_blocks
-        assert "idle block spaces" in s.log()
+        assert "block spaces unused past their lease" in s.log()
 
 
 # -- 4. drain ---------------------------------------------------------------------------------------------------
@@ -978,3 +981,202 @@ def test_a_draining_server_refuses_block_calls_with_unavailable_and_exits_cleanl
         c.close()
         assert s.proc.wait(30) == 0, s.log()
         assert "Traceback" not in s.log()
+
+
+# -- issue 35: the third hostile review -------------------------------------------------------------------------
+
+
+def tenants_file(tmp_path: Path, *names: str) -> str:
+    path = tmp_path / "tokens.json"
+    path.write_text(json.dumps({"tenants": {n: {"tokens_sha256": [token_digest(TOKENS[n])]} for n in names}}))
+    path.chmod(0o600)
+    return str(path)
+
+
+def test_35_1_a_rows_slot_must_be_where_its_table_puts_it_and_other_tenants_padding_changes_nothing(
+    tmp_path: Path,
+) -> None:
+    """Issue 35.1, through a real server that waits 0.3 s for calls to merge: tenant a's decode whose slot (20)
+    is not where its table puts its last key (slot 3) is INVALID_ARGUMENT naming both and writes nothing (it was
+    answered from the cache alone and from its own k/v when merged with tenant b's padded call: up to 1.21
+    apart). a's valid decode gives the reference's answer alone and in one step with b's padded call."""
+    rng = np.random.default_rng(351)
+    flags = ("--num-blocks", "128", "--max-batch-delay-us", "300000", "--idle-timeout-s", "0")
+    with (
+        ServerProcess(*SMALL, *flags, "--auth-tokens", tenants_file(tmp_path, "a", "b")) as s,
+        client(s, "a") as a,
+        client(s, "b") as b,
+    ):
+        mine, theirs = a.open_block_space(8), b.open_block_space(8)
+        q, k, v = qkv(rng, 3)
+        a.attend_blocks(GLOBAL, BlockRows(mine.space_id, [0, 1, 2], [0, 3], [3], [[0]]), q, k, v)
+        qd, kd, vd = qkv(rng, 1)
+        free = a.info().free_blocks
+        with pytest.raises(ChunkAttnError) as e:
+            a.attend_blocks(GLOBAL, BlockRows(mine.space_id, [20], [0, 1], [4], [[0]]), qd, kd, vd)
+        assert e.value.code == INVALID, e.value
+        assert "slot_mapping[0] is 20; token 0 is key 3 of row 0, which block_table row 0 puts in slot 3" in str(
+            e.value
+        )
+        assert a.info().free_blocks == free
+        keys, values = np.concatenate([k, kd]), np.concatenate([v, vd])
+        want = chunked_attention(qd, keys, values, [3], chunk_size=0, scale=0.25)
+        decode = BlockRows(mine.space_id, [3], [0, 1], [4], [[0]])
+        close_enough(np.asarray(a.attend_blocks(GLOBAL, decode, qd, kd, vd)), want)  # alone
+        qb, kb, vb = qkv(rng, 2)
+        padded = BlockRows(theirs.space_id, [0, -1], [0, 2], [2], [[0]])
+        before = s.metrics()
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            ours = pool.submit(a.attend_blocks, GLOBAL, decode, qd, kd, vd)
+            time.sleep(0.05)  # inside the first call's 0.3 s wait
+            other = pool.submit(b.attend_blocks, GLOBAL, padded, qb, kb, vb)
+            merged, padded_out = np.asarray(ours.result()), np.asarray(other.result())
+        after = s.metrics()
+        steps = counter(after, "chunkattn_step_calls_count") - counter(before, "chunkattn_step_calls_count")
+        calls = counter(after, "chunkattn_step_calls_sum") - counter(before, "chunkattn_step_calls_sum")
+        assert (steps, calls) == (1, 2), "the two calls did not share a step"
+        close_enough(merged, want)
+        close_enough(padded_out, chunked_attention(qb, kb, vb, [0, 1], chunk_size=0, scale=0.25))
+
+
+def test_35_2_opening_the_whole_pool_in_a_loop_stalls_nobody_and_is_rate_bounded(tmp_path: Path) -> None:
+    """Issue 35.2: OpenBlockSpace zeroed the whole pool on the engine thread (584-652 ms on the demo model) and a
+    client looping open/close moved another's decodes from p99 1.6 ms to 603 ms. Opening zeroes nothing now
+    (each block is zeroed by the first call that touches it), and a tenant may open the pool's size per 10 s:
+    tenant a looping open/close of a space of the whole pool (384 MiB) gets RESOURCE_EXHAUSTED saying when to
+    retry, and tenant b's decodes are never held 100 ms; a's space still reads zeros where b's KV was."""
+    rng = np.random.default_rng(352)
+    flags = ("--num-blocks", str(1 << 17), "--idle-timeout-s", "0")
+    with (
+        ServerProcess(*SMALL, *flags, "--auth-tokens", tenants_file(tmp_path, "a", "b")) as s,
+        client(s, "a") as a,
+        client(s, "b") as b,
+    ):
+        info = b.info()
+        whole = info.num_blocks // (-(-len(CHUNKS) // info.planes_per_block))  # space blocks of the whole pool
+        q, k, v = qkv(rng, 1)
+        b.attend(0, [BatchEntry("victim", 0, 1)], q, k * 100, v * 100)  # b's KV in a block a gets later
+        b.release(["victim"])
+        b.attend(0, [BatchEntry("victim", 0, 1)], q, k, v)
+        position = [1]
+
+        def decode() -> None:
+            b.attend(0, [BatchEntry("victim", position[0], 1)], *qkv(rng, 1))
+            position[0] += 1
+
+        answers: list[str] = []
+
+        def open_or_refused() -> ChunkAttnError | BlockSpace:
+            try:
+                return a.open_block_space(whole - 1)
+            except ChunkAttnError as e:
+                return e
+
+        with Watch(decode, pause_s=0.002) as decodes:
+            deadline = time.monotonic() + 3
+            while time.monotonic() < deadline:
+                space = open_or_refused()
+                if isinstance(space, ChunkAttnError):
+                    assert space.code == EXHAUSTED, space
+                    assert "per 10 s" in space.message, space
+                    assert "retry in" in space.message, space
+                    answers.append("refused")
+                    continue
+                answers.append("opened")
+                # the last space block (0 .. whole - 2) reads zeros, whatever its pool blocks held
+                qa, ka, va = qkv(rng, 1)
+                slot = 4 * (whole - 2) + 3
+                rows = BlockRows(space.space_id, [slot], [0, 1], [4], [[whole - 2]])
+                out = np.asarray(a.attend_blocks(GLOBAL, rows, qa, ka, va))
+                zeros = np.zeros((3, HKV, D), np.float32)
+                close_enough(out, chunked_attention(qa, np.concatenate([zeros, ka]), np.concatenate([zeros, va]),
+                                                    [3], chunk_size=0, scale=0.25))  # fmt: skip
+                a.close_block_space(space.space_id)
+        assert answers[0] == "opened", answers
+        assert "refused" in answers, answers
+        assert answers.count("opened") <= 2, answers  # the pool's size per 10 s
+        assert len(decodes.seconds) > 20
+        print(
+            f"decodes: {len(decodes.seconds)}, worst {decodes.worst * 1000:.1f} ms; a: {answers.count('opened')} opened"
+        )
+        assert decodes.worst < 0.1, f"b's decode waited {decodes.worst * 1000:.0f} ms"
+
+
+LEASED = """
+import sys, time
+import numpy as np
+from chunkattn_client import BlockRows, ChunkAttnClient
+c = ChunkAttnClient(sys.argv[1], token=sys.argv[2], timeout_s=30)
+s = c.open_block_space(3, lease_s=2)
+x, kv = np.ones((1, 4, 16), np.float32), np.ones((1, 2, 16), np.float32)
+c.attend_blocks(0, BlockRows(s.space_id, [0], [0, 1], [1], [[0]]), x, kv, kv)
+print(s.space_id, s.lease_s, flush=True)
+time.sleep(600)
+"""
+
+
+def test_35_5_a_killed_engines_space_ends_with_its_lease_and_a_tenant_lists_and_closes_its_own(
+    tmp_path: Path,
+) -> None:
+    """Issue 35.5: with --idle-timeout-s 0 (as docs/vllm.md advised for a server of vLLM's), a space whose engine
+    was killed held its blocks, quota and space slot until the server restarted. A space opened with a lease is
+    closed once unused (no call, no renewal) that long, whatever the idle timeout; one renewed in time stays; a
+    tenant lists its own spaces (never another's) and closes one whose id its client lost."""
+    flags = ("--num-blocks", "256", "--idle-timeout-s", "0")
+    with (
+        ServerProcess(*SMALL, *flags, "--auth-tokens", tenants_file(tmp_path, "a", "b")) as s,
+        client(s, "a") as a,
+        client(s, "b") as b,
+    ):
+        renewed = a.open_block_space(2, lease_s=1.5)
+        assert renewed.lease_s == 1.5
+        lost = a.open_block_space(5)  # no lease: kept for ever here, until closed
+        assert lost.lease_s == 0
+        theirs = b.open_block_space(1)
+        child = subprocess.Popen(
+            [sys.executable, "-c", LEASED, s.target, TOKENS["a"]], stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert child.stdout is not None
+            killed, granted = child.stdout.readline().split()
+            assert float(granted) == 2.0, s.log()
+        finally:
+            child.kill()  # SIGKILL: no CloseBlockSpace, its channel just gone
+            child.wait()
+        listed = {x.space_id: x for x in a.list_block_spaces()}
+        assert set(listed) == {renewed.space_id, lost.space_id, killed}
+        assert theirs.space_id not in listed  # never another tenant's
+        assert (listed[lost.space_id].num_blocks, listed[lost.space_id].lease_s) == (5, 0)
+        assert listed[killed].lease_s == 2
+        assert listed[killed].idle_s < 2
+        assert [x.space_id for x in b.list_block_spaces()] == [theirs.space_id]
+        with pytest.raises(ChunkAttnError) as e:
+            b.renew_block_space(renewed.space_id)  # another tenant's id: as unknown as one never issued
+        assert e.value.code == NOT_FOUND
+        started = time.monotonic()
+        while time.monotonic() - started < 3.5:  # past the killed space's lease, renewing the other
+            assert a.renew_block_space(renewed.space_id) == 1.5
+            time.sleep(0.5)
+        listed = {x.space_id: x for x in a.list_block_spaces()}
+        assert set(listed) == {renewed.space_id, lost.space_id}, s.log()
+        assert gauge(s, "chunkattn_block_spaces_evicted_total") == 1
+        with pytest.raises(ChunkAttnError) as e:
+            a.attend_blocks(0, BlockRows(killed, [0], [0, 1], [1], [[0]]), *qkv(np.random.default_rng(5), 1))
+        assert e.value.code == NOT_FOUND
+        assert "ListBlockSpaces" in e.value.message
+        assert a.close_block_space(lost.space_id) == lost.pool_blocks  # found again by listing
+        wait_for(lambda: [x.space_id for x in a.list_block_spaces()] == [], 5, s.log())  # unrenewed, it goes too
+        assert gauge(s, "chunkattn_kv_blocks_used") == theirs.pool_blocks
+        for bad in (-1.0, 0.5, 86401.0, float("nan"), float("inf")):
+            with pytest.raises(ChunkAttnError) as e:
+                a.open_block_space(1, lease_s=bad)
+            assert e.value.code == INVALID, e.value
+            assert "lease_s" in e.value.message, e.value
+
+
+def test_35_5_a_lease_is_never_longer_than_the_idle_timeout() -> None:
+    with ServerProcess(*SMALL, "--num-blocks", "64", "--idle-timeout-s", "30") as s, ChunkAttnClient(s.target) as c:
+        assert c.open_block_space(1, lease_s=600).lease_s == 30
+        assert c.open_block_space(1, lease_s=5).lease_s == 5
+        assert c.open_block_space(1).lease_s == 30
+        assert [x.lease_s for x in c.list_block_spaces()] == [30, 5, 30]

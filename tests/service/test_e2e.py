@@ -448,7 +448,7 @@ def test_idle_sequences_are_evicted() -> None:
 def test_graceful_shutdown_finishes_the_call_in_flight(sig: signal.Signals) -> None:
     """NOT_SERVING, open streams and new calls refused with UNAVAILABLE, the call in flight answered, exit 0."""
     big = ["--layers", "1", "--global-every", "1", "--heads", "8", "--kv-heads", "8", "--head-size", "64"]
-    flags = [*big, "--num-blocks", "4096", "--grace-s", "8", "--max-message-mib", "32"]
+    flags = [*big, "--num-blocks", "4096", "--grace-s", "8", "--max-message-mib", "32", "--max-call-work", "0"]
     with ServerProcess(*flags) as s, ChunkAttnClient(s.target) as c:
         statuses: list[int] = []
         channel = grpc.insecure_channel(s.target)

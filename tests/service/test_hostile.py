@@ -7,14 +7,14 @@ import concurrent.futures
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
 
-from chunkattn_client import BatchEntry, ChunkAttnClient, ChunkAttnError, codec, wire
+from chunkattn_client import BatchEntry, BlockRows, ChunkAttnClient, ChunkAttnError, codec, wire
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_client.limits import MAX_MESSAGE_CHARS
 from chunkattn_server.config import DEFAULT_MAX_MESSAGE_MIB
@@ -330,7 +330,17 @@ def test_9_idle_streams_hold_nothing_and_are_closed_after_stream_idle_s() -> Non
 def test_10_requests_past_the_byte_budget_are_refused_at_once_naming_the_flag() -> None:
     """A slow prefill holds 15 MiB of the 64 MiB budget; of two 39 MiB requests arriving meanwhile, one is
     admitted and the other refused."""
-    flags = [*SMALL, "--max-message-mib", "64", "--max-inflight-mib", "64", "--num-blocks", "16384"]
+    flags = [
+        *SMALL,
+        "--max-message-mib",
+        "64",
+        "--max-inflight-mib",
+        "64",
+        "--num-blocks",
+        "16384",
+        "--max-call-work",
+        "0",
+    ]
     with ServerProcess(*flags, "--idle-timeout-s", "0") as s, Raw(s.target) as raw:
         slow = attend_bytes([("slow", 0, 30000)], layer=3)  # global causal attention over 30,000 tokens
         big = [attend_bytes([(f"big-{i}", 0, 80000)]) for i in range(2)]
@@ -506,3 +516,104 @@ def test_27_3_and_27_4_scales_that_would_read_back_as_zero_or_inf_stop_the_start
     path.write_text('{"k_scale": 1.0, "v_scale": 2.0}')
     e5m2 = ["--dtype", "float16", "--kv-cache-dtype", "fp8_e5m2", "--kv-scales", str(path)]
     assert "v_scale 2 times float8_e5m2's largest value 57344 is past float16's largest, 65504" in start_fails(*e5m2)
+
+
+# -- issue 35: the third hostile review -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cache", ["float32", "fp8_e4m3"])
+def test_35_3_finite_inputs_never_give_nan_and_values_past_the_bounds_are_refused(cache: str) -> None:
+    """Issue 35.3: q = k = 1e20 gave NaN in every row of a prefill and a decode, q = 3e38 NaN in a decode. Such
+    values are INVALID_ARGUMENT naming the tensor and the bound (2^48 for SMALL's head size 16, |v| 2^64), and
+    values at the bounds, signs chosen for the largest scores, give finite outputs within v's range."""
+    bound, v_bound = 2.0**48, 2.0**64
+    with (
+        ServerProcess(*SMALL, "--num-blocks", "512", "--idle-timeout-s", "0", "--kv-cache-dtype", cache) as s,
+        ChunkAttnClient(s.target) as c,
+    ):
+        for layer in (0, 3):  # chunked and global
+            for entries, value, which, words in (
+                ([BatchEntry(f"p{layer}", 0, 12)], 1e20, (0, 1), "q row 11 (sequence 'p"),
+                ([BatchEntry(f"d{layer}", 0, 1)], 3e38, (0,), "q row 0"),
+                ([BatchEntry(f"v{layer}", 0, 3)], 3e38, (2,), "v row 2"),
+            ):
+                n = entries[0].num_tokens
+                tensors = [np.ones((n, h, D), np.float32) for h in (H, HKV, HKV)]
+                for w in which:
+                    tensors[w][-1] = value
+                with pytest.raises(ChunkAttnError) as e:
+                    c.attend(layer, entries, *tensors)
+                assert e.value.code == INVALID, e.value
+                assert words in e.value.message, e.value
+                assert "(2^48)" in e.value.message or "(2^64)" in e.value.message, e.value
+                assert "Nothing was written" in e.value.message
+            assert c.info().active_sequences == (1 if layer else 0)  # b0 below, and none of the refused
+            # at the bounds: prefill then decodes, every output finite and within v's range
+            for position, n in ((0, 9), (9, 1), (10, 1)):
+                q = np.full((n, H, D), bound, np.float32)
+                k = np.full((n, HKV, D), bound, np.float32)
+                k[:, :, 1::2] = -bound
+                v = np.full((n, HKV, D), v_bound, np.float32)
+                out = np.asarray(c.attend(layer, [BatchEntry(f"b{layer}", position, n)], q, k, v))
+                assert np.isfinite(out).all(), (layer, position)
+                assert np.abs(out).max() <= v_bound * 1.01
+
+
+@pytest.fixture(scope="module")
+def bounded() -> Iterator[ServerProcess]:
+    """A server whose calls may ask for at most 50,000 work (query-key pairs, and 8,192 per piece apart)."""
+    with ServerProcess(*SMALL, "--num-blocks", "4096", "--idle-timeout-s", "0", "--max-call-work", "50000") as s:
+        yield s
+
+
+def test_35_4_a_call_past_the_work_bound_is_refused_naming_it_and_stalls_nobody(bounded: ServerProcess) -> None:
+    """Issue 35.4: one 5 MB block request (256 decode rows x 65,536 keys) held the engine 10.8 s, and a long global
+    prefill could do the same. A call asking for more work than --max-call-work (its query-key pairs, and 8,192
+    for each piece the engine computes apart) is INVALID_ARGUMENT naming both, and writes nothing; the same work
+    in calls within the bound is served; another client's decodes go on meanwhile."""
+    piece = 8192
+    with ChunkAttnClient(bounded.target) as c, ChunkAttnClient(bounded.target) as other:
+        assert c.info().max_call_work == 50_000
+        rng = np.random.default_rng(35)
+
+        def qkv(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            return tuple(rng.standard_normal((n, h, D), np.float32) for h in (H, HKV, HKV))  # type: ignore[return-value]
+
+        def refused_for(work: int, call: Callable[[], object]) -> None:
+            with pytest.raises(ChunkAttnError) as e:
+                call()
+            assert e.value.code == INVALID, e.value
+            assert f"the call's work is {work:,} (the keys each new token sees" in e.value.message, e.value
+            assert "at most 50,000 per call (--max-call-work" in e.value.message, e.value
+
+        other.attend(0, [BatchEntry("victim", 0, 1)], *qkv(1))
+        step = [1]
+
+        def decode() -> None:
+            other.attend(0, [BatchEntry("victim", step[0], 1)], *qkv(1))
+            step[0] += 1
+
+        with Watch(decode) as decodes:
+            # the global layer: 400 tokens see 1 + 2 + ... + 400 = 80,200 keys, in one piece
+            refused_for(80_200 + piece, lambda: c.attend(3, [BatchEntry("long", 0, 400)], *qkv(400)))
+            for first in range(0, 400, 100):  # in four calls: the last asks for 35,050 + 8,192
+                c.attend(3, [BatchEntry("long", first, 100)], *qkv(100))
+            # a chunked layer (C = 16): 400 tokens see at most 16 keys each (3,400), in 25 pieces
+            refused_for(3_400 + 25 * piece, lambda: c.attend(0, [BatchEntry("long", 0, 400)], *qkv(400)))
+            for first in range(0, 400, 80):  # 5 chunks a call
+                c.attend(0, [BatchEntry("long", first, 80)], *qkv(80))
+            # block rows: 200 decodes over 256 keys (63 blocks shared, the last each row's own): 51,200 pairs
+            space = c.open_block_space(300)
+            tables = np.concatenate([np.tile(np.arange(63), (200, 1)), 63 + np.arange(200)[:, None]], axis=1)
+            slots = (63 + np.arange(200)) * 4 + 3
+
+            def rows(n: int, padding: int = 0) -> BlockRows:
+                written = np.where(np.arange(n) < padding, -1, slots[:n])
+                return BlockRows(space.space_id, written, np.arange(n + 1), np.full(n, 256), tables[:n])
+
+            refused_for(51_200, lambda: c.attend_blocks(3, rows(200), *qkv(200)))
+            c.attend_blocks(3, rows(100), *qkv(100))
+            c.attend_blocks(3, rows(100, padding=50), *qkv(100))  # padding decodes: their keys, as written ones
+            refused_for(51_200, lambda: c.attend_blocks(3, rows(200, padding=100), *qkv(200)))
+        assert len(decodes.seconds) > 2
+        assert decodes.worst < 0.5, f"decode: worst {decodes.worst * 1000:.0f} ms"

@@ -251,7 +251,9 @@ class OffloadSession:
         per_token = (heads + 2 * key.shape[1]) * dim * query.element_size()
         limit = min(self.info.max_message_bytes, self.client.max_message_bytes) - MESSAGE_HEADROOM
         result = query.new_zeros((batch, width, heads, dim))
-        for pieces in split_calls(lengths, max(1, limit // per_token)):
+        starts = [held[layer] for held in self._lengths]
+        chunk, bound = self.info.layers[layer].chunk_size, self.info.max_call_work
+        for pieces in split_calls(lengths, max(1, limit // per_token), starts, chunk, bound):
             entries = [BatchEntry(self._ids[r], self._lengths[r][layer], n) for r, _, n in pieces]
 
             def packed(t: torch.Tensor, pieces: list[tuple[int, int, int]] = pieces) -> torch.Tensor:

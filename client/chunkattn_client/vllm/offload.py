@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
+import threading
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -18,13 +20,18 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 import torch
 
-from chunkattn_client import dtypes
+from chunkattn_client import dtypes, work
 from chunkattn_client._torch import to_torch
+from chunkattn_client._types import BlockSpace
 from chunkattn_client.batch import BlockRows
 from chunkattn_client.client import AttendStream, ChunkAttnClient, ChunkAttnError, ServerInfo
 
 Transport = Literal["stream", "unary"]
 DEFAULT_TIMEOUT_S = 60.0
+DEFAULT_LEASE_S = 30.0
+MIN_LEASE_S, MAX_LEASE_S = 1.0, 86400.0  # the server's bounds (OpenBlockSpaceRequest.lease_s)
+
+log = logging.getLogger("chunkattn_client.vllm")
 
 
 class OffloadError(RuntimeError):
@@ -46,6 +53,8 @@ class PluginConfig:
                               space and calls stay on one replica)
     CHUNKATTN_VLLM_PROFILE    a file: the worker writes where its layer calls' time went there (JSON) when it
                               closes (benchmarks/vllm_offload.py reads it)
+    CHUNKATTN_VLLM_LEASE_S    the space's lease (default 30): the worker renews it every third of that, so a
+                              worker killed without closing its space leaves it on the server that long at most
     """
 
     target: str
@@ -57,6 +66,7 @@ class PluginConfig:
     transport: Transport = "stream"
     route: str = ""
     profile: str | None = None
+    lease_s: float = DEFAULT_LEASE_S
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> PluginConfig | None:
@@ -68,14 +78,8 @@ class PluginConfig:
         transport = env.get("CHUNKATTN_VLLM_TRANSPORT", "stream")
         if transport not in ("stream", "unary"):
             raise OffloadError(f"CHUNKATTN_VLLM_TRANSPORT must be stream or unary, got {transport!r}")
-        try:
-            timeout_s = float(env.get("CHUNKATTN_VLLM_TIMEOUT_S", DEFAULT_TIMEOUT_S))
-        except ValueError:
-            raise OffloadError(
-                f"CHUNKATTN_VLLM_TIMEOUT_S must be a number, got {env['CHUNKATTN_VLLM_TIMEOUT_S']!r}"
-            ) from None
-        if not timeout_s > 0:
-            raise OffloadError(f"CHUNKATTN_VLLM_TIMEOUT_S must be > 0, got {timeout_s}")
+        timeout_s = _seconds(env, "CHUNKATTN_VLLM_TIMEOUT_S", DEFAULT_TIMEOUT_S, 0.0, math.inf)
+        lease_s = _seconds(env, "CHUNKATTN_VLLM_LEASE_S", DEFAULT_LEASE_S, MIN_LEASE_S, MAX_LEASE_S)
         return cls(
             target=target,
             token=env.get("CHUNKATTN_VLLM_TOKEN") or None,
@@ -86,7 +90,24 @@ class PluginConfig:
             transport="unary" if transport == "unary" else "stream",
             route=env.get("CHUNKATTN_VLLM_ROUTE") or f"vllm-{uuid.uuid4().hex[:16]}",
             profile=env.get("CHUNKATTN_VLLM_PROFILE") or None,
+            lease_s=lease_s,
         )
+
+
+def _seconds(env: Mapping[str, str], name: str, default: float, low: float, high: float) -> float:
+    """A duration variable: ``default`` when unset; OffloadError naming it unless a number in (low, high] for
+    low 0, else [low, high]."""
+    raw = env.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise OffloadError(f"{name} must be a number of seconds, got {raw!r}") from None
+    if not (0 < value <= high if low == 0 else low <= value <= high):  # NaN fails both
+        bounds = "> 0" if low == 0 and high == math.inf else f"{low:g} to {high:g} seconds"
+        raise OffloadError(f"{name} must be {bounds}, got {value}")
+    return value
 
 
 def _read(env: Mapping[str, str], name: str) -> bytes | None:
@@ -165,9 +186,28 @@ def first_difference(info: ServerInfo, layers: Sequence[LayerShape], block_size:
 MESSAGE_HEADROOM = 64 << 10  # a request's bytes beyond its tensors and tables: fields and framing
 
 
-def token_ranges(tokens: int, budget: int) -> list[tuple[int, int]]:
-    """A step's tokens [0, tokens) in consecutive ranges of at most ``budget`` tokens (one call each)."""
-    return [(a, min(tokens, a + budget)) for a in range(0, tokens, budget)] or [(0, 0)]
+def token_ranges(costs: np.ndarray, starts: np.ndarray, budget: int, max_work: int = 0) -> list[tuple[int, int]]:
+    """A step's tokens [0, T) in consecutive ranges (one call each) of at most ``budget`` tokens and, with
+    ``max_work``, at most that much work (the server's Info.max_call_work); ``costs`` [T]: each token's share
+    of the step's work (``work.token_work``), ``starts``: the rows' query_start_loc. A range that starts inside
+    a row counts PIECE_WORK more (that row's rest is a row of its own there). A token that alone costs more than
+    ``max_work`` is a range of its own: the server refuses it, saying why."""
+    tokens = len(costs)
+    if not tokens:
+        return [(0, 0)]
+    total = np.concatenate([[0], np.cumsum(costs, dtype=np.float64)])  # float: no overflow, exact below 2^53
+    row_start = np.zeros(tokens + 1, dtype=bool)
+    row_start[starts] = True
+    ranges, first = [], 0
+    while first < tokens:
+        last = min(tokens, first + budget)
+        if max_work:
+            room = max_work - (0 if row_start[first] else work.PIECE_WORK)
+            fits = int(np.searchsorted(total, total[first] + room, side="right")) - 1
+            last = min(last, max(fits, first + 1))
+        ranges.append((first, last))
+        first = last
+    return ranges
 
 
 class BlockPart(NamedTuple):
@@ -220,6 +260,8 @@ class Offload:
         )
         self._stream: AttendStream | None = None
         self.space_id = ""
+        self._renewer: threading.Thread | None = None
+        self._closing = threading.Event()
         # Where the layer calls' time goes, in seconds: vLLM's metadata to arrays; the calls (request encoding,
         # the round trip, the answer's decoding, the answer into vLLM's output).
         self.profile = {"calls": 0, "tokens": 0, "metadata_s": 0.0, "call_s": 0.0}
@@ -232,7 +274,13 @@ class Offload:
                     " Start it with: chunkattn-server --hf-config <the model's config.json>"
                     f" --block-size {block_size}"
                 )
-            self.space_id = self._open(num_blocks, planes)
+            space = self._open(num_blocks, planes)
+            self.space_id = space.space_id
+            if space.lease_s:
+                self._renewer = threading.Thread(
+                    target=self._renew, args=(space.lease_s / 3,), name="chunkattn-lease", daemon=True
+                )
+                self._renewer.start()
             if config.transport == "stream":
                 self._stream = self.client.stream()
         except ChunkAttnError as e:
@@ -242,12 +290,16 @@ class Offload:
             self.close()
             raise
 
-    def _open(self, num_blocks: int, planes: Sequence[int]) -> str:
+    def _open(self, num_blocks: int, planes: Sequence[int]) -> BlockSpace:
         try:
-            return self.client.open_block_space(num_blocks, layer_planes=planes).space_id
+            return self.client.open_block_space(num_blocks, layer_planes=planes, lease_s=self.config.lease_s)
         except ChunkAttnError as e:
             if e.code.name != "RESOURCE_EXHAUSTED":
                 raise
+            if "retry in" in e.message:  # the tenant's opening rate, not the pool: waiting is the fix
+                raise OffloadError(
+                    f"the chunkattn server at {self.config.target} refused a block space for now: {e.message}"
+                ) from None
             per_block = math.ceil((max(planes) + 1) / max(1, self.info.planes_per_block)) if planes else 1
             raise OffloadError(
                 f"vLLM's KV cache has {num_blocks} blocks of {self.info.block_size} tokens, which take"
@@ -255,6 +307,18 @@ class Offload:
                 f" give them ({e.message}). Give vLLM a smaller KV cache (--kv-cache-memory-bytes, or"
                 " VLLM_CPU_KVCACHE_SPACE on the CPU) or the server a larger pool (--kv-memory-mib)"
             ) from None
+
+    def _renew(self, every_s: float) -> None:
+        """The lease thread: renew the space every ``every_s`` seconds until closed (a failure is logged and
+        tried again: the space's next call says whether it is gone)."""
+        while not self._closing.wait(every_s):
+            try:
+                self.client.renew_block_space(self.space_id)
+            except ChunkAttnError as e:
+                if e.code.name == "NOT_FOUND":  # gone (its lease ran out, or the server restarted): nothing to keep
+                    log.error("chunkattn: block space %s is gone from the server: %s", self.space_id, e.message)
+                    return
+                log.warning("chunkattn: could not renew block space %s: %s", self.space_id, e)
 
     def attend(
         self,
@@ -267,7 +331,8 @@ class Offload:
     ) -> None:
         """One layer's step: vLLM's attention metadata (query_start_loc, seq_lens, block_table, slot_mapping,
         num_actual_tokens) and its q/k/v rows; the answer goes into ``output``'s first rows, in place. A step
-        larger than the server's messages goes in several calls, in token order (``token_ranges``)."""
+        larger than the server's messages, or than the work it takes in one call (Info's max_call_work), goes
+        in several calls, in token order (``token_ranges``)."""
         started = time.perf_counter()
         n = int(metadata.num_actual_tokens)
         if n == 0:
@@ -280,7 +345,8 @@ class Offload:
         tables = metadata.block_table[:rows, :widest].cpu().numpy()
         per_token = (q.shape[1] + (0 if k is None else 2 * k.shape[1])) * q.shape[2] * q.element_size() + 8
         room = self.info.max_message_bytes - MESSAGE_HEADROOM - rows * (4 * widest + 16)
-        ranges = token_ranges(n, max(1, room // per_token))
+        costs = work.token_work(starts, seq_lens)
+        ranges = token_ranges(costs, starts, max(1, room // per_token), self.info.max_call_work)
         prepared = time.perf_counter()
         for first, last in ranges:
             part = block_part(starts, seq_lens, first, last)
@@ -308,6 +374,10 @@ class Offload:
         if self.config.profile and self.profile["calls"]:
             with contextlib.suppress(OSError), open(self.config.profile, "w") as f:
                 json.dump(self.profile, f)
+        self._closing.set()
+        if self._renewer is not None:
+            self._renewer.join()
+            self._renewer = None
         if self._stream is not None:
             self._stream.close()
             self._stream = None

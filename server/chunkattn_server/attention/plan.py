@@ -11,6 +11,7 @@ Worked example (C = 4, see docs/architecture.md): a sequence with 5 tokens that 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 
@@ -45,13 +46,13 @@ def split(
     chunk_size: int,
     block_size: int,
     blocks_of: Callable[[int, int, int], tuple[int, ...]],
-    decodes_cached: bool = True,
+    unwritten: AbstractSet[int] = frozenset(),
 ) -> list[Piece]:
     """Cut each (position, num_tokens) span at chunk boundaries.
 
-    A single-token span (a decode) reads all its keys, its own included, from the cache (unless
-    ``decodes_cached`` is False: its key was not written there); longer spans read the context before their
-    first query from the cache and their new keys from the call's rows.
+    A single-token span (a decode) reads all its keys, its own included, from the cache (unless it is in
+    ``unwritten``: its key was not written there); longer spans read the context before their first query
+    from the cache and their new keys from the call's rows.
     ``blocks_of(entry, first, last)`` returns the physical blocks of that sequence's logical blocks
     first..last-1.
     """
@@ -64,7 +65,8 @@ def split(
             key_start = pos - pos % chunk_size if chunk_size else 0
             stop = min(end, key_start + chunk_size) if chunk_size else end
             # A later piece starts at a chunk boundary (no context); a decode reads its own key too.
-            cache_end = pos + 1 if decodes_cached and pos == position and num_tokens == 1 else pos
+            cached = pos == position and num_tokens == 1 and entry not in unwritten
+            cache_end = pos + 1 if cached else pos
             blocks = blocks_of(entry, key_start // block_size, -(-cache_end // block_size))
             pieces.append(Piece(entry, row + pos - position, stop - pos, pos, key_start, cache_end, blocks))
             pos = stop

@@ -1,11 +1,15 @@
 """The block API's calls on the engine (see kv/spaces.py and the proto's BlockBatch).
 
 A call is checked against its space before anything is written: every row's query range, key count and
-block table entries, every slot, inside the space and within int64 arithmetic. Then its K/V are written at
-its slots (a KV-sharing layer's are read back from its source's writes), and each row is plain causal
-attention of its queries over its keys: the older ones through its block table, its new ones as this call's
-rows. The layer's chunk size is not applied; the caller windows (vLLM's virtual batches give a chunked
-layer's rows one chunk each). The calls of one step that share a plane of the pages run in one backend call.
+block table entries, every slot, inside the space and within int64 arithmetic, and every written slot where
+its row's table puts that token; then its work (chunkattn_client.work) against the engine's bound. Then the
+space blocks it touches that are still stale are zeroed (a space is not zeroed when it opens), its K/V are
+written at its slots (a KV-sharing layer's are read back from its source's writes), and each row is plain
+causal attention of its queries over its keys: the older ones through its block table, its new ones as this
+call's rows; a row with a padding token (not written) reads all its new keys from the call (decided per row,
+so one call's padding never changes how another's rows are computed). The layer's chunk size is not
+applied; the caller windows (vLLM's virtual batches give a chunked layer's rows one chunk each). The calls of
+one step that share a plane of the pages run in one backend call.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from chunkattn_client import work
 from chunkattn_client.limits import MAX_BATCH
 from chunkattn_server.attention.backends import AttentionBatch
 from chunkattn_server.engine import checks
@@ -31,8 +36,8 @@ if TYPE_CHECKING:
 
 @dataclass
 class _Plan:
-    """A checked call: its pages' plane, each space block's pool block for its layer [num_blocks] int64, and
-    per row its new tokens (q_len) and the blocks its keys take."""
+    """A checked call: its pages' plane, each space block's pool block for its layer [num_blocks] int64, per
+    row its new tokens (q_len) and the blocks its keys take, and the space blocks it reads or writes."""
 
     call: BlockCall
     space: BlockSpace
@@ -40,6 +45,7 @@ class _Plan:
     pool: np.ndarray
     q_lens: np.ndarray
     blocks: np.ndarray
+    touched: np.ndarray
 
 
 def check_rows(call: BlockCall, num_blocks: int, block_size: int, *, reads_back: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -91,7 +97,43 @@ def check_rows(call: BlockCall, num_blocks: int, block_size: int, *, reads_back:
             slots < 0,
             "is negative: a KV-sharing layer reads each new token's K/V back at its slot, where its source wrote it",
         )
+    _check_slots(slots, starts, seq_lens, tables, block_size)
     return q_lens, blocks
+
+
+def _check_slots(
+    slots: np.ndarray, starts: np.ndarray, seq_lens: np.ndarray, tables: np.ndarray, block_size: int
+) -> None:
+    """InvalidBatch unless every written token's slot is where its row's block table puts it, and no two share
+    one: a row's new tokens are its last q_len keys, so the key it reads at position p of the row is the one
+    written at ``tables[r, p // block_size] * block_size + p % block_size``. A slot elsewhere would make the
+    row read whatever that position holds instead of this request's k (vLLM's slot_mapping is always this).
+
+    Worked example, block_size 4: a row with seq_len 6, q_len 2 and table [7, 2] has new tokens at positions 4
+    and 5, in block 2 at offsets 0 and 1: slots 8 and 9 (or -1, padding: not written)."""
+    q_lens = np.diff(starts)
+    row = np.repeat(np.arange(len(q_lens)), q_lens)  # [T] each token's row
+    position = seq_lens[row] - (starts[1:][row] - np.arange(len(slots)))  # [T] its key's position in its row
+    where = tables[row, position // block_size] * block_size + position % block_size if len(row) else row
+    wrong = (slots >= 0) & (slots != where)
+    if wrong.any():
+        t = int(np.argmax(wrong))
+        r, p = int(row[t]), int(position[t])
+        raise InvalidBatch(
+            f"slot_mapping[{t}] is {slots[t]}; token {t} is key {p} of row {r}, which block_table row {r} puts in"
+            f" slot {where[t]} (block {tables[r, p // block_size]}, offset {p % block_size}): write each row's new"
+            " tokens where its block table puts them (-1: a padding token, not written)"
+        )
+    written = slots[slots >= 0]
+    if len(np.unique(written)) != len(written):
+        order = np.argsort(slots, kind="stable")
+        ordered = slots[order]
+        dup = np.flatnonzero((ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0))[0]
+        first, again = sorted((int(order[dup]), int(order[dup + 1])))
+        raise InvalidBatch(
+            f"slot_mapping[{again}] is {slots[again]}, the slot of token {first} too: each new token has a slot of"
+            " its own"
+        )
 
 
 def _first(field: str, bad: np.ndarray, problem: str, offset: int = 0) -> None:
@@ -123,8 +165,10 @@ def attend_step(engine: Engine, layer: int, calls: Sequence[BlockCall]) -> list[
             for i, *_ in members:
                 results[i] = e
             continue
+        now = time.monotonic()
         for (i, p, _, _), out in zip(members, outs, strict=True):
             results[i] = out if out.dtype == p.call.q.dtype else out.to(p.call.q.dtype)
+            p.space.last_used = now  # used until the call's end: its lease runs from here
     return results
 
 
@@ -134,8 +178,10 @@ def _plan(engine: Engine, layer: int, call: BlockCall) -> _Plan:
     tokens = int(call.q.shape[0]) if call.q.dim() else 0
     if tokens < 1:
         raise InvalidBatch("q has no tokens; a block batch brings at least one new token")
-    checks.check_tensors(model, layer, spec, (), tokens, call.q, call.k, call.v, engine.dtype)
+    checks.check_tensors(model, layer, spec, (), tokens, call.q, call.k, call.v, engine.dtype, engine.cache_dtype)
     q_lens, blocks = check_rows(call, space.num_blocks, engine.block_size, reads_back=spec.kv_source is not None)
+    if engine.max_call_work:
+        checks.check_work(int(work.token_work(call.starts, call.seq_lens).sum()), engine.max_call_work)
     if call.k is not None and call.v is not None and engine.scales.calibrating(layer):
         engine.check_calibration(engine.on_device(call.k), engine.on_device(call.v))
     if spec.kv_source is not None and engine.scales.calibrating(spec.kv_source):
@@ -145,8 +191,9 @@ def _plan(engine: Engine, layer: int, call: BlockCall) -> _Plan:
         )
     planes = engine.config.group_size
     p = space.layer_planes[layer]
-    space.last_used = time.monotonic()
-    return _Plan(call, space, p % planes, space.blocks[:, p // planes], q_lens, blocks)
+    used = np.arange(call.tables.shape[1]) < blocks[:, None]
+    touched = np.concatenate([call.tables[used], call.slots[call.slots >= 0] // engine.block_size])
+    return _Plan(call, space, p % planes, space.blocks[:, p // planes], q_lens, blocks, touched)
 
 
 def _slots(p: _Plan, bs: int) -> np.ndarray:
@@ -160,6 +207,7 @@ def _store(engine: Engine, layer: int, p: _Plan) -> tuple[torch.Tensor, torch.Te
     """Write the call's K/V at its slots (a KV-sharing layer: read them back there); returns them as the
     cache holds them, in the compute dtype."""
     spec = engine.config.model.spec(layer)
+    engine.cache.zero_blocks(p.space.take_stale(p.touched))  # first touch: no previous owner's bytes show
     slots = _slots(p, engine.block_size)
     call = p.call
     if call.k is None or call.v is None:
@@ -181,15 +229,20 @@ def _compute(
     spec = engine.config.model.spec(layer)
     source = layer if spec.kv_source is None else spec.kv_source
     spans: list[tuple[int, int, int]] = []
-    tables: list[dict[int, int]] = []
+    tables: list[np.ndarray] = []  # per row: its keys' pool blocks, by logical block
     sizes: list[int] = []
     base = 0
+    unwritten: set[int] = set()
     for _, p, _, _ in members:
         starts, seq_lens, table = p.call.starts, p.call.seq_lens, p.call.tables
+        negative = np.concatenate([[0], np.cumsum(p.call.slots < 0)])
+        padded = negative[starts[1:]] > negative[starts[:-1]]  # [R] rows with a token not written
         for r in np.flatnonzero(p.q_lens):
             n = int(p.q_lens[r])
+            if padded[r]:  # some of its new tokens were not written: it reads them from this call's k and v
+                unwritten.add(len(spans))
             spans.append((base + int(starts[r]), int(seq_lens[r]) - n, n))
-            tables.append(dict(enumerate(p.pool[table[r, : p.blocks[r]]].tolist())))
+            tables.append(p.pool[table[r, : p.blocks[r]]])
         sizes.append(int(p.call.q.shape[0]))
         base += sizes[-1]
     one = len(members) == 1
@@ -213,7 +266,7 @@ def _compute(
             alibi_slopes=engine.slopes(layer),
             k_scale=k_scale,
             v_scale=v_scale,
-            decodes_cached=all(bool((p.call.slots >= 0).all()) for _, p, _, _ in members),
+            unwritten=frozenset(unwritten),
         )
         engine.backend.attend(batch, out)
     if one:

@@ -1,7 +1,7 @@
 """A call's own checks, before anything changes: its metadata, its tensors against the model, their values
-(finite, within the compute dtype), its positions against its sequences' state. Each raises the EngineError
-(InvalidBatch, InvalidTensor, UnknownSequence, PositionMismatch) the call fails with, merged into a step with
-others or alone."""
+(finite, within the compute dtype and the value bounds), its positions against its sequences' state, its work
+(chunkattn_client.work) against the engine's bound. Each raises the EngineError (InvalidBatch, InvalidTensor,
+UnknownSequence, PositionMismatch) the call fails with, merged into a step with others or alone."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from chunkattn_client import dtypes
+from chunkattn_client import dtypes, work
 from chunkattn_client.batch import BatchEntry
 from chunkattn_client.limits import MAX_BATCH, MAX_TOKENS, id_problem, quote
 from chunkattn_server import torchtypes
@@ -68,13 +68,21 @@ def check_tensor(name: str, t: object, shape: tuple[int, ...], meaning: str, dty
         raise InvalidTensor(f"{name} has shape {list(t.shape)}; expected {list(shape)} {meaning}")
 
 
-def check_values(name: str, t: torch.Tensor, entries: Sequence[BatchEntry], compute: torch.dtype) -> None:
+def check_values(
+    name: str,
+    t: torch.Tensor,
+    entries: Sequence[BatchEntry],
+    compute: torch.dtype,
+    limit: float = math.inf,
+    why: str = "",
+) -> None:
     """InvalidTensor naming the first row (its sequence and position) of ``t`` ([T, heads, head_size]) that
-    holds a NaN, an infinity, or a value past the largest of the ``compute`` dtype (where it is narrower than
-    ``t``'s it would become one). Attention over such a row gives no meaningful output (a NaN key or value
-    poisons every later query of its chunk), so it is refused before anything is written."""
+    holds a NaN, an infinity, a value past the largest of the ``compute`` dtype (where it is narrower than
+    ``t``'s it would become one), or one past ``limit`` in magnitude, ``why`` saying why such values are
+    refused. Attention over such a row gives no meaningful output (a NaN key or value poisons every later
+    query of its chunk), so it is refused before anything is written."""
     dtype = torchtypes.OF_TORCH[compute]
-    largest = dtype.max
+    largest = min(dtype.max, limit)
     low, high = torch.aminmax(t)  # one pass; NaN propagates, and fails both comparisons
     if -largest <= low.item() and high.item() <= largest:  # Python floats: comparing tensors costs 3x as much
         return
@@ -87,10 +95,15 @@ def check_values(name: str, t: torch.Tensor, entries: Sequence[BatchEntry], comp
             where = f" (sequence {quote(e.seq_id)} at position {e.position + row - start})"
             break
         start += e.num_tokens
-    what = f"{value}" if not math.isfinite(value) else f"{value:g}, past {dtype.name}'s largest value {largest:g}"
+    if not math.isfinite(value):
+        what = f"{value}"
+    elif abs(value) > dtype.max:
+        what = f"{value:g}, past {dtype.name}'s largest value {dtype.max:g}"
+    else:
+        what = f"{value:g}, past {limit:g} (2^{int(math.log2(limit))}), the largest |{name}| {why}"
     raise InvalidTensor(
-        f"{name} row {row}{where} holds {what}; q, k and v must be finite numbers that the server's compute"
-        f" dtype ({dtype.name}) can hold. Nothing was written"
+        f"{name} row {row}{where} holds {what}; q, k and v must be finite numbers within the bounds the server"
+        f" documents (server.md, limits) that its compute dtype ({dtype.name}) can hold. Nothing was written"
     )
 
 
@@ -104,25 +117,45 @@ def check_tensors(
     k: torch.Tensor | None,
     v: torch.Tensor | None,
     compute: torch.dtype,
+    cache: torch.dtype,
 ) -> None:
     """The call's tensors against the model (shapes, dtypes, presence) and their values (``check_values``:
-    finite, within the ``compute`` dtype)."""
+    finite, within the ``compute`` dtype, the layer's value limits (config.ModelShape.value_limits: larger
+    finite values could overflow attention's float32 scores or sums) and, for k and v, what the ``cache``
+    dtype stores (``storable``))."""
     check_tensor("q", q, (total, model.num_heads, model.head_size), "[tokens, num_heads, head_size]", None)
+    qk, v_limit = model.value_limits(layer)
+    overflow = "this layer takes (larger values could overflow attention's scores or sums)"
     if spec.kv_source is not None:
         if k is not None or v is not None:
             raise InvalidTensor(
                 f"layer {layer} reads layer {spec.kv_source}'s KV cache (KV sharing) and writes none:"
                 " send q only, without k and v"
             )
-        check_values("q", q, entries, compute)
+        check_values("q", q, entries, compute, qk, overflow)
         return
     if k is None or v is None:
         raise InvalidTensor(f"layer {layer} writes its own KV cache: k and v are required")
     shape = (total, model.num_kv_heads, model.head_size)
     check_tensor("k", k, shape, "[tokens, num_kv_heads, head_size]", q.dtype)
     check_tensor("v", v, shape, "[tokens, num_kv_heads, head_size]", q.dtype)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        check_values(name, t, entries, compute)
+    check_values("q", q, entries, compute, qk, overflow)
+    held = torchtypes.storable(cache, compute)
+    kept = f"the server's {torchtypes.OF_TORCH[cache].name} KV cache holds and gives back finite"
+    for name, t, limit in (("k", k, qk), ("v", v, v_limit)):
+        check_values(name, t, entries, compute, min(limit, held), overflow if limit <= held else kept)
+
+
+def check_work(done: int, limit: int) -> None:
+    """InvalidBatch when the call asks for more than ``limit`` work (chunkattn_client.work: query-key pairs,
+    and PIECE_WORK per piece computed apart): EngineConfig.max_call_work, the server's --max-call-work."""
+    if done > limit:
+        raise InvalidBatch(
+            f"the call's work is {done:,} (the keys each new token sees, plus {work.PIECE_WORK:,} for each piece"
+            f" computed apart); this server takes at most {limit:,} per call (--max-call-work, Info's"
+            " max_call_work), so that no call holds the engine long while others wait: send fewer tokens or rows"
+            " per call"
+        )
 
 
 def check_positions(

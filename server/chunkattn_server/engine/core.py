@@ -17,7 +17,6 @@ The engine is not thread-safe: exactly one worker calls it (the scheduler's thre
 
 from __future__ import annotations
 
-import math
 import time
 import warnings
 from collections.abc import Sequence
@@ -25,11 +24,11 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from chunkattn_client import dtypes
+from chunkattn_client import dtypes, work
 from chunkattn_client.batch import BatchEntry
 from chunkattn_server import torchtypes
 from chunkattn_server.attention.backends import AttentionBatch, Backend
-from chunkattn_server.config import EngineConfig, LayerSpec
+from chunkattn_server.config import EngineConfig, LayerSpec, default_call_work
 from chunkattn_server.engine import blocks, checks
 from chunkattn_server.engine.device import make_backend, resolve_device
 from chunkattn_server.engine.entries import Entries
@@ -98,9 +97,13 @@ class Engine:
             self.kv.group_of[i].layers.index(i if spec.kv_source is None else spec.kv_source)
             for i, spec in enumerate(model.layers)
         ]
-        self.transfer = KVExchange(self.kv, self.cache, self._plane_of, self.fingerprint(), self.scales)
+        held = torchtypes.storable(self.cache_dtype, self.dtype)
+        self.transfer = KVExchange(self.kv, self.cache, self._plane_of, self.fingerprint(), self.scales, held)
         self._on_cpu = self.device.type == "cpu"
-        self._scales = [spec.scale or 1.0 / math.sqrt(model.head_size) for spec in model.layers]
+        # The most work one call may ask for (chunkattn_client.work; 0: any): what it may hold the device for.
+        limit = config.max_call_work
+        self.max_call_work = default_call_work(self.device.type) if limit is None else limit
+        self._scales = [model.scale_of(i) for i in range(model.num_layers)]
         self._slopes = [
             None
             if spec.alibi_slopes is None
@@ -160,15 +163,11 @@ class Engine:
         with torch.no_grad():
             return blocks.attend_step(self, layer, calls)
 
-    def open_space(self, num_blocks: int, planes: Sequence[int], *, tenant: str) -> BlockSpace:
-        """A new block space of ``tenant`` (kv/spaces.py), its blocks zeroed: no previous owner's K/V shows."""
-        space = self.kv.spaces.open(num_blocks, planes, tenant=tenant)
-        try:
-            self.cache.zero_blocks(space.pool_blocks())
-        except BaseException:
-            self.kv.spaces.close(space.space_id, tenant=tenant)
-            raise
-        return space
+    def open_space(self, num_blocks: int, planes: Sequence[int], *, tenant: str, lease_s: float = 0.0) -> BlockSpace:
+        """A new block space of ``tenant`` (kv/spaces.py). Its blocks are not zeroed now: each is zeroed by the
+        first call that touches it (engine/blocks.py), so no previous owner's K/V ever shows and opening costs
+        no more than the pool's bookkeeping."""
+        return self.kv.spaces.open(num_blocks, planes, tenant=tenant, lease_s=lease_s)
 
     def _attend_step(self, layer: int, calls: Sequence[AttendCall]) -> list[torch.Tensor | Exception | Retry]:
         results: list[torch.Tensor | Exception | Retry] = [Retry()] * len(calls)
@@ -218,11 +217,16 @@ class Engine:
         # Entries were checked where they were built (the service's parser): only a plain list is checked here.
         entries = call.entries
         total = sum(e.num_tokens for e in entries) if isinstance(entries, Entries) else checks.check_entries(entries)
-        checks.check_tensors(self.config.model, layer, spec, call.entries, total, call.q, call.k, call.v, self.dtype)
+        checks.check_tensors(
+            self.config.model, layer, spec, call.entries, total, call.q, call.k, call.v, self.dtype, self.cache_dtype
+        )
         if call.k is not None and call.v is not None and self.scales.calibrating(layer):
             self.check_calibration(self.on_device(call.k), self.on_device(call.v))
         states = [self.kv.get(e.seq_id, tenant=call.tenant) for e in call.entries]
         checks.check_positions(layer, spec, call.entries, states)
+        if self.max_call_work:
+            done = sum(work.entry_work(e.position, e.num_tokens, spec.chunk_size) for e in call.entries)
+            checks.check_work(done, self.max_call_work)
         return states, self.kv.plan_writes(layer, spec, call.entries, states)
 
     def _compute_step(

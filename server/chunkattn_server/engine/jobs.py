@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from chunkattn_client import work as work_of
 from chunkattn_server.config import ModelShape
 from chunkattn_server.engine.core import Engine
 from chunkattn_server.engine.entries import Entries
@@ -96,8 +97,8 @@ Result = tuple[Job, bool, Any]  # a job, whether it succeeded, and its result or
 
 
 def work(model: ModelShape, step: list[Job]) -> float:
-    """The step's attention work: query-key pairs (at most, per entry) x heads x head size; a control job
-    counts as large (exports and imports copy whole blocks)."""
+    """The step's attention work: query-key pairs (exactly, per entry; at most, per block row) x heads x head
+    size; a control job counts as large (exports and imports copy whole blocks)."""
     first = step[0]
     if not isinstance(first, LayerCall):
         return float("inf")
@@ -112,9 +113,7 @@ def work(model: ModelShape, step: list[Job]) -> float:
             pairs += float(np.dot(q_lens, np.maximum(seq_lens, 0).astype(np.float64)))
             continue
         assert isinstance(job, Attend)  # a step of calls holds nothing else (step_queue.py)
-        for e in job.entries:
-            p, n = e.position, e.num_tokens
-            pairs += n * (p + n - (p - p % c if c else 0))
+        pairs += sum(work_of.scores(e.position, e.num_tokens, c) for e in job.entries)
     return float(pairs * model.num_heads * model.head_size)
 
 

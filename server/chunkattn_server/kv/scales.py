@@ -33,6 +33,9 @@ if TYPE_CHECKING:
 
 FLOAT32_TINY = 2.0**-126  # float32's smallest normal number
 
+# The largest float8 scale: 448 * 2^48 is past every |k| and |v| Attend takes (config.ModelShape.value_limits),
+# and the native kernel folds the scale into the query, whose product with it must stay far from float32's max.
+MAX_SCALE = 2.0**48
 # vLLM's K_SCALE_CONSTANT and V_SCALE_CONSTANT: a calibrated layer's largest |k| is stored as 200 (of
 # e4m3's 448), leaving room for larger values later.
 K_RANGE = 200.0
@@ -182,12 +185,13 @@ class ScaleRange:
 
     @property
     def largest(self) -> float:
-        """compute.max / cache.max rounded down to float32 (inf when the compute dtype is not known)."""
+        """compute.max / cache.max rounded down to float32 (inf when the compute dtype is not known), and at
+        most MAX_SCALE."""
         if self.compute is None:
             return math.inf
         top = self.compute.max / self.cache.max
         rounded = float32(top)
-        return rounded if rounded <= top else _next_float32(rounded, -1)
+        return min(MAX_SCALE, rounded if rounded <= top else _next_float32(rounded, -1))
 
     def problem(self, scale: float, what: str = "the scale") -> str | None:
         """Why ``scale`` cannot be one of this cache's scales, or None when it can."""
@@ -200,6 +204,12 @@ class ScaleRange:
                 f" {self.compute.name}'s smallest normal number, {self.compute.tiny:g}, so every value would read"
                 f" back as 0 or a denormal: at least {_rounded(self.smallest, up=True):g} with {self.compute.name}"
                 " compute"
+            )
+        if scale > MAX_SCALE:
+            return (
+                f"{what} {scale:g} is past {MAX_SCALE:g} (2^48): K/V that large are past the bounds Attend takes"
+                " them within (so that attention cannot overflow; server.md, limits), and a larger scale would"
+                " overflow the native kernel's scaled queries"
             )
         if scale > self.largest:
             return (

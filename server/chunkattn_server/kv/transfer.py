@@ -12,6 +12,7 @@ blocks) and reserves every block; ``import_records`` checks each record (expecte
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
@@ -55,7 +56,8 @@ class KVExchange:
     """Exports and imports of one engine's sequences: ``kv`` holds their state, ``cache`` their pages;
     ``plane_of[layer]`` is the layer's plane (its pages' storage) in its KV group, ``fingerprint`` the engine's model;
     ``scales`` the cache's scale table (the engine's own: an import into a calibrating layer gives it the
-    stream's scales, as its first write would have).
+    stream's scales, as its first write would have); ``held``: the largest |k| and |v| the cache gives back
+    finite in the compute dtype (torchtypes.storable).
 
     Runs on the engine's thread, like everything that touches the KV."""
 
@@ -66,6 +68,7 @@ class KVExchange:
         plane_of: Sequence[int],
         fingerprint: ModelFingerprint,
         scales: KVScaleTable,
+        held: float = math.inf,
     ) -> None:
         self._kv = kv
         self._cache = cache
@@ -73,6 +76,7 @@ class KVExchange:
         self._model = kv.config.model
         self.fingerprint = fingerprint
         self._scales = scales
+        self._held = held  # the largest |k|, |v| the cache gives back finite in the compute dtype
 
     def export_manifest(self, seq_id: str, layers: Sequence[int] | None = None, *, tenant: str) -> KVManifest:
         """What an export of ``tenant``'s ``seq_id`` (every layer, or ``layers``) sends. Raises UnknownSequence,
@@ -282,9 +286,26 @@ class KVExchange:
                     f"record (layer {r.layer}, block {r.logical}) holds a NaN or an infinity: this server's KV is"
                     " finite (as Attend refuses such q/k/v, an import does)"
                 )
+            self._check_bounds(r, session.manifest, cache_dtype)
             block = session.tables[self._kv.group_of[r.layer].index][r.logical]
             self._cache.write_block(self._plane_of[r.layer], block, r.k, r.v)
             session.received.add(key)
+
+    def _check_bounds(self, r: BlockRecord, manifest: KVManifest, cache_dtype: dtypes.DType) -> None:
+        """IncompatibleKV when a record's K or V is past the bounds Attend holds k and v to (ModelShape.
+        value_limits): larger finite values could overflow a later call's scores or sums."""
+        scales = manifest.scales[r.layer] if cache_dtype.fp8 else (1.0, 1.0)
+        # A float8 cache rounds what Attend wrote (at most the bound) to nearest: up by half a step at most.
+        slack = 1.0 + 2.0**-cache_dtype.mantissa_bits if cache_dtype.fp8 else 1.0
+        bounds = [min(x, self._held) for x in self._model.value_limits(r.layer)]
+        for name, raw, scale, limit in zip(("K", "V"), (r.k, r.v), scales, bounds, strict=True):
+            top = dtypes.max_abs(raw, cache_dtype) * scale
+            if top > limit * slack:
+                raise IncompatibleKV(
+                    f"record (layer {r.layer}, block {r.logical}) holds a {name} of {top:g}, past {limit:g} (2^"
+                    f"{int(math.log2(limit))}), the largest |{name.lower()}| Attend takes for this layer and cache:"
+                    " larger values could overflow attention (server.md, limits)"
+                )
 
     def commit_import(self, session: ImportSession) -> int:
         """Make the imported sequence visible; returns its block count. Raises DataLoss when records are

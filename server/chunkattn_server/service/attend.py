@@ -149,7 +149,7 @@ class ChunkAttnService:
         self._calibrating = any(x.k_scale == 0 for x in self._engine_info.layers)
         self._rpcs = Rpcs(self._count, Admission(config.max_concurrent_rpcs, config.inflight_bytes), auth)
         self._kv = KVService(self._run, self._rpcs, self._observe_pool, metrics, worker.engine, config)
-        self._blocks = BlockService(self._run, self._rpcs, self._observe_pool, metrics)
+        self._blocks = BlockService(self._run, self._rpcs, self._observe_pool, metrics, config.idle_timeout_s)
         metrics.kv_blocks_total.set(worker.engine.stats().num_blocks)
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
@@ -168,6 +168,11 @@ class ChunkAttnService:
             **self._blocks.handlers(),
         }
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("chunkattn.v1.ChunkAttn", handlers),))
+
+    @property
+    def spaces_opened(self) -> asyncio.Event:
+        """Set whenever a block space opens (BlockService.opened)."""
+        return self._blocks.opened
 
     def drain(self) -> None:
         """From now on, new calls are refused and open streams end before their next request (UNAVAILABLE)."""
@@ -302,6 +307,7 @@ def _static_info(engine: Engine, max_message_bytes: int) -> pb.InfoResponse:
         compute_dtype=torchtypes.OF_TORCH[engine.dtype].wire,  # type: ignore[arg-type]
         dtypes=[d.wire for d in dtypes.WIRE],  # type: ignore[misc]
         max_message_bytes=max_message_bytes,
+        max_call_work=engine.max_call_work,
         spec_window=engine.config.cache.spec_window,
         planes_per_block=engine.config.group_size,
     )

@@ -1,9 +1,11 @@
-"""The block API at the service edge: OpenBlockSpace and CloseBlockSpace, and an AttendRequest's BlockBatch
-read into the engine's BlockCall (the integer arrays as they came; engine/blocks.py checks them against the
-space)."""
+"""The block API at the service edge: OpenBlockSpace, CloseBlockSpace, RenewBlockSpace and ListBlockSpaces,
+and an AttendRequest's BlockBatch read into the engine's BlockCall (the integer arrays as they came;
+engine/blocks.py checks them against the space)."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple
 
@@ -16,7 +18,7 @@ from chunkattn_server.config import ModelShape
 from chunkattn_server.engine.core import Engine
 from chunkattn_server.engine.types import BlockCall, EngineStats
 from chunkattn_server.errors import InvalidArgument, InvalidBatch
-from chunkattn_server.kv.spaces import SPACE_ID_CHARS
+from chunkattn_server.kv.spaces import SPACE_ID_CHARS, BlockSpace, lease
 from chunkattn_server.metrics import Metrics
 from chunkattn_server.service.auth import Tenant
 from chunkattn_server.service.rpc import SMALL_REQUEST_BYTES, Context, Rpcs
@@ -72,40 +74,58 @@ def _ints(field: str, data: bytes, dtype: str) -> np.ndarray:
 
 
 class BlockService:
-    """OpenBlockSpace and CloseBlockSpace. ``run`` runs a function on the engine worker."""
+    """The block-space RPCs. ``run`` runs a function on the engine worker; ``idle_timeout_s`` is the server's
+    (a space's lease is never longer). ``opened`` is set whenever a space opens, so that whoever closes spaces
+    past their lease (server.py) learns of a new deadline."""
 
-    def __init__(self, run: Run, rpcs: Rpcs, observe_pool: Callable[[EngineStats], None], metrics: Metrics) -> None:
+    def __init__(
+        self,
+        run: Run,
+        rpcs: Rpcs,
+        observe_pool: Callable[[EngineStats], None],
+        metrics: Metrics,
+        idle_timeout_s: float,
+    ) -> None:
         self._run = run
         self._rpcs = rpcs
         self._observe_pool = observe_pool
         self._metrics = metrics
+        self._idle_timeout_s = idle_timeout_s
+        self.opened = asyncio.Event()
 
     def handlers(self) -> dict[str, grpc.RpcMethodHandler[Any, Any]]:
         r, small = self._rpcs, SMALL_REQUEST_BYTES
         return {
             "OpenBlockSpace": r.unary("OpenBlockSpace", self.OpenBlockSpace, pb.OpenBlockSpaceRequest, small),
             "CloseBlockSpace": r.unary("CloseBlockSpace", self.CloseBlockSpace, pb.CloseBlockSpaceRequest, small),
+            "RenewBlockSpace": r.unary("RenewBlockSpace", self.RenewBlockSpace, pb.RenewBlockSpaceRequest, small),
+            "ListBlockSpaces": r.unary("ListBlockSpaces", self.ListBlockSpaces, pb.ListBlockSpacesRequest, small),
         }
+
+    def _lease(self, space: BlockSpace) -> float:
+        return lease(space.lease_s, self._idle_timeout_s)
 
     async def OpenBlockSpace(  # noqa: N802
         self, request: pb.OpenBlockSpaceRequest, context: Context, tenant: Tenant
     ) -> pb.OpenBlockSpaceResponse:
-        num_blocks, planes, name = request.num_blocks, list(request.layer_planes), tenant.name
+        num_blocks, planes, lease_s, name = request.num_blocks, list(request.layer_planes), request.lease_s, tenant.name
 
         def open_space(e: Engine) -> tuple[pb.OpenBlockSpaceResponse, EngineStats]:
-            space = e.open_space(num_blocks, planes, tenant=name)
+            space = e.open_space(num_blocks, planes, tenant=name, lease_s=lease_s)
             return pb.OpenBlockSpaceResponse(
                 space_id=space.space_id,
                 num_blocks=space.num_blocks,
                 block_size=e.block_size,
                 num_planes=space.num_planes,
                 pool_blocks=int(space.blocks.size),
+                lease_s=self._lease(space),
             ), e.stats()
 
         response: pb.OpenBlockSpaceResponse
         response, stats = await self._run("OpenBlockSpace", open_space)
         self._metrics.spaces_opened.inc()
         self._observe_pool(stats)
+        self.opened.set()
         return response
 
     async def CloseBlockSpace(  # noqa: N802
@@ -117,3 +137,35 @@ class BlockService:
         )
         self._observe_pool(stats)
         return pb.CloseBlockSpaceResponse(pool_blocks=freed)
+
+    async def RenewBlockSpace(  # noqa: N802
+        self, request: pb.RenewBlockSpaceRequest, context: Context, tenant: Tenant
+    ) -> pb.RenewBlockSpaceResponse:
+        space_id, name = request.space_id, tenant.name
+        space: BlockSpace = await self._run("RenewBlockSpace", lambda e: e.kv.spaces.renew(space_id, tenant=name))
+        return pb.RenewBlockSpaceResponse(lease_s=self._lease(space))
+
+    async def ListBlockSpaces(  # noqa: N802
+        self, request: pb.ListBlockSpacesRequest, context: Context, tenant: Tenant
+    ) -> pb.ListBlockSpacesResponse:
+        name = tenant.name
+
+        def listed(e: Engine) -> pb.ListBlockSpacesResponse:
+            now = time.monotonic()
+            return pb.ListBlockSpacesResponse(
+                spaces=[
+                    pb.BlockSpaceInfo(
+                        space_id=s.space_id,
+                        num_blocks=s.num_blocks,
+                        num_planes=s.num_planes,
+                        pool_blocks=int(s.blocks.size),
+                        lease_s=self._lease(s),
+                        idle_s=now - s.last_used,
+                        age_s=now - s.opened,
+                    )
+                    for s in e.kv.spaces.of(name)
+                ]
+            )
+
+        response: pb.ListBlockSpacesResponse = await self._run("ListBlockSpaces", listed)
+        return response

@@ -7,10 +7,15 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from chunkattn_server.attention import plan
 from chunkattn_server.attention.plan import Piece
+
+# A sequence's logical -> physical blocks: a mapping (sparse: the sequence API frees blocks before the current
+# chunk) or an int64 array (dense: a block row's table, through its space).
+Table = Mapping[int, int] | np.ndarray
 
 
 @dataclass(frozen=True)
@@ -26,14 +31,17 @@ class AttentionBatch:
         dtype: the compute dtype, or a float8 dtype whose values are read as ``stored * k_scale`` (K) and
         ``stored * v_scale`` (V) (see torchtypes.load).
     spans: per entry (first row, position of the first new token, number of new tokens).
-    tables: per entry, {logical block: physical block}; blocks before the current chunk may be gone.
+    tables: per entry, its logical blocks' physical blocks: a mapping {logical: physical} (the sequence API:
+        blocks before the current chunk may be gone) or an int64 array indexed by logical block (the block API's
+        rows, every block present); ``physical`` reads a range of either without per-block Python for arrays.
     chunk_size: C (0: a global layer). block_size: tokens per block.
     scale: softmax scale.
     alibi_slopes: [num_heads] float32, or None.
     k_scale, v_scale: the float8 cache's scales (1.0 for any other cache dtype).
-    decodes_cached: every new token's K/V is in the pages too (written at its slot before the compute), so
-        a single-token span may read its own key there; False when some were not written (the block API's
-        padding tokens): then every span reads its new keys from k and v.
+    unwritten: the spans (indices) whose new tokens' K/V were not all written to the pages (the block API's
+        padding tokens): they read their new keys from k and v only. Every other span's new K/V are in the
+        pages too (written at their slots before the compute), so a single-token span may read its own key
+        there. Decided per span: one call's padding never changes how another's rows are computed.
     """
 
     q: torch.Tensor
@@ -42,14 +50,14 @@ class AttentionBatch:
     k_pages: torch.Tensor
     v_pages: torch.Tensor
     spans: Sequence[tuple[int, int, int]]
-    tables: Sequence[Mapping[int, int]]
+    tables: Sequence[Table]
     chunk_size: int
     block_size: int
     scale: float
     alibi_slopes: torch.Tensor | None
     k_scale: float = 1.0
     v_scale: float = 1.0
-    decodes_cached: bool = True
+    unwritten: frozenset[int] = frozenset()
 
     @cached_property
     def pieces(self) -> list[Piece]:
@@ -59,9 +67,17 @@ class AttentionBatch:
             [(pos, n) for _, pos, n in self.spans],
             self.chunk_size,
             self.block_size,
-            lambda i, first, last: tuple([tables[i][b] for b in range(first, last)]),
-            self.decodes_cached,
+            lambda i, first, last: tuple(physical(tables[i], first, last).tolist()),
+            self.unwritten,
         )
+
+
+def physical(table: Table, first: int, last: int) -> np.ndarray:
+    """The physical blocks [last - first] int64 of logical blocks first .. last - 1 of ``table`` (a slice of an
+    array table; a mapping looked up block by block: KeyError for one it lacks)."""
+    if isinstance(table, np.ndarray):
+        return table[first:last]
+    return np.fromiter((table[b] for b in range(first, last)), dtype=np.int64, count=max(0, last - first))
 
 
 class Backend(Protocol):

@@ -20,14 +20,13 @@ read float8 directly).
 
 from __future__ import annotations
 
-import itertools
 from typing import Literal, NamedTuple
 
 import numpy as np
 import torch
 
 from chunkattn_server import torchtypes
-from chunkattn_server.attention.backends.base import AttentionBatch
+from chunkattn_server.attention.backends.base import AttentionBatch, physical
 from chunkattn_server.attention.plan import Piece
 
 Part = tuple[torch.Tensor, torch.Tensor]  # (output [nq, H, D], log-sum-exp [nq, H] float32)
@@ -101,7 +100,7 @@ class TorchBackend:
                 q = batch.q[piece.row : last]
                 k = batch.k[first_new:last].transpose(0, 1)
                 v = batch.v[first_new:last].transpose(0, 1)
-                keys = [(piece.cache_end, last - first_new)]
+                keys = np.arange(piece.cache_end, piece.position + piece.num_queries)
                 parts.append(self._part(batch, q, k, v, piece.position, keys, causal=True))
             out[piece.row : last] = _merge(parts)
 
@@ -122,7 +121,7 @@ class TorchBackend:
         """The hot path: every decode (one query, its own key already in the cache) whose chunk lies in one run
         of consecutive blocks, one kernel each over a view of the pages and nothing else. Returns the entries
         done; the rest go piece by piece."""
-        if not self.flash or batch.alibi_slopes is not None or not batch.decodes_cached:
+        if not self.flash or batch.alibi_slopes is not None:
             return set()
         bs, c = batch.block_size, batch.chunk_size
         total, heads, dim = batch.q.shape
@@ -131,13 +130,12 @@ class TorchBackend:
         q = batch.q.view(total, kv_heads, heads // kv_heads, dim)
         done: dict[int, tuple[int, torch.Tensor]] = {}
         for entry, (row, position, n) in enumerate(batch.spans):
-            if n != 1:
+            if n != 1 or entry in batch.unwritten:
                 continue
-            table = batch.tables[entry]
             key_start = position - position % c if c else 0
-            lo = key_start // bs
-            first = table[lo]
-            if any(table[b] != first + b - lo for b in range(lo + 1, position // bs + 1)):
+            run = physical(batch.tables[entry], key_start // bs, position // bs + 1)
+            first = int(run[0])
+            if len(run) > 1 and (np.diff(run) != 1).any():
                 continue  # scattered blocks: piece by piece
             keys = position + 1 - key_start
             k = _values(batch, k_views.flat4.narrow(2, first * bs, keys), batch.k_scale)
@@ -155,40 +153,44 @@ class TorchBackend:
     # -- the cache part ------------------------------------------------------------------------------
 
     def _cache_parts(self, batch: AttentionBatch, pages: tuple[torch.Tensor, torch.Tensor], piece: Piece) -> list[Part]:
-        """Parts for keys [key_start, cache_end) read from the paged cache; all visible to every query."""
+        """Parts for keys [key_start, cache_end) read from the paged cache; all visible to every query. Runs of
+        consecutive blocks long enough are read as views; the rest are gathered into one copy. numpy over the
+        piece's blocks, no per-block Python: a block row may name millions of them."""
         if piece.cache_end <= piece.key_start:
             return []
         q = batch.q[piece.row : piece.row + piece.num_queries]
         bs = batch.k_pages.shape[2]
-        runs = _runs(piece.blocks)  # (index of first block in piece.blocks, number of blocks)
+        ids = np.asarray(piece.blocks, dtype=np.int64)
+        starts, counts = _runs(ids)  # each run of consecutive block ids: its first index in ids, its length
         token_end = piece.cache_end - piece.key_start
-
-        def tokens(start: int, count: int) -> int:
-            return min((start + count) * bs, token_end) - start * bs
-
-        long = [r for r in runs if tokens(*r) >= self.min_view_tokens]
+        tokens = np.minimum((starts + counts) * bs, token_end) - starts * bs  # [runs] keys each run holds
+        long = np.flatnonzero(tokens >= self.min_view_tokens)
         if len(long) > self.max_views:
-            long = []
+            long = long[:0]
+        positions = not (self.flash and batch.alibi_slopes is None)  # only the float32 path needs them
         parts = []
-        for start, count in long:
-            first = piece.blocks[start] * bs
-            n = tokens(start, count)
+        for r in long.tolist():
+            start, n = int(starts[r]), int(tokens[r])
+            first = int(ids[start]) * bs
             k = _values(batch, pages[0][:, first : first + n], batch.k_scale)
             v = _values(batch, pages[1][:, first : first + n], batch.v_scale)
-            parts.append(self._part(batch, q, k, v, piece.position, [(piece.key_start + start * bs, n)]))
-        taken = set(long)
-        short = [r for r in runs if r not in taken]
-        if short:
-            ids = [piece.blocks[i] for start, count in short for i in range(start, start + count)]
-            n = sum(tokens(*r) for r in short)
-            k, v = self._gather(batch, ids)
-            keys = [(piece.key_start + s * bs, tokens(s, c)) for s, c in short]
+            key = piece.key_start + start * bs
+            parts.append(self._part(batch, q, k, v, piece.position, np.arange(key, key + n) if positions else None))
+        if len(long) < len(starts):
+            short = np.ones(len(starts), dtype=bool)
+            short[long] = False
+            index = np.flatnonzero(np.repeat(short, counts))  # the short runs' blocks, by index in the piece
+            n = int(tokens[short].sum())
+            k, v = self._gather(batch, ids[index])
+            keys = None
+            if positions:  # each gathered block's keys; the last block of the piece may be partly held
+                keys = (piece.key_start + index[:, None] * bs + np.arange(bs)).reshape(-1)[:n]
             parts.append(self._part(batch, q, k[:, :n], v[:, :n], piece.position, keys))
         return parts
 
-    def _gather(self, batch: AttentionBatch, blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of the given blocks, [num_kv_heads, len(blocks) * block_size, head_size], in the compute
-        dtype."""
+    def _gather(self, batch: AttentionBatch, blocks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the given blocks (int64), [num_kv_heads, len(blocks) * block_size, head_size], in the
+        compute dtype."""
         pages_k, pages_v = batch.k_pages, batch.v_pages
         heads, _, bs, dim = pages_k.shape
         size = heads * len(blocks) * bs * dim
@@ -196,7 +198,7 @@ class TorchBackend:
             self._buf_k = torch.empty(size, dtype=pages_k.dtype, device=self.device)
             self._buf_v = torch.empty(size, dtype=pages_k.dtype, device=self.device)
         shape = (heads, len(blocks), bs, dim)
-        index = torch.tensor(blocks, dtype=torch.int64, device=self.device)
+        index = torch.from_numpy(blocks).to(self.device)
         k = torch.index_select(pages_k, 1, index, out=self._buf_k[:size].view(shape))
         v = torch.index_select(pages_v, 1, index, out=self._buf_v[:size].view(shape))
         return _values(batch, k.flatten(1, 2), batch.k_scale), _values(batch, v.flatten(1, 2), batch.v_scale)
@@ -210,21 +212,23 @@ class TorchBackend:
         k: torch.Tensor,
         v: torch.Tensor,
         q_start: int,
-        k_ranges: list[tuple[int, int]],
+        k_positions: np.ndarray | None,
         *,
         causal: bool = False,
     ) -> Part:
         """Attention of q [nq, H, D] (positions q_start...) over k, v [Hkv, S, D].
 
-        k_ranges: the keys' positions, as (first position, count) runs that add up to S.
+        k_positions: the keys' positions [S] int64 (the float32 path's ALiBi and masks need them; the flash
+        path does not, and may be given None).
 
         causal=False: every query sees every key. causal=True: the keys are the queries' own tokens
         (S == nq) and query t sees keys 0..t.
         """
         if self.flash and batch.alibi_slopes is None:
             return _flash_causal(q, k, v, batch.scale) if causal else _flash_full(q, k, v, batch.scale)
+        assert k_positions is not None, "the float32 path needs the keys' positions"
         q_pos = torch.arange(q_start, q_start + q.shape[0], device=self.device)
-        k_pos = torch.cat([torch.arange(a, a + n, device=self.device) for a, n in k_ranges])
+        k_pos = torch.from_numpy(k_positions).to(self.device)
         return _math(q, k, v, q_pos, k_pos, batch.scale, batch.alibi_slopes, causal)
 
 
@@ -234,13 +238,12 @@ def _values(batch: AttentionBatch, pages: torch.Tensor, scale: float) -> torch.T
     return torchtypes.load(pages, scale, batch.q.dtype)
 
 
-def _runs(blocks: tuple[int, ...]) -> list[tuple[int, int]]:
-    """Maximal runs of consecutive block ids: (index of the run's first entry, run length)."""
-    if not blocks or blocks == tuple(range(blocks[0], blocks[0] + len(blocks))):
-        return [(0, len(blocks))] if blocks else []  # the common case, without numpy's call overhead
-    ids = np.asarray(blocks, dtype=np.int64)
-    starts = [0, *(np.flatnonzero(np.diff(ids) != 1) + 1).tolist(), len(blocks)]
-    return [(a, b - a) for a, b in itertools.pairwise(starts) if b > a]
+def _runs(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Maximal runs of consecutive block ids in ``ids`` [n] int64: each run's first index and its length."""
+    if len(ids) < 2:
+        return np.zeros(len(ids), np.int64), np.ones(len(ids), np.int64)
+    starts = np.concatenate([[0], np.flatnonzero(np.diff(ids) != 1) + 1])
+    return starts, np.diff(np.append(starts, len(ids)))
 
 
 def _flash_full(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> Part:
@@ -293,9 +296,13 @@ def _math(
             scores = scores + slopes.view(kv_heads, q_per_kv, 1, 1) * rel
         if causal:
             scores = scores.masked_fill(rel > 0, float("-inf"))
-        lse = torch.logsumexp(scores, dim=-1)  # [Hkv, G, n]
-        probs = torch.exp(scores - lse.unsqueeze(-1))
-        outs.append(torch.einsum("hgns,hsd->nhgd", probs, v32).reshape(-1, heads, dim))
+        # exp(s - max) / sum, as a flash kernel does: the weights sum to 1 however large the scores (with
+        # exp(s - logsumexp), a large score absorbs the log of the sum and the weights add up to the key count).
+        top = scores.amax(dim=-1, keepdim=True)  # [Hkv, G, n, 1]
+        weights = torch.exp(scores - top)
+        total = weights.sum(dim=-1, keepdim=True)
+        outs.append(torch.einsum("hgns,hsd->nhgd", weights / total, v32).reshape(-1, heads, dim))
+        lse = (top + torch.log(total)).squeeze(-1)  # [Hkv, G, n]
         lses.append(lse.permute(2, 0, 1).reshape(-1, heads))
     return torch.cat(outs).to(q.dtype), torch.cat(lses)
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,7 +34,7 @@ import torch
 
 from chunkattn_client import dtypes
 from chunkattn_server import torchtypes
-from chunkattn_server.attention.backends.base import AttentionBatch
+from chunkattn_server.attention.backends.base import AttentionBatch, Table, physical
 from chunkattn_server.errors import ConfigError
 
 LOG2E = 1.4426950408889634
@@ -218,7 +218,7 @@ class TritonBackend:
         tables = np.zeros((len(spans), max(1, int(needed.max(initial=0)))), dtype=np.int32)
         for i, table in enumerate(batch.tables):
             base = int(bases[i])
-            tables[i, : needed[i]] = [_block(table, base + j) for j in range(int(needed[i]))]
+            tables[i, : needed[i]] = _blocks(table, base, base + int(needed[i]))
         q_per_kv = heads // kv_heads
         counts = lens.tolist()
         decodes = [i for i, n in enumerate(counts) if n == 1]
@@ -349,11 +349,11 @@ def attention_config(
     return config
 
 
-def _block(table: Mapping[int, int], logical: int) -> int:
+def _blocks(table: Table, first: int, last: int) -> np.ndarray:
     try:
-        return table[logical]
-    except KeyError:
-        raise TritonLaunchError(f"logical block {logical} is needed but not in the sequence's table") from None
+        return physical(table, first, last)
+    except KeyError as e:
+        raise TritonLaunchError(f"logical block {e.args[0]} is needed but not in the sequence's table") from None
 
 
 def _check(ok: bool, message: str) -> None:

@@ -79,26 +79,30 @@ class BlockBatch(_message.Message):
     def __init__(self, space_id: _Optional[str] = ..., slot_mapping: _Optional[bytes] = ..., query_start_loc: _Optional[bytes] = ..., seq_lens: _Optional[bytes] = ..., block_table: _Optional[bytes] = ..., block_table_width: _Optional[int] = ...) -> None: ...
 
 class OpenBlockSpaceRequest(_message.Message):
-    __slots__ = ("num_blocks", "layer_planes")
+    __slots__ = ("num_blocks", "layer_planes", "lease_s")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LAYER_PLANES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     layer_planes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, num_blocks: _Optional[int] = ..., layer_planes: _Optional[_Iterable[int]] = ...) -> None: ...
+    lease_s: float
+    def __init__(self, num_blocks: _Optional[int] = ..., layer_planes: _Optional[_Iterable[int]] = ..., lease_s: _Optional[float] = ...) -> None: ...
 
 class OpenBlockSpaceResponse(_message.Message):
-    __slots__ = ("space_id", "num_blocks", "block_size", "num_planes", "pool_blocks")
+    __slots__ = ("space_id", "num_blocks", "block_size", "num_planes", "pool_blocks", "lease_s")
     SPACE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_PLANES_FIELD_NUMBER: _ClassVar[int]
     POOL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
     space_id: str
     num_blocks: int
     block_size: int
     num_planes: int
     pool_blocks: int
-    def __init__(self, space_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_planes: _Optional[int] = ..., pool_blocks: _Optional[int] = ...) -> None: ...
+    lease_s: float
+    def __init__(self, space_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_planes: _Optional[int] = ..., pool_blocks: _Optional[int] = ..., lease_s: _Optional[float] = ...) -> None: ...
 
 class CloseBlockSpaceRequest(_message.Message):
     __slots__ = ("space_id",)
@@ -111,6 +115,46 @@ class CloseBlockSpaceResponse(_message.Message):
     POOL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     pool_blocks: int
     def __init__(self, pool_blocks: _Optional[int] = ...) -> None: ...
+
+class RenewBlockSpaceRequest(_message.Message):
+    __slots__ = ("space_id",)
+    SPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    space_id: str
+    def __init__(self, space_id: _Optional[str] = ...) -> None: ...
+
+class RenewBlockSpaceResponse(_message.Message):
+    __slots__ = ("lease_s",)
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    lease_s: float
+    def __init__(self, lease_s: _Optional[float] = ...) -> None: ...
+
+class ListBlockSpacesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class BlockSpaceInfo(_message.Message):
+    __slots__ = ("space_id", "num_blocks", "num_planes", "pool_blocks", "lease_s", "idle_s", "age_s")
+    SPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PLANES_FIELD_NUMBER: _ClassVar[int]
+    POOL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    IDLE_S_FIELD_NUMBER: _ClassVar[int]
+    AGE_S_FIELD_NUMBER: _ClassVar[int]
+    space_id: str
+    num_blocks: int
+    num_planes: int
+    pool_blocks: int
+    lease_s: float
+    idle_s: float
+    age_s: float
+    def __init__(self, space_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_planes: _Optional[int] = ..., pool_blocks: _Optional[int] = ..., lease_s: _Optional[float] = ..., idle_s: _Optional[float] = ..., age_s: _Optional[float] = ...) -> None: ...
+
+class ListBlockSpacesResponse(_message.Message):
+    __slots__ = ("spaces",)
+    SPACES_FIELD_NUMBER: _ClassVar[int]
+    spaces: _containers.RepeatedCompositeFieldContainer[BlockSpaceInfo]
+    def __init__(self, spaces: _Optional[_Iterable[_Union[BlockSpaceInfo, _Mapping]]] = ...) -> None: ...
 
 class Status(_message.Message):
     __slots__ = ("code", "message")
@@ -171,7 +215,7 @@ class LayerInfo(_message.Message):
     def __init__(self, index: _Optional[int] = ..., chunk_size: _Optional[int] = ..., kv_group: _Optional[int] = ..., kv_source: _Optional[int] = ..., scale: _Optional[float] = ..., alibi: _Optional[bool] = ..., alibi_slopes: _Optional[_Iterable[float]] = ..., k_scale: _Optional[float] = ..., v_scale: _Optional[float] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("version", "backend", "device", "num_heads", "num_kv_heads", "head_size", "layers", "block_size", "num_blocks", "free_blocks", "bytes_per_block", "cache_dtype", "dtypes", "active_sequences", "max_message_bytes", "compute_dtype", "spec_window", "planes_per_block", "block_spaces")
+    __slots__ = ("version", "backend", "device", "num_heads", "num_kv_heads", "head_size", "layers", "block_size", "num_blocks", "free_blocks", "bytes_per_block", "cache_dtype", "dtypes", "active_sequences", "max_message_bytes", "compute_dtype", "spec_window", "planes_per_block", "block_spaces", "max_call_work")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -191,6 +235,7 @@ class InfoResponse(_message.Message):
     SPEC_WINDOW_FIELD_NUMBER: _ClassVar[int]
     PLANES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SPACES_FIELD_NUMBER: _ClassVar[int]
+    MAX_CALL_WORK_FIELD_NUMBER: _ClassVar[int]
     version: str
     backend: str
     device: str
@@ -210,7 +255,8 @@ class InfoResponse(_message.Message):
     spec_window: int
     planes_per_block: int
     block_spaces: int
-    def __init__(self, version: _Optional[str] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerInfo, _Mapping]]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., cache_dtype: _Optional[_Union[DType, str]] = ..., dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., active_sequences: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., compute_dtype: _Optional[_Union[DType, str]] = ..., spec_window: _Optional[int] = ..., planes_per_block: _Optional[int] = ..., block_spaces: _Optional[int] = ...) -> None: ...
+    max_call_work: int
+    def __init__(self, version: _Optional[str] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerInfo, _Mapping]]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., cache_dtype: _Optional[_Union[DType, str]] = ..., dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., active_sequences: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., compute_dtype: _Optional[_Union[DType, str]] = ..., spec_window: _Optional[int] = ..., planes_per_block: _Optional[int] = ..., block_spaces: _Optional[int] = ..., max_call_work: _Optional[int] = ...) -> None: ...
 
 class ForkRequest(_message.Message):
     __slots__ = ("parent", "child")

@@ -27,7 +27,10 @@ if _version_not_supported:
 
 class ChunkAttnStub:
     """The attention service. Errors use the standard gRPC status codes: INVALID_ARGUMENT (a malformed request,
-    one past a limit below, or q/k/v holding a NaN, an infinity or a value the compute dtype cannot hold),
+    one past a limit below or past Info's max_call_work, or q/k/v holding a NaN, an infinity, a value the
+    compute dtype cannot hold, or one past the value bounds: |q| and |k| at most the largest power of two B
+    with head_size * B^2 * max(1, scale) <= 2^100 (2^46 for a head size of 128), |v| at most 2^64, so that no
+    finite input's attention overflows),
     NOT_FOUND (unknown sequence at position > 0), FAILED_PRECONDITION (position differs from the sequence's
     length in that layer), RESOURCE_EXHAUSTED (KV pool full, message too large,
     too many calls or request bytes at once), DEADLINE_EXCEEDED (a stream that sent or read nothing for the
@@ -105,11 +108,24 @@ class ChunkAttnStub:
                 request_serializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.CloseBlockSpaceRequest.SerializeToString,
                 response_deserializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.CloseBlockSpaceResponse.FromString,
                 _registered_method=True)
+        self.RenewBlockSpace = channel.unary_unary(
+                '/chunkattn.v1.ChunkAttn/RenewBlockSpace',
+                request_serializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.RenewBlockSpaceRequest.SerializeToString,
+                response_deserializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.RenewBlockSpaceResponse.FromString,
+                _registered_method=True)
+        self.ListBlockSpaces = channel.unary_unary(
+                '/chunkattn.v1.ChunkAttn/ListBlockSpaces',
+                request_serializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.ListBlockSpacesRequest.SerializeToString,
+                response_deserializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.ListBlockSpacesResponse.FromString,
+                _registered_method=True)
 
 
 class ChunkAttnServicer:
     """The attention service. Errors use the standard gRPC status codes: INVALID_ARGUMENT (a malformed request,
-    one past a limit below, or q/k/v holding a NaN, an infinity or a value the compute dtype cannot hold),
+    one past a limit below or past Info's max_call_work, or q/k/v holding a NaN, an infinity, a value the
+    compute dtype cannot hold, or one past the value bounds: |q| and |k| at most the largest power of two B
+    with head_size * B^2 * max(1, scale) <= 2^100 (2^46 for a head size of 128), |v| at most 2^64, so that no
+    finite input's attention overflows),
     NOT_FOUND (unknown sequence at position > 0), FAILED_PRECONDITION (position differs from the sequence's
     length in that layer), RESOURCE_EXHAUSTED (KV pool full, message too large,
     too many calls or request bytes at once), DEADLINE_EXCEEDED (a stream that sent or read nothing for the
@@ -212,10 +228,12 @@ class ChunkAttnServicer:
     def OpenBlockSpace(self, request, context):
         """The block API, for serving engines that run their own KV cache manager (vLLM): open a block space, then
         send Attend / AttendStream requests whose `blocks` address it by the engine's own block ids and slots.
-        A space's blocks come from the pool now, zeroed, and count against the tenant's max_kv_blocks quota;
-        RESOURCE_EXHAUSTED when the pool, the quota or the tenant's limit of 64 open spaces cannot hold it. A
+        A space's blocks come from the pool now and count against the tenant's max_kv_blocks quota; they read as
+        zeros until written (each is zeroed by the first call that touches it, never at open). RESOURCE_EXHAUSTED
+        when the pool, the quota or the tenant's limit of 64 open spaces cannot hold it, or when the tenant has
+        opened spaces of the pool's size in pool blocks in the last 10 s (the message says when to retry). A
         space is the caller's tenant's alone (another tenant's id is NOT_FOUND) and lives until CloseBlockSpace,
-        until it is unused for --idle-timeout-s, or until the server stops.
+        until it goes unused (no call on it served, no RenewBlockSpace) for its lease, or until the server stops.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -223,6 +241,23 @@ class ChunkAttnServicer:
 
     def CloseBlockSpace(self, request, context):
         """Close a block space, its blocks back to the pool. NOT_FOUND when it does not exist (any more).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RenewBlockSpace(self, request, context):
+        """Keep a block space open: it counts as used now, as a call on it served does, so its lease starts again (a
+        serving engine renews every third of its lease, so that an engine that dies leaves nothing behind for
+        long). NOT_FOUND when it does not exist (any more): closed, unused past its lease, or another tenant's.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListBlockSpaces(self, request, context):
+        """The caller's tenant's open block spaces, oldest first: a client that lost a space's id (its engine was
+        killed) finds it here and closes it. Without --auth-tokens every caller is one tenant and sees them all.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -286,6 +321,16 @@ def add_ChunkAttnServicer_to_server(servicer, server):
                     request_deserializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.CloseBlockSpaceRequest.FromString,
                     response_serializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.CloseBlockSpaceResponse.SerializeToString,
             ),
+            'RenewBlockSpace': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewBlockSpace,
+                    request_deserializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.RenewBlockSpaceRequest.FromString,
+                    response_serializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.RenewBlockSpaceResponse.SerializeToString,
+            ),
+            'ListBlockSpaces': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListBlockSpaces,
+                    request_deserializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.ListBlockSpacesRequest.FromString,
+                    response_serializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.ListBlockSpacesResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'chunkattn.v1.ChunkAttn', rpc_method_handlers)
@@ -296,7 +341,10 @@ def add_ChunkAttnServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class ChunkAttn:
     """The attention service. Errors use the standard gRPC status codes: INVALID_ARGUMENT (a malformed request,
-    one past a limit below, or q/k/v holding a NaN, an infinity or a value the compute dtype cannot hold),
+    one past a limit below or past Info's max_call_work, or q/k/v holding a NaN, an infinity, a value the
+    compute dtype cannot hold, or one past the value bounds: |q| and |k| at most the largest power of two B
+    with head_size * B^2 * max(1, scale) <= 2^100 (2^46 for a head size of 128), |v| at most 2^64, so that no
+    finite input's attention overflows),
     NOT_FOUND (unknown sequence at position > 0), FAILED_PRECONDITION (position differs from the sequence's
     length in that layer), RESOURCE_EXHAUSTED (KV pool full, message too large,
     too many calls or request bytes at once), DEADLINE_EXCEEDED (a stream that sent or read nothing for the
@@ -600,6 +648,60 @@ class ChunkAttn:
             '/chunkattn.v1.ChunkAttn/CloseBlockSpace',
             chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.CloseBlockSpaceRequest.SerializeToString,
             chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.CloseBlockSpaceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewBlockSpace(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/chunkattn.v1.ChunkAttn/RenewBlockSpace',
+            chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.RenewBlockSpaceRequest.SerializeToString,
+            chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.RenewBlockSpaceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListBlockSpaces(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/chunkattn.v1.ChunkAttn/ListBlockSpaces',
+            chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.ListBlockSpacesRequest.SerializeToString,
+            chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.ListBlockSpacesResponse.FromString,
             options,
             channel_credentials,
             insecure,

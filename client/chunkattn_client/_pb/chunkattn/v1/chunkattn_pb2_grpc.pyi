@@ -34,7 +34,10 @@ GRPC_VERSION: str
 
 class ChunkAttnStub:
     """The attention service. Errors use the standard gRPC status codes: INVALID_ARGUMENT (a malformed request,
-    one past a limit below, or q/k/v holding a NaN, an infinity or a value the compute dtype cannot hold),
+    one past a limit below or past Info's max_call_work, or q/k/v holding a NaN, an infinity, a value the
+    compute dtype cannot hold, or one past the value bounds: |q| and |k| at most the largest power of two B
+    with head_size * B^2 * max(1, scale) <= 2^100 (2^46 for a head size of 128), |v| at most 2^64, so that no
+    finite input's attention overflows),
     NOT_FOUND (unknown sequence at position > 0), FAILED_PRECONDITION (position differs from the sequence's
     length in that layer), RESOURCE_EXHAUSTED (KV pool full, message too large,
     too many calls or request bytes at once), DEADLINE_EXCEEDED (a stream that sent or read nothing for the
@@ -102,18 +105,32 @@ class ChunkAttnStub:
     OpenBlockSpace: _grpc.UnaryUnaryMultiCallable[_chunkattn_pb2.OpenBlockSpaceRequest, _chunkattn_pb2.OpenBlockSpaceResponse]
     """The block API, for serving engines that run their own KV cache manager (vLLM): open a block space, then
     send Attend / AttendStream requests whose `blocks` address it by the engine's own block ids and slots.
-    A space's blocks come from the pool now, zeroed, and count against the tenant's max_kv_blocks quota;
-    RESOURCE_EXHAUSTED when the pool, the quota or the tenant's limit of 64 open spaces cannot hold it. A
+    A space's blocks come from the pool now and count against the tenant's max_kv_blocks quota; they read as
+    zeros until written (each is zeroed by the first call that touches it, never at open). RESOURCE_EXHAUSTED
+    when the pool, the quota or the tenant's limit of 64 open spaces cannot hold it, or when the tenant has
+    opened spaces of the pool's size in pool blocks in the last 10 s (the message says when to retry). A
     space is the caller's tenant's alone (another tenant's id is NOT_FOUND) and lives until CloseBlockSpace,
-    until it is unused for --idle-timeout-s, or until the server stops.
+    until it goes unused (no call on it served, no RenewBlockSpace) for its lease, or until the server stops.
     """
     CloseBlockSpace: _grpc.UnaryUnaryMultiCallable[_chunkattn_pb2.CloseBlockSpaceRequest, _chunkattn_pb2.CloseBlockSpaceResponse]
     """Close a block space, its blocks back to the pool. NOT_FOUND when it does not exist (any more)."""
+    RenewBlockSpace: _grpc.UnaryUnaryMultiCallable[_chunkattn_pb2.RenewBlockSpaceRequest, _chunkattn_pb2.RenewBlockSpaceResponse]
+    """Keep a block space open: it counts as used now, as a call on it served does, so its lease starts again (a
+    serving engine renews every third of its lease, so that an engine that dies leaves nothing behind for
+    long). NOT_FOUND when it does not exist (any more): closed, unused past its lease, or another tenant's.
+    """
+    ListBlockSpaces: _grpc.UnaryUnaryMultiCallable[_chunkattn_pb2.ListBlockSpacesRequest, _chunkattn_pb2.ListBlockSpacesResponse]
+    """The caller's tenant's open block spaces, oldest first: a client that lost a space's id (its engine was
+    killed) finds it here and closes it. Without --auth-tokens every caller is one tenant and sees them all.
+    """
 
 @_typing.type_check_only
 class ChunkAttnAsyncStub(ChunkAttnStub):
     """The attention service. Errors use the standard gRPC status codes: INVALID_ARGUMENT (a malformed request,
-    one past a limit below, or q/k/v holding a NaN, an infinity or a value the compute dtype cannot hold),
+    one past a limit below or past Info's max_call_work, or q/k/v holding a NaN, an infinity, a value the
+    compute dtype cannot hold, or one past the value bounds: |q| and |k| at most the largest power of two B
+    with head_size * B^2 * max(1, scale) <= 2^100 (2^46 for a head size of 128), |v| at most 2^64, so that no
+    finite input's attention overflows),
     NOT_FOUND (unknown sequence at position > 0), FAILED_PRECONDITION (position differs from the sequence's
     length in that layer), RESOURCE_EXHAUSTED (KV pool full, message too large,
     too many calls or request bytes at once), DEADLINE_EXCEEDED (a stream that sent or read nothing for the
@@ -178,17 +195,31 @@ class ChunkAttnAsyncStub(ChunkAttnStub):
     OpenBlockSpace: _aio.UnaryUnaryMultiCallable[_chunkattn_pb2.OpenBlockSpaceRequest, _chunkattn_pb2.OpenBlockSpaceResponse]  # type: ignore[assignment]
     """The block API, for serving engines that run their own KV cache manager (vLLM): open a block space, then
     send Attend / AttendStream requests whose `blocks` address it by the engine's own block ids and slots.
-    A space's blocks come from the pool now, zeroed, and count against the tenant's max_kv_blocks quota;
-    RESOURCE_EXHAUSTED when the pool, the quota or the tenant's limit of 64 open spaces cannot hold it. A
+    A space's blocks come from the pool now and count against the tenant's max_kv_blocks quota; they read as
+    zeros until written (each is zeroed by the first call that touches it, never at open). RESOURCE_EXHAUSTED
+    when the pool, the quota or the tenant's limit of 64 open spaces cannot hold it, or when the tenant has
+    opened spaces of the pool's size in pool blocks in the last 10 s (the message says when to retry). A
     space is the caller's tenant's alone (another tenant's id is NOT_FOUND) and lives until CloseBlockSpace,
-    until it is unused for --idle-timeout-s, or until the server stops.
+    until it goes unused (no call on it served, no RenewBlockSpace) for its lease, or until the server stops.
     """
     CloseBlockSpace: _aio.UnaryUnaryMultiCallable[_chunkattn_pb2.CloseBlockSpaceRequest, _chunkattn_pb2.CloseBlockSpaceResponse]  # type: ignore[assignment]
     """Close a block space, its blocks back to the pool. NOT_FOUND when it does not exist (any more)."""
+    RenewBlockSpace: _aio.UnaryUnaryMultiCallable[_chunkattn_pb2.RenewBlockSpaceRequest, _chunkattn_pb2.RenewBlockSpaceResponse]  # type: ignore[assignment]
+    """Keep a block space open: it counts as used now, as a call on it served does, so its lease starts again (a
+    serving engine renews every third of its lease, so that an engine that dies leaves nothing behind for
+    long). NOT_FOUND when it does not exist (any more): closed, unused past its lease, or another tenant's.
+    """
+    ListBlockSpaces: _aio.UnaryUnaryMultiCallable[_chunkattn_pb2.ListBlockSpacesRequest, _chunkattn_pb2.ListBlockSpacesResponse]  # type: ignore[assignment]
+    """The caller's tenant's open block spaces, oldest first: a client that lost a space's id (its engine was
+    killed) finds it here and closes it. Without --auth-tokens every caller is one tenant and sees them all.
+    """
 
 class ChunkAttnServicer(metaclass=_abc_1.ABCMeta):
     """The attention service. Errors use the standard gRPC status codes: INVALID_ARGUMENT (a malformed request,
-    one past a limit below, or q/k/v holding a NaN, an infinity or a value the compute dtype cannot hold),
+    one past a limit below or past Info's max_call_work, or q/k/v holding a NaN, an infinity, a value the
+    compute dtype cannot hold, or one past the value bounds: |q| and |k| at most the largest power of two B
+    with head_size * B^2 * max(1, scale) <= 2^100 (2^46 for a head size of 128), |v| at most 2^64, so that no
+    finite input's attention overflows),
     NOT_FOUND (unknown sequence at position > 0), FAILED_PRECONDITION (position differs from the sequence's
     length in that layer), RESOURCE_EXHAUSTED (KV pool full, message too large,
     too many calls or request bytes at once), DEADLINE_EXCEEDED (a stream that sent or read nothing for the
@@ -311,10 +342,12 @@ class ChunkAttnServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_chunkattn_pb2.OpenBlockSpaceResponse, _abc.Awaitable[_chunkattn_pb2.OpenBlockSpaceResponse]]:
         """The block API, for serving engines that run their own KV cache manager (vLLM): open a block space, then
         send Attend / AttendStream requests whose `blocks` address it by the engine's own block ids and slots.
-        A space's blocks come from the pool now, zeroed, and count against the tenant's max_kv_blocks quota;
-        RESOURCE_EXHAUSTED when the pool, the quota or the tenant's limit of 64 open spaces cannot hold it. A
+        A space's blocks come from the pool now and count against the tenant's max_kv_blocks quota; they read as
+        zeros until written (each is zeroed by the first call that touches it, never at open). RESOURCE_EXHAUSTED
+        when the pool, the quota or the tenant's limit of 64 open spaces cannot hold it, or when the tenant has
+        opened spaces of the pool's size in pool blocks in the last 10 s (the message says when to retry). A
         space is the caller's tenant's alone (another tenant's id is NOT_FOUND) and lives until CloseBlockSpace,
-        until it is unused for --idle-timeout-s, or until the server stops.
+        until it goes unused (no call on it served, no RenewBlockSpace) for its lease, or until the server stops.
         """
 
     @_abc_1.abstractmethod
@@ -324,5 +357,26 @@ class ChunkAttnServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_chunkattn_pb2.CloseBlockSpaceResponse, _abc.Awaitable[_chunkattn_pb2.CloseBlockSpaceResponse]]:
         """Close a block space, its blocks back to the pool. NOT_FOUND when it does not exist (any more)."""
+
+    @_abc_1.abstractmethod
+    def RenewBlockSpace(
+        self,
+        request: _chunkattn_pb2.RenewBlockSpaceRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_chunkattn_pb2.RenewBlockSpaceResponse, _abc.Awaitable[_chunkattn_pb2.RenewBlockSpaceResponse]]:
+        """Keep a block space open: it counts as used now, as a call on it served does, so its lease starts again (a
+        serving engine renews every third of its lease, so that an engine that dies leaves nothing behind for
+        long). NOT_FOUND when it does not exist (any more): closed, unused past its lease, or another tenant's.
+        """
+
+    @_abc_1.abstractmethod
+    def ListBlockSpaces(
+        self,
+        request: _chunkattn_pb2.ListBlockSpacesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_chunkattn_pb2.ListBlockSpacesResponse, _abc.Awaitable[_chunkattn_pb2.ListBlockSpacesResponse]]:
+        """The caller's tenant's open block spaces, oldest first: a client that lost a space's id (its engine was
+        killed) finds it here and closes it. Without --auth-tokens every caller is one tenant and sees them all.
+        """
 
 def add_ChunkAttnServicer_to_server(servicer: ChunkAttnServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
