@@ -52,13 +52,15 @@ def load(x: torch.Tensor, scale: float, compute: torch.dtype) -> torch.Tensor:
 
 
 def storable(cache: torch.dtype, compute: torch.dtype) -> float:
-    """The largest |k| and |v| a cache of ``cache`` stores and gives back finite in ``compute``: no bound where
-    it holds every compute value (the compute dtype itself, float32, or float8, which saturates over its
-    scales); else the largest power of two both hold (a float16 cache of float32 K/V: 2^15, since 1e5 would be
-    stored as inf; a bfloat16 cache in float16 compute: 2^15, since 65504 would be stored as 65536)."""
-    if cache == compute or cache.itemsize == 1:
+    """The largest |k| and |v| a cache of ``cache`` stores and gives back finite in ``compute``: no bound for
+    float8 (it saturates, over scales that read back finite); the compute dtype's largest where the cache holds
+    every compute value (the compute dtype itself, float32: what it gives back is within the compute dtype only
+    if what went in was, which an import does not promise); else the largest power of two both hold (a float16
+    cache of float32 K/V: 2^15, since 1e5 would be stored as inf; a bfloat16 cache in float16 compute: 2^15,
+    since 65504 would be stored as 65536)."""
+    if cache.itemsize == 1:
         return math.inf
     c, x = torch.finfo(cache), torch.finfo(compute)
     if c.max >= x.max and c.eps <= x.eps:
-        return math.inf
+        return float(x.max)
     return 2.0 ** math.floor(math.log2(min(c.max, x.max)))

@@ -311,3 +311,29 @@ def test_kv_written_at_the_bound_moves_to_a_twin_though_float8_rounded_it_up(cac
         src.attend(layer, [BatchEntry("s", 0, 5)], q, k, None if k is None else torch.ones_like(k), tenant="")
     move(src, dst, "s")
     assert dst.kv.sequence_ids(tenant="") == ["s"]
+
+
+def test_an_import_past_what_the_compute_dtype_holds_is_refused() -> None:
+    """Found by the second review of issue 35: a float32 cache read in float16 compute gives back what it holds,
+    so an imported K or V of 1e5 (which Attend refuses as past float16's 65504) read back as inf: NaN after."""
+    shape = MODELS["gqa"]
+
+    def half_engine() -> Engine:
+        config = EngineConfig(
+            shape, CacheConfig(block_size=4, num_blocks=64, dtype="float32"), device="cpu", dtype="float16"
+        )
+        return Engine(config)
+
+    src, dst = half_engine(), half_engine()
+    Feed(shape).step([src], ["s"], 0, 9)  # float32 tensors, computed in float16
+    manifest = src.transfer.export_manifest("s", tenant="")
+    records = [r.copy() for r in src.transfer.export_views(manifest, manifest.expected())]
+    r = records[1]
+    k = np.frombuffer(r.k, np.float32).copy()
+    k[3] = 1e5
+    bad = dataclasses.replace(r, k=k.tobytes(), checksum=checksum(r.layer, r.logical, (k.tobytes(), r.v)))
+    session = dst.transfer.begin_import(manifest, tenant="")
+    with pytest.raises(IncompatibleKV, match=r"holds a K of 100000, past 65504"):
+        dst.transfer.import_records(session, [records[0], bad])
+    dst.transfer.abort_import(session)
+    _unchanged(dst)

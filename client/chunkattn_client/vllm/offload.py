@@ -345,6 +345,11 @@ class Offload:
         tables = metadata.block_table[:rows, :widest].cpu().numpy()
         per_token = (q.shape[1] + (0 if k is None else 2 * k.shape[1])) * q.shape[2] * q.element_size() + 8
         room = self.info.max_message_bytes - MESSAGE_HEADROOM - rows * (4 * widest + 16)
+        if int(starts[-1]) != n:
+            raise OffloadError(
+                f"layer {layer}: vLLM's rows hold {int(starts[-1])} tokens (query_start_loc), its step {n}"
+                " (num_actual_tokens): the plugin sends the rows as they are, and cannot tell which to drop"
+            )
         costs = work.token_work(starts, seq_lens)
         ranges = token_ranges(costs, starts, max(1, room // per_token), self.info.max_call_work)
         prepared = time.perf_counter()

@@ -301,10 +301,12 @@ class KVExchange:
         for name, raw, scale, limit in zip(("K", "V"), (r.k, r.v), scales, bounds, strict=True):
             top = dtypes.max_abs(raw, cache_dtype) * scale
             if top > limit * slack:
+                power = math.log2(limit)
+                shown = f"{limit:g} (2^{int(power)})" if power == int(power) else f"{limit:g}"
                 raise IncompatibleKV(
-                    f"record (layer {r.layer}, block {r.logical}) holds a {name} of {top:g}, past {limit:g} (2^"
-                    f"{int(math.log2(limit))}), the largest |{name.lower()}| Attend takes for this layer and cache:"
-                    " larger values could overflow attention (server.md, limits)"
+                    f"record (layer {r.layer}, block {r.logical}) holds a {name} of {top:g}, past {shown}, the"
+                    f" largest |{name.lower()}| Attend takes for this layer, cache and compute dtype: larger values"
+                    " could overflow attention (server.md, limits)"
                 )
 
     def commit_import(self, session: ImportSession) -> int:
