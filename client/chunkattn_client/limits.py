@@ -20,6 +20,8 @@ MAX_BATCH = 8192
 # metadata holds. Chunked layers keep one chunk, so only this bounds them; a global layer is bounded sooner
 # by the pool (num_blocks * block_size tokens).
 MAX_TOKENS = 2**31 - 1
+# A block space's lease (OpenBlockSpaceRequest.lease_s), in seconds; 0 asks for none.
+MIN_LEASE_S, MAX_LEASE_S = 1.0, 86400.0
 # TransferKV's target address.
 MAX_TARGET_BYTES = 512
 # A bearer token's characters (gRPC's headers are at most 8 KiB in all).

@@ -33,6 +33,7 @@ import pytest
 import torch
 
 from chunkattn_client import BatchEntry
+from chunkattn_client.limits import MAX_LEASE_S
 from chunkattn_client.reference import chunked_attention, within_tolerance
 from chunkattn_client.work import PIECE_WORK
 from chunkattn_server import CacheConfig, EngineConfig
@@ -51,7 +52,7 @@ from chunkattn_server.errors import (
 from chunkattn_server.kv import spaces as spaces_module
 from chunkattn_server.kv.records import Quota
 from chunkattn_server.kv.scales import KVScales
-from chunkattn_server.kv.spaces import MAX_LEASE_S, MAX_SPACES_PER_TENANT, OPEN_WINDOW_S, BlockSpace
+from chunkattn_server.kv.spaces import MAX_SPACES_PER_TENANT, OPEN_WINDOW_S, BlockSpace
 from tests.helpers.blockspace import KVCacheManager
 from tests.helpers.harness import MODELS, NATIVE, Harness
 

@@ -25,11 +25,11 @@ from chunkattn_client._torch import to_torch
 from chunkattn_client._types import BlockSpace
 from chunkattn_client.batch import BlockRows
 from chunkattn_client.client import AttendStream, ChunkAttnClient, ChunkAttnError, ServerInfo
+from chunkattn_client.limits import MAX_LEASE_S, MIN_LEASE_S
 
 Transport = Literal["stream", "unary"]
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_LEASE_S = 30.0
-MIN_LEASE_S, MAX_LEASE_S = 1.0, 86400.0  # the server's bounds (OpenBlockSpaceRequest.lease_s)
 
 log = logging.getLogger("chunkattn_client.vllm")
 

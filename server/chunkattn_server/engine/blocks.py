@@ -111,9 +111,8 @@ def _check_slots(
 
     Worked example, block_size 4: a row with seq_len 6, q_len 2 and table [7, 2] has new tokens at positions 4
     and 5, in block 2 at offsets 0 and 1: slots 8 and 9 (or -1, padding: not written)."""
-    q_lens = np.diff(starts)
-    row = np.repeat(np.arange(len(q_lens)), q_lens)  # [T] each token's row
-    position = seq_lens[row] - (starts[1:][row] - np.arange(len(slots)))  # [T] its key's position in its row
+    row = np.repeat(np.arange(len(seq_lens)), np.diff(starts))  # [T] each token's row
+    position = work.keys_seen(starts, seq_lens) - 1  # [T] its key's position in its row
     where = tables[row, position // block_size] * block_size + position % block_size if len(row) else row
     wrong = (slots >= 0) & (slots != where)
     if wrong.any():
