@@ -47,10 +47,10 @@ test-vllm: install $(VLLM_STAMP)  ## vLLM with the chunkattn plugin against vLLM
 
 # The engine imported from server/ (its engine layer needs no gRPC server; requirements/vllm.txt adds xxhash).
 bench-vllm: $(VLLM_STAMP)  ## benchmarks/vllm_kernel.py: vLLM's CPU attention kernel against the engine (torch, native), same data
-	PYTHONPATH=server $(VLLM_VENV)/bin/python benchmarks/vllm_kernel.py --json docs/bench-vllm-kernel-$$(date +%F).json $(ARGS)
+	PYTHONPATH=server $(VLLM_VENV)/bin/python benchmarks/vllm_kernel.py --json benchmarks/results/bench-vllm-kernel-$$(date +%F).json $(ARGS)
 
 bench-vllm-offload: install $(VLLM_STAMP)  ## benchmarks/vllm_offload.py: vLLM alone against vLLM offloading to a local server
-	$(VLLM_VENV)/bin/python -m benchmarks.vllm_offload --json docs/bench-vllm-offload-$$(date +%F).json $(ARGS)
+	$(VLLM_VENV)/bin/python -m benchmarks.vllm_offload --json benchmarks/results/bench-vllm-offload-$$(date +%F).json $(ARGS)
 
 lint: install  ## ruff and mypy
 	$(BIN)/ruff check .
@@ -72,13 +72,13 @@ bench: install  ## benchmarks/engine.py: ours against the SDPA baselines, on thi
 	$(BIN)/python benchmarks/engine.py $(ARGS)
 
 bench-calls: install  ## benchmarks/calls.py: many clients' decode-sized calls against a plain gRPC echo
-	$(BIN)/python benchmarks/calls.py --json docs/bench-calls-$$(date +%F).json $(ARGS)
+	$(BIN)/python benchmarks/calls.py --json benchmarks/results/bench-calls-$$(date +%F).json $(ARGS)
 
 bench-neighbours: install  ## benchmarks/neighbours.py: one tenant's heaviest allowed requests against another's decodes
-	$(BIN)/python benchmarks/neighbours.py --json docs/bench-neighbours-$$(date +%F).json $(ARGS)
+	$(BIN)/python benchmarks/neighbours.py --json benchmarks/results/bench-neighbours-$$(date +%F).json $(ARGS)
 
 bench-gpu: install  ## benchmarks/gpu.py on a CUDA machine: the triton backend checked, then timed
-	$(BIN)/python benchmarks/gpu.py --json docs/bench-gpu-$$(date +%F).json $(ARGS)
+	$(BIN)/python benchmarks/gpu.py --json benchmarks/results/bench-gpu-$$(date +%F).json $(ARGS)
 
 demo: install  ## a CPU server, a 30 s verified bench with an HTML report (build/demo/), a clean stop
 	$(BIN)/python scripts/demo.py $(ARGS)

