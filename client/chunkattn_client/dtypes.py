@@ -1,7 +1,8 @@
 """The one table of dtypes: names, wire enum, numpy storage, item size, and where each may be used.
 
 Everything else derives from it: the codec (which dtypes travel as q/k/v and outputs), the server's torch
-dtypes, config checks, Info, KV transfer's record sizes, the bench and the reference. No torch here.
+dtypes, config checks, Info, KV transfer's record sizes, the bench and the reference. No torch, gRPC or
+protobuf here (the server's core imports it).
 
 - *wire*: q, k, v and outputs may travel in it (``chunkattn.v1.Tensor``);
 - *cache*: the KV cache may store it (``chunkattn-server --kv-cache-dtype``);
@@ -21,8 +22,6 @@ from functools import cache
 
 import numpy as np
 import numpy.typing as npt
-
-from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 
 __all__ = [
     "BY_WIRE",
@@ -51,7 +50,8 @@ class DType:
     """One element type.
 
     name: the canonical name ("bfloat16", "float8_e4m3"); aliases: other names accepted for it ("fp8").
-    wire: its ``chunkattn.v1.DType`` value (every dtype has one: a KV stream names its cache dtype).
+    wire: its ``chunkattn.v1.DType`` value, ``DTYPE_<NAME>`` (every dtype has one: a KV stream names its cache
+        dtype).
     storage: the numpy dtype its little-endian bytes decode to (bfloat16: uint16 words; float8: uint8 codes).
     torch: the name of its ``torch`` dtype attribute.
     on_wire, in_cache, compute: where it may be used (see the module docstring).
@@ -87,27 +87,29 @@ class DType:
         return self.exponent_bits > 0
 
 
+# wire: the proto's DTYPE_<NAME> numbers, written as plain ints so that this table needs no protobuf or stubs
+# (tests/client/test_dtypes.py checks they are the proto's).
 TABLE: tuple[DType, ...] = (
     DType(
-        "float32", pb.DTYPE_FLOAT32, "<f4", "float32", True, True, True,
+        "float32", 1, "<f4", "float32", True, True, True,
         max=(2 - 2**-23) * 2.0**127, tiny=2.0**-126, nonfinite=(0x7F800000, 0x7F800000),
     ),
     DType(
-        "float16", pb.DTYPE_FLOAT16, "<f2", "float16", True, True, True,
+        "float16", 2, "<f2", "float16", True, True, True,
         max=65504.0, tiny=2.0**-14, nonfinite=(0x7C00, 0x7C00),
     ),
     DType(
-        "bfloat16", pb.DTYPE_BFLOAT16, "<u2", "bfloat16", True, True, True,
+        "bfloat16", 3, "<u2", "bfloat16", True, True, True,
         max=(2 - 2**-7) * 2.0**127, tiny=2.0**-126, nonfinite=(0x7F80, 0x7F80),
     ),
     # torch's float8_e4m3fn: "fn", finite (no infinity; one NaN code per sign), as NVIDIA and vLLM use on CUDA.
     DType(
-        "float8_e4m3", pb.DTYPE_FLOAT8_E4M3, "u1", "float8_e4m3fn", False, True, False,
+        "float8_e4m3", 4, "u1", "float8_e4m3fn", False, True, False,
         aliases=("fp8", "fp8_e4m3", "float8_e4m3fn"), exponent_bits=4, mantissa_bits=3, max=448.0, tiny=2.0**-6,
         nonfinite=(0x7F, 0x7F),  # NaN only: S.1111.111
     ),
     DType(
-        "float8_e5m2", pb.DTYPE_FLOAT8_E5M2, "u1", "float8_e5m2", False, True, False,
+        "float8_e5m2", 5, "u1", "float8_e5m2", False, True, False,
         aliases=("fp8_e5m2",), exponent_bits=5, mantissa_bits=2, max=57344.0, tiny=2.0**-14,
         nonfinite=(0x7C, 0x7C),  # exponent all ones: infinities and NaNs
     ),

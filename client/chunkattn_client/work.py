@@ -14,7 +14,10 @@ kernel (or one kernel launch on a GPU). So a call's work is
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
+import numpy.typing as npt
 
 # What a piece computed apart costs, in query-key pairs: ~0.5 ms on the dev machines' CPU, about what 8,192 pairs
 # cost on the fast paths (docs/results.md, "Neighbours").
@@ -71,3 +74,27 @@ def token_work(starts: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
     cost = keys_seen(starts, seq_lens)
     cost[starts[:-1][np.diff(starts) > 1]] += PIECE_WORK
     return cost
+
+
+def entry_token_work(
+    positions: Sequence[int], lengths: Sequence[int], chunk_size: int
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """Per token of sequence entries (entry r: ``lengths[r]`` new tokens from ``positions[r]`` on, packed in
+    entry order, in a layer of chunk size ``chunk_size``), its share of the work [T] int64, and the tokens where
+    a piece starts [P + 1] int64 (each entry's first token and each first token of a chunk, then T).
+
+    A token's share: the keys it sees, and PIECE_WORK on each piece's first token when its entry brings 2 or
+    more. Their sum over an entry is its ``entry_work``; over a part of it, that part's work or more (a part of one
+    token pays no piece), when the part starts where a piece does (``split.token_ranges`` counts PIECE_WORK more
+    for one that does not).
+    """
+    counts = np.asarray(lengths, dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    tokens = int(starts[-1])
+    row = np.repeat(np.arange(len(counts)), counts)
+    index = np.arange(tokens, dtype=np.int64)
+    position = np.asarray(positions, dtype=np.int64)[row] + index - starts[row]
+    into_chunk = position % chunk_size if chunk_size else position  # keys before it in its chunk
+    first = (index == starts[row]) | (into_chunk == 0)
+    cost = into_chunk + 1 + PIECE_WORK * (first & (counts[row] >= 2))
+    return cost, np.append(np.flatnonzero(first), tokens).astype(np.int64)

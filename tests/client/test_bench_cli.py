@@ -42,6 +42,7 @@ def bench(capsys: pytest.CaptureFixture[str], server: ServerProcess, tmp: Path, 
     return rc, json.loads(out.read_text()) if out.exists() else None
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("transport", ["unary", "stream"])
 def test_counts_agree_with_the_servers_metrics(
     server: ServerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str], transport: str
@@ -84,6 +85,7 @@ def test_counts_agree_with_the_servers_metrics(
     assert lat["p50"] <= lat["p90"] <= lat["p95"] <= lat["p99"] <= lat["max"]
 
 
+@pytest.mark.server
 def test_a_trace_drives_the_exact_lengths_it_lists(
     server: ServerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -108,6 +110,7 @@ def test_a_trace_drives_the_exact_lengths_it_lists(
     assert s["layers_called"] == [0, 3]
 
 
+@pytest.mark.server
 def test_a_timed_run_cuts_sequences_at_the_deadline_and_frees_them(
     server: ServerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -127,6 +130,7 @@ def test_a_timed_run_cuts_sequences_at_the_deadline_and_frees_them(
     assert (info.active_sequences, info.free_blocks) == (0, info.num_blocks)
 
 
+@pytest.mark.server
 def test_sweep_open_loop_and_the_csv(server: ServerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     csv_path = tmp_path / "sweep.csv"
     rc, s = bench(
@@ -168,6 +172,7 @@ def test_sweep_open_loop_and_the_csv(server: ServerProcess, tmp_path: Path, caps
     assert s["open_loop"]["offered_per_s"] == 200
 
 
+@pytest.mark.server
 def test_failed_calls_are_reported_and_fail_the_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A pool too small for the prompt: RESOURCE_EXHAUSTED on every sequence, nothing left allocated."""
     with ServerProcess(*SMALL, "--num-blocks", "8") as small:
@@ -185,6 +190,7 @@ def test_failed_calls_are_reported_and_fail_the_run(tmp_path: Path, capsys: pyte
         assert (info.active_sequences, info.free_blocks) == (0, 8)
 
 
+@pytest.mark.server
 def test_a_server_killed_mid_run_gives_unavailable_and_a_nonzero_exit(tmp_path: Path) -> None:
     with ServerProcess(*SMALL) as doomed:
         out = tmp_path / "killed.json"
@@ -212,6 +218,7 @@ def test_a_server_killed_mid_run_gives_unavailable_and_a_nonzero_exit(tmp_path: 
     assert s["duration_s"] < 60
 
 
+@pytest.mark.server
 def test_verify_covers_alibi_and_kv_sharing_layers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Info carries each layer's ALiBi slopes and KV source, so the bench's reference can recompute any layer."""
     config = tmp_path / "model.json"
@@ -234,6 +241,7 @@ def test_verify_covers_alibi_and_kv_sharing_layers(tmp_path: Path, capsys: pytes
         assert out["verify"]["mismatches"] == 0
 
 
+@pytest.mark.server
 def test_warmup_is_not_measured(server: ServerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     before = server.metrics()
     rc, s = bench(
@@ -249,6 +257,7 @@ def test_warmup_is_not_measured(server: ServerProcess, tmp_path: Path, capsys: p
     assert counter(after, "chunkattn_tokens_total") - counter(before, "chunkattn_tokens_total") > measured
 
 
+@pytest.mark.server
 def test_verify_fails_the_run_on_a_wrong_output_or_too_few_checks(
     server: ServerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -269,6 +278,7 @@ def test_verify_fails_the_run_on_a_wrong_output_or_too_few_checks(
     assert s["verify"]["first_mismatches"][0]["error"] == 1.0
 
 
+@pytest.mark.server
 def test_a_stalled_server_ends_the_run_with_deadline_exceeded(tmp_path: Path) -> None:
     """SIGSTOP: calls on open streams get no answer; the bench's deadlines end the run, and it cleans up."""
     with ServerProcess(*SMALL) as stalled:
@@ -297,6 +307,7 @@ def test_a_stalled_server_ends_the_run_with_deadline_exceeded(tmp_path: Path) ->
             assert c.health() == "SERVING"
 
 
+@pytest.mark.server
 def test_ctrl_c_stops_the_run_and_still_reports(server: ServerProcess, tmp_path: Path) -> None:
     out = tmp_path / "interrupted.json"
     cmd = [CHUNKATTN, "bench", "--target", server.target, "--duration", "120", "--concurrency", "2",
@@ -318,6 +329,7 @@ def test_ctrl_c_stops_the_run_and_still_reports(server: ServerProcess, tmp_path:
         assert c.info().active_sequences == 0
 
 
+@pytest.mark.server
 def test_speculative_decoding_verifies_and_truncates_against_a_real_server(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -345,6 +357,7 @@ def test_speculative_decoding_verifies_and_truncates_against_a_real_server(
     assert out["server"]["kv_blocks_used_after"] == 0
 
 
+@pytest.mark.server
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
@@ -374,6 +387,7 @@ def test_no_server_exits_2_and_says_unavailable(capsys: pytest.CaptureFixture[st
     assert "UNAVAILABLE" in capsys.readouterr().err
 
 
+@pytest.mark.server
 def test_info_and_health(server: ServerProcess, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["info", "--target", server.target]) == 0
     text = capsys.readouterr().out
@@ -387,6 +401,7 @@ def test_info_and_health(server: ServerProcess, capsys: pytest.CaptureFixture[st
     assert "unreachable (UNAVAILABLE" in capsys.readouterr().out
 
 
+@pytest.mark.server
 def test_the_console_script_is_installed(server: ServerProcess) -> None:
     r = subprocess.run([CHUNKATTN, "health", "--target", server.target], capture_output=True, text=True, timeout=60)
     assert (r.returncode, r.stdout.strip()) == (0, "SERVING")
@@ -430,6 +445,7 @@ def colour_pixels(png: Path) -> dict[str, int]:
     return counts
 
 
+@pytest.mark.server
 @pytest.mark.skipif(CHROMIUM is None, reason=NO_CHROMIUM)
 def test_the_html_report_renders_with_its_plots_in_chromium(
     server: ServerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]

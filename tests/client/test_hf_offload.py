@@ -32,6 +32,8 @@ from chunkattn_client.hfconfig import HFConfigError
 from examples.hf_offload import build_model, example_config, max_logit_difference, prompts_of
 from tests.helpers.server_process import ServerProcess
 
+pytestmark = pytest.mark.server
+
 PROMPTS = [20, 7, 33]  # rows of different lengths; the prefill crosses the boundaries at 16 and 32
 NEW = 20  # decoding to 40, 27 and 53 tokens crosses the next boundaries (32, 16 and 48)
 LAYERS = 4

@@ -23,8 +23,8 @@ from chunkattn_client.client import connection_lost
 from tests.helpers.grpc_fakes import FakeCall
 from tests.helpers.reset_proxy import ResettingProxy
 from tests.helpers.server_process import SMALL, ServerProcess
+from tests.helpers.tensors import qkv
 
-H, HKV, D = 4, 2, 16
 LOST = "the connection to the server was lost mid-call"
 RESET = "Stream removed (RST_STREAM (Received RST_STREAM with error code 2))"  # gRPC 1.85, through Envoy
 
@@ -66,11 +66,6 @@ def test_other_errors_keep_their_status_and_message(code: grpc.StatusCode, detai
     assert not connection_lost(code, details)
 
 
-def qkv(n: int) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(n)
-    return rng.standard_normal((n, H, D), dtype=np.float32), rng.standard_normal((n, HKV, D), dtype=np.float32)
-
-
 def kill(server: ServerProcess) -> None:
     """SIGKILL: no drain, no goodbye, as a replica that crashes or is OOM-killed."""
     server.proc.send_signal(signal.SIGKILL)
@@ -92,48 +87,51 @@ def relayed(server: ServerProcess, via: str) -> Iterator[str]:
             yield proxy.target
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("via", ["envoy-like proxy", "direct"])
 def test_a_sync_stream_whose_server_is_killed_raises_unavailable(via: str) -> None:
-    q, k = qkv(2)
+    q, k, v = qkv(np.random.default_rng(2), 2)
     with (
         ServerProcess(*SMALL, "--idle-timeout-s", "0") as server,
         relayed(server, via) as target,
         ChunkAttnClient(target, timeout_s=60) as client,
         client.stream() as stream,
     ):
-        stream.attend(0, [BatchEntry("a", 0, 2)], q, k, k)
+        stream.attend(0, [BatchEntry("a", 0, 2)], q, k, v)
         kill(server)
         with pytest.raises(ChunkAttnError) as err:
-            stream.attend(0, [BatchEntry("a", 2, 2)], q, k, k)
+            stream.attend(0, [BatchEntry("a", 2, 2)], q, k, v)
         assert_lost(err.value)
         with pytest.raises(ChunkAttnError) as again:  # the stream stays broken, for the same reason
-            stream.attend(0, [BatchEntry("a", 4, 2)], q, k, k)
+            stream.attend(0, [BatchEntry("a", 4, 2)], q, k, v)
         assert (again.value.code, again.value.message) == (err.value.code, err.value.message)
 
 
+@pytest.mark.server
 def test_an_asyncio_stream_whose_server_is_killed_raises_unavailable() -> None:
-    q, k = qkv(2)
+    q, k, v = qkv(np.random.default_rng(2), 2)
 
     async def main(target: str, server: ServerProcess) -> None:
         async with AsyncChunkAttnClient(target, timeout_s=60) as client, client.stream() as stream:
-            await stream.attend(0, [BatchEntry("a", 0, 2)], q, k, k)
+            await stream.attend(0, [BatchEntry("a", 0, 2)], q, k, v)
             kill(server)
             with pytest.raises(ChunkAttnError) as err:
-                await stream.attend(0, [BatchEntry("a", 2, 2)], q, k, k)
+                await stream.attend(0, [BatchEntry("a", 2, 2)], q, k, v)
             assert_lost(err.value)
 
     with ServerProcess(*SMALL, "--idle-timeout-s", "0") as server, ResettingProxy(server.port) as proxy:
         asyncio.run(main(proxy.target, server))
 
 
+@pytest.mark.server
 def test_an_export_whose_server_is_killed_raises_unavailable() -> None:
     """ExportKV (asyncio): the server is stopped before it answers, then killed while the export waits."""
-    q, k = qkv(8)
+    q, k, v = qkv(np.random.default_rng(8), 8)
 
     async def main(proxy: ResettingProxy, server: ServerProcess) -> None:
         async with AsyncChunkAttnClient(proxy.target, timeout_s=60) as client:
             for layer in range(4):
-                await client.attend(layer, [BatchEntry("a", 0, 8)], q, k, k)
+                await client.attend(layer, [BatchEntry("a", 0, 8)], q, k, v)
             server.proc.send_signal(signal.SIGSTOP)
             opened = proxy.streams
             first = asyncio.ensure_future(anext(client.export_kv("a")))
@@ -148,16 +146,17 @@ def test_an_export_whose_server_is_killed_raises_unavailable() -> None:
         asyncio.run(main(proxy, server))
 
 
+@pytest.mark.server
 def test_an_import_whose_server_is_killed_mid_stream_raises_unavailable() -> None:
     """ImportKV (sync): the server is killed after the first chunks were sent, before the rest."""
-    q, k = qkv(8)
+    q, k, v = qkv(np.random.default_rng(8), 8)
     with (
         ServerProcess(*SMALL, "--idle-timeout-s", "0") as server,
         ResettingProxy(server.port) as proxy,
         ChunkAttnClient(proxy.target, timeout_s=60) as client,
     ):
         for layer in range(4):
-            client.attend(layer, [BatchEntry("a", 0, 8)], q, k, k)
+            client.attend(layer, [BatchEntry("a", 0, 8)], q, k, v)
         chunks = list(client.export_kv("a", max_message_bytes=4096))
         assert len(chunks) > 2
 

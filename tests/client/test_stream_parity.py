@@ -25,6 +25,7 @@ from chunkattn_client._stream import failure
 from tests.helpers.grpc_fakes import FakeCall
 from tests.helpers.reset_proxy import ResettingProxy
 from tests.helpers.server_process import SMALL, ServerProcess
+from tests.helpers.tensors import qkv
 
 H, HKV, D = 4, 2, 16
 LOST = "the connection to the server was lost mid-call"
@@ -125,15 +126,10 @@ def side_for(kind: str, target: str, timeout_s: float | None = 60) -> Iterator[S
         side.shutdown()
 
 
-def qkv(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return rng.standard_normal((n, H, D), dtype=np.float32), rng.standard_normal((n, HKV, D), dtype=np.float32)
-
-
 def call(seq_id: str, position: int, n: int = 1) -> tuple[Any, ...]:
     """attend's arguments: layer 0, one sequence's ``n`` tokens from ``position``."""
-    q, k = qkv(n, position)
-    return 0, [BatchEntry(seq_id, position, n)], q, k, k
+    q, k, v = qkv(np.random.default_rng(position), n)
+    return 0, [BatchEntry(seq_id, position, n)], q, k, v
 
 
 def failing(side: Side, stream: Any, *args: Any) -> ChunkAttnError:
@@ -164,6 +160,7 @@ def stopped(server: ServerProcess) -> Iterator[None]:
 KINDS = pytest.mark.parametrize("kind", list(SIDES))
 
 
+@pytest.mark.server
 @KINDS
 def test_calls_are_answered_as_the_reference_answers_them(server: ServerProcess, kind: str) -> None:
     ref = ReferenceModel([16, 16, 16, 0])
@@ -171,13 +168,14 @@ def test_calls_are_answered_as_the_reference_answers_them(server: ServerProcess,
         stream = side.stream()
         for layer in range(4):
             for entries in ([BatchEntry(f"{kind}-a", 0, 20)], [BatchEntry(f"{kind}-a", 20, 1)]):
-                q, k = qkv(entries[0].num_tokens, layer)
-                out = side.attend(stream, layer, entries, q, k, k)
-                assert np.abs(out - ref.attend(layer, entries, q, k, k)).max() < 1e-5
+                q, k, v = qkv(np.random.default_rng(layer), entries[0].num_tokens)
+                out = side.attend(stream, layer, entries, q, k, v)
+                assert np.abs(out - ref.attend(layer, entries, q, k, v)).max() < 1e-5
         side.close(stream)
         assert side.release([f"{kind}-a"]) == 1
 
 
+@pytest.mark.server
 @KINDS
 def test_a_failed_call_leaves_the_stream_usable(server: ServerProcess, kind: str) -> None:
     seq = f"{kind}-usable"
@@ -194,6 +192,7 @@ def test_a_failed_call_leaves_the_stream_usable(server: ServerProcess, kind: str
         side.release([seq])
 
 
+@pytest.mark.server
 @KINDS
 def test_a_call_without_an_answer_times_out_and_cancels_the_stream(server: ServerProcess, kind: str) -> None:
     seq = f"{kind}-late"
@@ -214,6 +213,7 @@ def test_a_call_without_an_answer_times_out_and_cancels_the_stream(server: Serve
         side.release([seq])
 
 
+@pytest.mark.server
 @KINDS
 def test_an_interrupted_call_cancels_the_stream(server: ServerProcess, kind: str) -> None:
     seq = f"{kind}-interrupted"
@@ -230,6 +230,7 @@ def test_an_interrupted_call_cancels_the_stream(server: ServerProcess, kind: str
         side.release([seq])
 
 
+@pytest.mark.server
 @KINDS
 def test_a_cancelled_stream_fails_every_later_call(server: ServerProcess, kind: str) -> None:
     seq = f"{kind}-cancelled"
@@ -245,6 +246,7 @@ def test_a_cancelled_stream_fails_every_later_call(server: ServerProcess, kind: 
         side.release([seq])
 
 
+@pytest.mark.server
 @KINDS
 def test_a_closed_stream_has_ended(server: ServerProcess, kind: str) -> None:
     seq = f"{kind}-closed"
@@ -259,6 +261,7 @@ def test_a_closed_stream_has_ended(server: ServerProcess, kind: str) -> None:
         side.release([seq])
 
 
+@pytest.mark.server
 @KINDS
 @pytest.mark.parametrize("via", ["direct", "envoy-like proxy"])
 def test_a_lost_connection_is_unavailable_for_this_call_and_every_later_one(kind: str, via: str) -> None:

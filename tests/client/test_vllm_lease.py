@@ -14,13 +14,11 @@ from pathlib import Path
 import pytest
 
 from chunkattn_client import ChunkAttnClient
-from chunkattn_client.vllm.offload import LayerShape, Offload, OffloadError, PluginConfig
+from chunkattn_client.vllm.offload import Offload, OffloadError, PluginConfig
 from tests.helpers.server_process import SMALL, ServerProcess, counter
+from tests.helpers.vllm_layers import LAYERS
 
 ROOT = Path(__file__).resolve().parents[2]
-LAYERS = [
-    LayerShape(i, 4, 2, 16, 0.25, c, None, (), "auto", "float32") for i, c in enumerate((16, 16, 16, 0))
-]  # SMALL's, as vLLM's layers would describe it
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +27,7 @@ def server() -> Iterator[ServerProcess]:
         yield s
 
 
+@pytest.mark.server
 def test_an_idle_worker_keeps_its_space_by_renewing_it(server: ServerProcess) -> None:
     config = PluginConfig(target=server.target, lease_s=1.0, transport="unary")
     offload = Offload(config, LAYERS, 16, 4, [0, 1, 2, 3])
@@ -50,13 +49,14 @@ WORKER = """
 import sys, time
 from chunkattn_client.vllm.offload import Offload, PluginConfig
 sys.path.insert(0, sys.argv[2])
-from tests.client.test_vllm_lease import LAYERS
+from tests.helpers.vllm_layers import LAYERS
 offload = Offload(PluginConfig(target=sys.argv[1], lease_s=1.0), LAYERS, 16, 4, [0, 1, 2, 3])
 print(offload.space_id, flush=True)
 time.sleep(600)
 """
 
 
+@pytest.mark.server
 def test_a_killed_workers_space_goes_after_its_lease(server: ServerProcess) -> None:
     worker = subprocess.Popen(
         [sys.executable, "-c", WORKER, server.target, str(ROOT)], stdout=subprocess.PIPE, text=True

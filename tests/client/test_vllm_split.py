@@ -1,6 +1,6 @@
 """The vLLM plugin's split of a step too large for one message, or for the server's bound on one call's work
-(chunkattn_client.vllm.offload): consecutive token ranges within both budgets, each row cut so that every
-token sees exactly the keys it saw in the whole step. Runs without vLLM (the module imports torch, not vLLM)."""
+(chunkattn_client.split, as chunkattn_client.vllm.offload uses it): consecutive token ranges within both budgets,
+each row cut so that every token sees exactly the keys it saw in the whole step. Runs without vLLM or torch."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from chunkattn_client.vllm.offload import block_part, token_ranges
+from chunkattn_client.split import block_part, token_ranges
 from chunkattn_client.work import PIECE_WORK, keys_seen, token_work
 
 

@@ -48,6 +48,7 @@ from chunkattn_client.bench.workload import (
     steps,
 )
 from chunkattn_client.client import ChunkAttnError, ServerInfo
+from chunkattn_client.split import message_limit, tokens_per_call
 
 
 class Bench:
@@ -71,11 +72,12 @@ class Bench:
                 f" server keeps {info.spec_window} before a chunked layer's current chunk, so a verify call across"
                 f" a chunk boundary could not be truncated: start it with --spec-window {config.spec_tokens} or more"
             )
-        sent, _ = call_bytes(info, config.dtype, biggest, writes_kv=True)
-        limit = min(info.max_message_bytes, client.max_message_bytes)
-        if sent + (1 << 16) > limit:
+        per_token, _ = call_bytes(info, config.dtype, 1, writes_kv=True)
+        limit = message_limit(info.max_message_bytes, client.max_message_bytes)
+        if tokens_per_call(per_token, limit) < biggest:
             raise WorkloadError(
-                f"a {biggest}-token call carries {sent} bytes of tensors, over the message limit of {limit}"
+                f"a {biggest}-token call carries {biggest * per_token} bytes of tensors, over the message limit of"
+                f" {limit}"
                 f" (server {info.max_message_bytes}, client {client.max_message_bytes}); pass a smaller"
                 " --prefill-chunk"
             )

@@ -19,16 +19,15 @@ Llama 4's NoPE layers scale queries by a factor of the position ("attention temp
 a transformers cache the model computes it from position 0 in every forward; the attention function
 corrects it to the true positions (it changes nothing below ``floor_scale - 1``, 8191 by default).
 
-Modules: ``attention`` (the function transformers calls, its registration, and each layer's tensors: calls
-under the message limit, Llama 4's query correction), ``session`` (OffloadSession: the server's check,
-the rows' sequences and positions, forward, truncate, generate) and ``generate`` (greedy decoding, the
-Generation result, and the same generation by transformers alone). This package is the only part of the
-client that imports torch and transformers.
+Modules: ``attention`` (the function transformers calls, its registration, and Llama 4's query correction),
+``session`` (OffloadSession: the server's check, the rows' sequences and positions, each layer's calls under
+the message limit and the work bound (``chunkattn_client.split``), forward, truncate, generate) and
+``generate`` (greedy decoding, the Generation result, and the same generation by transformers alone). This
+package is the only part of the client that imports torch and transformers.
 """
 
 from __future__ import annotations
 
-from chunkattn_client.hf.attention import MESSAGE_HEADROOM as MESSAGE_HEADROOM
 from chunkattn_client.hf.attention import NAME as NAME
 from chunkattn_client.hf.attention import UNSUPPORTED as UNSUPPORTED
 from chunkattn_client.hf.attention import SessionError as SessionError
@@ -37,3 +36,4 @@ from chunkattn_client.hf.generate import generate_locally as generate_locally
 from chunkattn_client.hf.generate import greedy as greedy
 from chunkattn_client.hf.session import OffloadSession as OffloadSession
 from chunkattn_client.hf.session import Transport as Transport
+from chunkattn_client.split import MESSAGE_HEADROOM as MESSAGE_HEADROOM

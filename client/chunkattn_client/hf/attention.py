@@ -1,7 +1,7 @@
 """The transformers attention implementation "chunkattn": the function transformers calls (registered on
 import), which hands each layer to the open OffloadSession, and the per-layer tensor work the session does
-with it: rows' tokens cut into Attend calls under the message limit, Llama 4 NoPE layers' query temperature
-corrected to the true positions, and the server's answers back as torch tensors."""
+with it: Llama 4 NoPE layers' query temperature corrected to the true positions. (The rows' tokens are cut into
+Attend calls by ``chunkattn_client.split``.)"""
 
 from __future__ import annotations
 
@@ -11,14 +11,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import AttentionInterface
 
-from chunkattn_client import work
-
 if TYPE_CHECKING:
     from chunkattn_client.hf.session import OffloadSession
 
 NAME = "chunkattn"
 UNSUPPORTED = ("sliding_window", "softcap", "s_aux")  # attention variants some models pass; none served here
-MESSAGE_HEADROOM = 64 << 10  # an Attend request's bytes beyond q, k and v: entries and framing
 
 active: contextvars.ContextVar[OffloadSession | None] = contextvars.ContextVar("chunkattn_hf_session", default=None)
 
@@ -48,49 +45,6 @@ def _attention(
 
 
 AttentionInterface.register(NAME, _attention)
-
-
-def split_calls(
-    lengths: list[int], budget: int, positions: list[int] | None = None, chunk_size: int = 0, max_work: int = 0
-) -> list[list[tuple[int, int, int]]]:
-    """Rows' tokens cut into calls of at most ``budget`` tokens and, with ``max_work``, at most that much work
-    (Info's max_call_work, chunkattn_client.work; row r's tokens start at ``positions[r]`` in a layer of chunk
-    size ``chunk_size``): per call, (row, first token, count). A token that alone costs more than ``max_work``
-    is a call of its own: the server refuses it, saying why."""
-    calls: list[list[tuple[int, int, int]]] = []
-    current: list[tuple[int, int, int]] = []
-    used = spent = 0
-    for r, total in enumerate(lengths):
-        done = 0
-        while done < total:
-            want = min(total - done, budget - used)
-            n = want
-            if max_work and positions is not None:
-                n = _fitting(positions[r] + done, want, chunk_size, max_work - spent)
-                if not n and not current:
-                    n = 1  # alone past the bound
-                spent += work.entry_work(positions[r] + done, n, chunk_size)
-            if n:
-                current.append((r, done, n))
-                used, done = used + n, done + n
-            if n < want or used == budget:  # the call is full (its tokens or its work): a row once per call
-                calls.append(current)
-                current, used, spent = [], 0, 0
-    if current:
-        calls.append(current)
-    return calls
-
-
-def _fitting(position: int, most: int, chunk_size: int, room: int) -> int:
-    """The most tokens (up to ``most``) from ``position`` on whose work fits in ``room``."""
-    lo, hi = 0, most  # work.entry_work grows with the token count: bisect
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if work.entry_work(position, mid, chunk_size) <= room:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 def temperature_corrected(module: torch.nn.Module, query: torch.Tensor, starts: list[int]) -> torch.Tensor:

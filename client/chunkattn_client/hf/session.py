@@ -20,15 +20,9 @@ from chunkattn_client import hfconfig
 from chunkattn_client._torch import to_torch
 from chunkattn_client.batch import BatchEntry
 from chunkattn_client.client import AttendStream, ChunkAttnClient, ServerInfo, Truncated
-from chunkattn_client.hf.attention import (
-    MESSAGE_HEADROOM,
-    NAME,
-    SessionError,
-    active,
-    split_calls,
-    temperature_corrected,
-)
+from chunkattn_client.hf.attention import NAME, SessionError, active, temperature_corrected
 from chunkattn_client.hf.generate import Generation, greedy
+from chunkattn_client.split import entry_calls, message_limit, tokens_per_call
 
 Transport = Literal["unary", "stream"]
 
@@ -249,11 +243,12 @@ class OffloadSession:
             raise SessionError(f"layer {layer}'s softmax scale is {scaling}; the server uses {served}")
         query = temperature_corrected(module, query, [held[layer] for held in self._lengths])
         per_token = (heads + 2 * key.shape[1]) * dim * query.element_size()
-        limit = min(self.info.max_message_bytes, self.client.max_message_bytes) - MESSAGE_HEADROOM
+        limit = message_limit(self.info.max_message_bytes, self.client.max_message_bytes)
+        budget = max(1, tokens_per_call(per_token, limit))  # one token past the limit: the server says why
         result = query.new_zeros((batch, width, heads, dim))
         starts = [held[layer] for held in self._lengths]
         chunk, bound = self.info.layers[layer].chunk_size, self.info.max_call_work
-        for pieces in split_calls(lengths, max(1, limit // per_token), starts, chunk, bound):
+        for pieces in entry_calls(lengths, budget, starts, chunk, bound):
             entries = [BatchEntry(self._ids[r], self._lengths[r][layer], n) for r, _, n in pieces]
 
             def packed(t: torch.Tensor, pieces: list[tuple[int, int, int]] = pieces) -> torch.Tensor:

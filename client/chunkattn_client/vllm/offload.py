@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -26,6 +26,7 @@ from chunkattn_client._types import BlockSpace
 from chunkattn_client.batch import BlockRows
 from chunkattn_client.client import AttendStream, ChunkAttnClient, ChunkAttnError, ServerInfo
 from chunkattn_client.limits import MAX_LEASE_S, MIN_LEASE_S
+from chunkattn_client.split import block_part, message_limit, token_ranges, tokens_per_call
 
 Transport = Literal["stream", "unary"]
 DEFAULT_TIMEOUT_S = 60.0
@@ -183,58 +184,6 @@ def first_difference(info: ServerInfo, layers: Sequence[LayerShape], block_size:
     return None
 
 
-MESSAGE_HEADROOM = 64 << 10  # a request's bytes beyond its tensors and tables: fields and framing
-
-
-def token_ranges(costs: np.ndarray, starts: np.ndarray, budget: int, max_work: int = 0) -> list[tuple[int, int]]:
-    """A step's tokens [0, T) in consecutive ranges (one call each) of at most ``budget`` tokens and, with
-    ``max_work``, at most that much work (the server's Info.max_call_work); ``costs`` [T]: each token's share
-    of the step's work (``work.token_work``), ``starts``: the rows' query_start_loc. A range that starts inside
-    a row counts PIECE_WORK more (that row's rest is a row of its own there). A token that alone costs more than
-    ``max_work`` is a range of its own: the server refuses it, saying why."""
-    tokens = len(costs)
-    if not tokens:
-        return [(0, 0)]
-    total = np.concatenate([[0], np.cumsum(costs, dtype=np.float64)])  # float: no overflow, exact below 2^53
-    row_start = np.zeros(tokens + 1, dtype=bool)
-    row_start[starts] = True
-    ranges, first = [], 0
-    while first < tokens:
-        last = min(tokens, first + budget)
-        if max_work:
-            room = max_work - (0 if row_start[first] else work.PIECE_WORK)
-            fits = int(np.searchsorted(total, total[first] + room, side="right")) - 1
-            last = min(last, max(fits, first + 1))
-        ranges.append((first, last))
-        first = last
-    return ranges
-
-
-class BlockPart(NamedTuple):
-    """The rows of a step's tokens [first, last): which rows (indices), their query_start_loc rebased to the
-    range, and their seq_lens cut after the range's last token."""
-
-    rows: np.ndarray
-    starts: np.ndarray
-    seq_lens: np.ndarray
-
-
-def block_part(starts: np.ndarray, seq_lens: np.ndarray, first: int, last: int) -> BlockPart:
-    """The part of a step (rows with query_start_loc ``starts`` [R + 1] and ``seq_lens`` [R]) that its tokens
-    [first, last) make: every row with a token there, each cut to those tokens. A row cut in two is two
-    calls in order: the first writes its tokens' K/V, which the second reads back through the block table
-    as the keys before its own (its seq_len counts them)."""
-    ends = starts[1:]
-    rows = np.flatnonzero((starts[:-1] < last) & (ends > first))
-    if not len(rows):  # no tokens: the one empty row vLLM would send
-        rows = np.array([0]) if len(seq_lens) else np.array([], dtype=np.int64)
-    lo = np.maximum(starts[rows], first)
-    hi = np.minimum(ends[rows], last)
-    cut = seq_lens[rows] - (ends[rows] - hi)  # keys up to the range's last token of the row
-    bounds = np.concatenate([[0], np.cumsum(hi - lo)]).astype(np.int64)
-    return BlockPart(rows, bounds, cut)
-
-
 class Offload:
     """A worker's server link: checks the server against ``layers`` and opens a block space of
     ``num_blocks`` blocks of ``block_size`` tokens laid out in ``planes`` (per layer; vLLM's KV tensors:
@@ -331,8 +280,8 @@ class Offload:
     ) -> None:
         """One layer's step: vLLM's attention metadata (query_start_loc, seq_lens, block_table, slot_mapping,
         num_actual_tokens) and its q/k/v rows; the answer goes into ``output``'s first rows, in place. A step
-        larger than the server's messages, or than the work it takes in one call (Info's max_call_work), goes
-        in several calls, in token order (``token_ranges``)."""
+        larger than a message (the server's or the client's limit), or than the work the server takes in one call
+        (Info's max_call_work), goes in several calls, in token order (``split.token_ranges``)."""
         started = time.perf_counter()
         n = int(metadata.num_actual_tokens)
         if n == 0:
@@ -344,14 +293,15 @@ class Offload:
         widest = -(-int(seq_lens.max(initial=0)) // self.info.block_size)  # columns past it are not read
         tables = metadata.block_table[:rows, :widest].cpu().numpy()
         per_token = (q.shape[1] + (0 if k is None else 2 * k.shape[1])) * q.shape[2] * q.element_size() + 8
-        room = self.info.max_message_bytes - MESSAGE_HEADROOM - rows * (4 * widest + 16)
+        limit = message_limit(self.info.max_message_bytes, self.client.max_message_bytes)
+        budget = max(1, tokens_per_call(per_token, limit, fixed=rows * (4 * widest + 16)))
         if int(starts[-1]) != n:
             raise OffloadError(
                 f"layer {layer}: vLLM's rows hold {int(starts[-1])} tokens (query_start_loc), its step {n}"
                 " (num_actual_tokens): the plugin sends the rows as they are, and cannot tell which to drop"
             )
         costs = work.token_work(starts, seq_lens)
-        ranges = token_ranges(costs, starts, max(1, room // per_token), self.info.max_call_work)
+        ranges = token_ranges(costs, starts, budget, self.info.max_call_work)
         prepared = time.perf_counter()
         for first, last in ranges:
             part = block_part(starts, seq_lens, first, last)
