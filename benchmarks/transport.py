@@ -14,7 +14,7 @@ stack the real server runs on, with a generic handler and identity (de)serialise
 serialised AttendRequest bytes and answers with a precomputed bytes object as long as the serialised
 AttendResponse: the same bytes up and the same number of bytes down as Attend, and nothing else. Both
 channels use the same options (max message sizes), and the echo process gets the glibc malloc thresholds the
-server gives itself (chunkattn_server/allocator.py), through MALLOC_*_THRESHOLD_: without them its cost per
+server gives itself (chunkattn_server/malloc.py), through MALLOC_*_THRESHOLD_: without them its cost per
 message depended on what it had received before (glibc adapts its thresholds to the largest blocks freed),
 which moved the KV row's baseline between ~1,400 and ~2,200 MB/s from run to run. This process (the client
 of both) imports chunkattn_server for those numbers and for the engines of the KV row's last line, and with
@@ -77,7 +77,7 @@ import torch
 from chunkattn_client import BatchEntry, chunked_attention, codec, wire
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_client.client import ChunkAttnClient, attend_request, channel_options
-from chunkattn_server import Engine, allocator
+from chunkattn_server import Engine, malloc
 from chunkattn_server.__main__ import engine_config
 from chunkattn_server.flags import parse
 from chunkattn_server.service import kvwire
@@ -223,11 +223,11 @@ def start_echo() -> Child:
     """The echo, with the malloc thresholds the chunkattn server sets itself (given through the environment,
     so that the echo process stays plain gRPC: it imports neither chunkattn_server nor torch)."""
     argv = [sys.executable, os.path.abspath(__file__), "--echo-server"]
-    malloc = {
-        "MALLOC_MMAP_THRESHOLD_": str(allocator.MMAP_THRESHOLD),
-        "MALLOC_TRIM_THRESHOLD_": str(allocator.TRIM_THRESHOLD),
+    thresholds = {
+        "MALLOC_MMAP_THRESHOLD_": str(malloc.MMAP_THRESHOLD),
+        "MALLOC_TRIM_THRESHOLD_": str(malloc.TRIM_THRESHOLD),
     }
-    return Child("echo server", argv, re.compile(r"echo serving on 127\.0\.0\.1:(\d+)"), env=malloc)
+    return Child("echo server", argv, re.compile(r"echo serving on 127\.0\.0\.1:(\d+)"), env=thresholds)
 
 
 # -- the echo server (runs in its own process: `transport.py --echo-server`) -------------------------
@@ -474,8 +474,8 @@ def engine_work(model: Model, plan: Plan) -> tuple[dict[str, float], str]:
     As in the servers, each exported message is dropped once encoded (it was sent), and each imported one
     is read just after it was written: a fresh copy of a message, as gRPC's receive makes, untimed. The
     import is then aborted, untimed. This process takes the servers' malloc thresholds for it
-    (chunkattn_server/allocator.py), after every row that gRPC times."""
-    malloc = allocator.keep_freed_memory()
+    (chunkattn_server/malloc.py), after every row that gRPC times."""
+    setting = malloc.keep_freed_memory()
     config = engine_config(parse(model.kv_server_args()))
     source, target = Engine(config), Engine(config)
     for pos, n, q, k, v in _kv_prompt(model, plan):
@@ -502,7 +502,7 @@ def engine_work(model: Model, plan: Plan) -> tuple[dict[str, float], str]:
         import_s.append(spent)
         target.transfer.abort_import(session)
     cpu_ms = {"export": 1e3 * statistics.median(export_s[1:]), "import": 1e3 * statistics.median(import_s[1:])}
-    return cpu_ms, malloc
+    return cpu_ms, setting
 
 
 class CpuTimes:

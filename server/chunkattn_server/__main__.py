@@ -13,7 +13,7 @@ import sys
 
 from chunkattn_client import hfconfig
 from chunkattn_client.limits import token_problem
-from chunkattn_server import allocator
+from chunkattn_server import malloc
 from chunkattn_server.config import (
     CacheConfig,
     EngineConfig,
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     check(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    log.info("%s", allocator.keep_freed_memory())
+    log.info("%s", malloc.keep_freed_memory())
     try:
         server = ServerConfig(
             host=args.host,

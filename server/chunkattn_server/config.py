@@ -160,6 +160,11 @@ class ModelShape:
     def num_layers(self) -> int:
         return len(self.layers)
 
+    @property
+    def kv_sources(self) -> tuple[int | None, ...]:
+        """Per layer, the layer whose KV cache it reads (KV sharing), None for its own."""
+        return tuple(spec.kv_source for spec in self.layers)
+
     def spec(self, layer: object) -> LayerSpec:
         """The spec of layer ``layer``; UnknownLayer (a client's error) when there is no such layer."""
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < len(self.layers):
@@ -249,7 +254,7 @@ class EngineConfig:
             except dtypes.DTypeError as e:
                 raise ConfigError(f"{e} (or auto: bfloat16 on CUDA, float32 on the CPU)") from None
         if self.cache.scales is not None:
-            self.cache.scales.per_layer(self.model)  # checked now
+            self.cache.scales.per_layer(self.model.kv_sources)  # checked now
         bs = self.cache.block_size
         for i, spec in enumerate(self.model.layers):
             if spec.chunk_size % bs:
@@ -441,7 +446,7 @@ def check_together(engine: EngineConfig, server: ServerConfig) -> None:
     tenant is stored over, so one tenant could choose (or ruin: a first write of huge or tiny values) the
     quantization of the others' KV."""
     scales = engine.cache.scales
-    calibrating = scales is not None and scales.calibrate and None in scales.per_layer(engine.model)
+    calibrating = scales is not None and scales.calibrate and None in scales.per_layer(engine.model.kv_sources)
     if server.auth_tokens is not None and calibrating:
         raise ConfigError(
             "--kv-scales calibrate lets the first write of any client set the float8 scales of every tenant's KV:"

@@ -23,7 +23,6 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from chunkattn_client._channel import MIN_KEEPALIVE_S, channel_options
-from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_server import http, reflection
 from chunkattn_server.config import EngineConfig, ServerConfig, check_together
 from chunkattn_server.engine.core import Engine
@@ -31,13 +30,12 @@ from chunkattn_server.engine.scheduler import Scheduler
 from chunkattn_server.engine.types import EngineStats
 from chunkattn_server.errors import ConfigError
 from chunkattn_server.metrics import Metrics
-from chunkattn_server.service.attend import ChunkAttnService
+from chunkattn_server.service.app import SERVICE_NAME, ChunkAttnService
 from chunkattn_server.service.auth import Authenticator, Gate
 from chunkattn_server.service.tls import ServerTLS, transfer_credentials
 
 log = logging.getLogger("chunkattn_server")
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ChunkAttn"].full_name
 # At most this many calls open at once on one connection (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS): a client
 # that opens more waits for one to end (its channel queues them), so one connection cannot pile up calls
 # without bound. gRPC's own default sets no limit.
@@ -61,11 +59,68 @@ EXCLUSIVE_PORT = [("grpc.so_reuseport", 0)]
 
 async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
     """Run until SIGTERM/SIGINT, then shut down gracefully."""
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):  # first: a signal while the pool is allocated still drains
         loop.add_signal_handler(sig, stop.set)
-    # Credentials and ports are checked before the pool is allocated: a mistake fails at once, not after a minute.
+    auth, tls = _checked_before_the_pool(engine_config, config)
+    metrics = Metrics()
+    # The probes answer from the start ("starting" while the pool is allocated, which may take a minute).
+    probe = http.Probe()
+    stop_http = _start_http(config, metrics, probe)
+    scheduler = _start_engine(engine_config, config, metrics)  # allocates the KV pool: SERVING only after this
+    server = _grpc_server(config, auth, tls is not None and tls.mutual, metrics)
+    await scheduler.run("quotas", _quotas(auth))
+    if auth.enabled:
+        metrics.watch_tenants(lambda: (auth.tenants.by_name, scheduler.stats))
+    service = ChunkAttnService(scheduler, metrics, config, auth)
+    health_servicer = _add_services(server, service)
+    try:
+        port = _listen(server, config, tls)
+    except OSError:
+        scheduler.stop()
+        if stop_http is not None:
+            stop_http()
+        raise
+    heartbeat = asyncio.create_task(probe.heartbeat())
+    await server.start()
+    await _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
+    probe.state = "serving"
+    _log_serving(engine_config, config, scheduler, port, tls, auth)
+    loop.add_signal_handler(signal.SIGHUP, _reloader(tls, auth, scheduler))
+    sweeper = asyncio.create_task(_sweep_idle(scheduler, metrics, config.idle_timeout_s, service.spaces_opened))
+
+    await stop.wait()
+    log.info("draining: NOT_SERVING, refusing new calls, %.1f s for calls in flight", config.grace_s)
+    probe.state = "draining"
+    await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
+    service.drain()
+    await _cancel(sweeper)
+    try:
+        # Load balancers learn of the drain from health checks: until they have, they still send calls here,
+        # which the service refuses with UNAVAILABLE (safe to retry elsewhere). Stopping gRPC sooner would
+        # fail them with CANCELLED instead, or cut the connection.
+        await asyncio.sleep(config.drain_delay_s)
+        started = loop.time()
+        await _delivered(service, port, config.grace_s)
+        await server.stop(max(config.grace_s - (loop.time() - started), 0.0))
+    finally:
+        await service.close()
+        scheduler.stop()
+        await _cancel(heartbeat)  # /healthz stays 200 while the calls in flight finish
+        if stop_http is not None:
+            stop_http()
+    log.info("stopped")
+
+
+# -- the pieces serve wires, in its order ----------------------------------------------------------------
+
+
+def _checked_before_the_pool(
+    engine_config: EngineConfig, config: ServerConfig
+) -> tuple[Authenticator, ServerTLS | None]:
+    """The token file and the TLS files read, the ports and the configs checked: before the pool is
+    allocated, so that a mistake fails at once, not after a minute."""
     if config.port and config.port == config.metrics_port:
         raise ConfigError(f"--port and --metrics-port are both {config.port}: give each a port of its own")
     _check_free(config.host, config.port, "--port")
@@ -73,16 +128,22 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
     tls = None if config.tls_cert is None else ServerTLS(config.tls_cert, config.tls_key or "", config.tls_client_ca)
     transfer_credentials(config)  # TransferKV's files, read (once) now: mistakes show before the pool
     check_together(engine_config, config)
-    metrics = Metrics()
-    # The probes answer from the start ("starting" while the pool is allocated, which may take a minute).
-    probe = http.Probe()
-    stop_http = None
-    if config.metrics_port:
-        try:
-            stop_http = http.start(config.host, config.metrics_port, metrics.registry, probe)
-        except OSError as e:
-            raise OSError(_cannot_listen(config.host, config.metrics_port, "--metrics-port", e)) from None
-    worker = Scheduler(  # allocates the KV pool: SERVING only after this
+    return auth, tls
+
+
+def _start_http(config: ServerConfig, metrics: Metrics, probe: http.Probe) -> Callable[[], None] | None:
+    """The HTTP endpoint (/metrics, /healthz, /readyz) on --metrics-port, started; what stops it (None: off)."""
+    if not config.metrics_port:
+        return None
+    try:
+        return http.start(config.host, config.metrics_port, metrics.registry, probe)
+    except OSError as e:
+        raise OSError(_cannot_listen(config.host, config.metrics_port, "--metrics-port", e)) from None
+
+
+def _start_engine(engine_config: EngineConfig, config: ServerConfig, metrics: Metrics) -> Scheduler:
+    """The scheduler, its engine built (the KV pool allocated) on its engine thread."""
+    scheduler = Scheduler(
         lambda: Engine(engine_config),
         metrics,
         batching=config.batching,
@@ -90,8 +151,13 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
         max_batch_delay_us=config.max_batch_delay_us,
         inline=config.inline_steps,
     )
-    engine = worker.engine
-    metrics.describe(engine.backend.name, str(engine.device))
+    metrics.describe(scheduler.engine.backend.name, str(scheduler.engine.device))
+    return scheduler
+
+
+def _grpc_server(config: ServerConfig, auth: Authenticator, mutual_tls: bool, metrics: Metrics) -> grpc.aio.Server:
+    """The gRPC server, nothing registered yet: the clients' message limits, the ping policy, the limits on
+    open calls, and (with tenants) the gate that refuses bad credentials before a request is read."""
     # The clients' message limits. The service admits the calls it works on (rpc.Admission: health checks
     # and idle streams never count); gRPC's own limit, far above, bounds the calls open at once, those still
     # being received included, which the service cannot see.
@@ -100,37 +166,51 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
     def refused(rpc: str) -> None:
         metrics.of(metrics.requests, rpc, grpc.StatusCode.UNAUTHENTICATED.name).inc()
 
-    gate = Gate(auth, tls is not None and tls.mutual, f"/{SERVICE_NAME}/", refused)
-    server = grpc.aio.server(
+    gate = Gate(auth, mutual_tls, f"/{SERVICE_NAME}/", refused)
+    return grpc.aio.server(
         options=options,
         maximum_concurrent_rpcs=config.max_open_calls or None,
         interceptors=[gate] if auth.enabled else [],
     )
-    await worker.run("quotas", _quotas(auth))
-    if auth.enabled:
-        metrics.watch_tenants(lambda: (auth.tenants.by_name, worker.stats))
-    service = ChunkAttnService(worker, metrics, config, auth)
+
+
+def _add_services(server: grpc.aio.Server, service: ChunkAttnService) -> health.aio.HealthServicer:
+    """chunkattn.v1.ChunkAttn, standard health (returned, NOT_SERVING until set) and reflection, on ``server``."""
     service.add_to_server(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable(server, (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name))
+    return health_servicer
+
+
+def _listen(server: grpc.aio.Server, config: ServerConfig, tls: ServerTLS | None) -> int:
+    """Bind --host:--port (plaintext or TLS); the port bound. OSError saying why when it cannot."""
     address = f"{config.host}:{config.port}"
     try:
         port = server.add_insecure_port(address) if tls is None else server.add_secure_port(address, tls.credentials())
     except RuntimeError:  # gRPC says only "Failed to bind to address" (taken since _check_free, say)
         port = 0
     if port == 0:
-        why = _cannot_listen(config.host, config.port, "--port", _bind_error(config.host, config.port))
-        worker.stop()
-        if stop_http is not None:
-            stop_http()
-        raise OSError(why)
-    heartbeat = asyncio.create_task(probe.heartbeat())
-    await server.start()
+        raise OSError(_cannot_listen(config.host, config.port, "--port", _bind_error(config.host, config.port)))
+    return port
+
+
+async def _set_health(health_servicer: health.aio.HealthServicer, status: int) -> None:
+    """The server's health, and its service's, to ``status``."""
     for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    probe.state = "serving"
-    stats = engine.stats()
+        await health_servicer.set(name, status)
+
+
+def _log_serving(
+    engine_config: EngineConfig,
+    config: ServerConfig,
+    scheduler: Scheduler,
+    port: int,
+    tls: ServerTLS | None,
+    auth: Authenticator,
+) -> None:
+    """The startup log: what is served where, the limits, batching and authentication."""
+    stats = scheduler.stats
     log.info(
         "serving %s on %s:%d (%s, metrics %s) on %s: %d layers, %d KV blocks of %d tokens (%.1f MiB)",
         SERVICE_NAME,
@@ -138,7 +218,7 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
         port,
         "plaintext" if tls is None else "mutual TLS" if tls.mutual else "TLS",
         f"http://{config.host}:{config.metrics_port}/metrics, /healthz, /readyz" if config.metrics_port else "off",
-        engine.device,
+        scheduler.engine.device,
         engine_config.model.num_layers,
         stats.num_blocks,
         stats.block_size,
@@ -168,42 +248,22 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
         else "off (every caller is one tenant)",
     )
 
+
+def _reloader(tls: ServerTLS | None, auth: Authenticator, scheduler: Scheduler) -> Callable[[], None]:
+    """SIGHUP's handler: reload the TLS files (for later handshakes) and the token file, and give the tenants
+    their new quotas (a bad file keeps the old one)."""
+
     async def reload() -> None:
         if tls is not None:
             tls.reload()
         if auth.reload():
-            await worker.run("quotas", _quotas(auth))
+            await scheduler.run("quotas", _quotas(auth))
 
     def on_sighup() -> None:
         reloading = asyncio.ensure_future(reload())
         reloading.add_done_callback(lambda f: f.cancelled() or f.exception())
 
-    loop.add_signal_handler(signal.SIGHUP, on_sighup)
-
-    evictor = asyncio.create_task(_evict_idle(worker, metrics, config.idle_timeout_s, service.spaces_opened))
-
-    await stop.wait()
-    log.info("draining: NOT_SERVING, refusing new calls, %.1f s for calls in flight", config.grace_s)
-    probe.state = "draining"
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    service.drain()
-    await _cancel(evictor)
-    try:
-        # Load balancers learn of the drain from health checks: until they have, they still send calls here,
-        # which the service refuses with UNAVAILABLE (safe to retry elsewhere). Stopping gRPC sooner would
-        # fail them with CANCELLED instead, or cut the connection.
-        await asyncio.sleep(config.drain_delay_s)
-        started = loop.time()
-        await _delivered(service, port, config.grace_s)
-        await server.stop(max(config.grace_s - (loop.time() - started), 0.0))
-    finally:
-        await service.close()
-        worker.stop()
-        await _cancel(heartbeat)  # /healthz stays 200 while the calls in flight finish
-        if stop_http is not None:
-            stop_http()
-    log.info("stopped")
+    return on_sighup
 
 
 def _cannot_listen(host: str, port: int, flag: str, e: OSError | None) -> str:
@@ -274,14 +334,10 @@ async def _cancel(task: asyncio.Task[None]) -> None:
 def _quotas(auth: Authenticator) -> Callable[[Engine], None]:
     """The engine job that gives each tenant of the token file its quota (run at start and on reload)."""
     quotas = {name: tenant.quota for name, tenant in auth.tenants.by_name.items()}
-
-    def job(e: Engine) -> None:
-        e.kv.quotas = quotas
-
-    return job
+    return lambda e: e.set_quotas(quotas)
 
 
-async def _evict_idle(worker: Scheduler, metrics: Metrics, idle_timeout_s: float, opened: asyncio.Event) -> None:
+async def _sweep_idle(scheduler: Scheduler, metrics: Metrics, idle_timeout_s: float, opened: asyncio.Event) -> None:
     """Release sequences untouched for longer than idle_timeout_s (0: never), checking every quarter of it (at
     most 30 s); close block spaces unused past their lease (kv/spaces.py) as soon as the earliest can expire.
     ``opened`` is set when a space opens (a new deadline). No engine job runs while nothing can expire."""
@@ -299,7 +355,7 @@ async def _evict_idle(worker: Scheduler, metrics: Metrics, idle_timeout_s: float
             next_sequences = loop.time() + period
         try:
             sweep = functools.partial(_sweep, idle_timeout_s, sequences)
-            evicted, closed, due, stats = await worker.run("evict", sweep)
+            evicted, closed, due, stats = await scheduler.run("evict", sweep)
         except Exception:  # a failed sweep must not end eviction (or later the shutdown)
             log.exception("idle eviction failed; trying again in 1 s")
             next_space = loop.time() + 1.0
@@ -320,6 +376,5 @@ async def _evict_idle(worker: Scheduler, metrics: Metrics, idle_timeout_s: float
 def _sweep(idle_timeout_s: float, sequences: bool, e: Engine) -> tuple[int, int, float | None, EngineStats]:
     """The evictor's engine job: sequences released (when ``sequences``), spaces closed, the next space's
     deadline, and the pool after."""
-    evicted = len(e.kv.evict_idle(idle_timeout_s)) if sequences else 0
-    closed = len(e.kv.spaces.expire(idle_timeout_s))
-    return evicted, closed, e.kv.spaces.next_expiry(idle_timeout_s), e.stats()
+    evicted, closed, due = e.sweep(idle_timeout_s, sequences=sequences)
+    return evicted, closed, due, e.stats()

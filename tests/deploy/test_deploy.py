@@ -37,8 +37,8 @@ from chunkattn_server.tools.envoy import (
     envoy_config,
 )
 from chunkattn_server.tools.replica_flags import max_open_calls
-from tests.deploy.test_topology import Session
 from tests.helpers.server_process import SMALL, free_port
+from tests.helpers.session import Session
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -264,6 +264,7 @@ def scraped() -> Iterator[tuple[Cluster, Prometheus]]:
             prom.stop()
 
 
+@pytest.mark.server
 @needs_prometheus
 @pytest.mark.slow
 def test_prometheus_answers_every_dashboard_query_with_data(

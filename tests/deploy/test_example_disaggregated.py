@@ -6,7 +6,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.helpers.server_process import SMALL
+
+pytestmark = pytest.mark.server
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -22,8 +22,10 @@ from chunkattn_client import BatchEntry, ChunkAttnClient, ChunkAttnError
 from chunkattn_client.cli import main as cli
 from chunkattn_server.tools.cluster import Cluster
 from tests.helpers.server_process import SMALL, counter, free_port, metrics_at
+from tests.helpers.session import Session
+from tests.helpers.tensors import qkv
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.server]
 
 
 def make_cluster(replicas: int, *server_args: str) -> Cluster:
@@ -41,26 +43,6 @@ def make_cluster(replicas: int, *server_args: str) -> Cluster:
 def cluster() -> Iterator[Cluster]:
     with make_cluster(2) as c:
         yield c
-
-
-class Session:
-    """One sequence's calls, every layer per step, with seeded data: replaying a seed gives the same tensors."""
-
-    def __init__(self, client: ChunkAttnClient, seq_id: str, seed: int, length: int = 0) -> None:
-        self.client, self.seq_id, self.length = client, seq_id, length
-        self.info = client.info()
-        self.rng = np.random.default_rng(seed)
-
-    def step(self, n: int, layers: Sequence[int] | None = None) -> list[np.ndarray[Any, Any]]:
-        info, outs = self.info, []
-        for layer in range(len(info.layers)) if layers is None else layers:
-            q, k, v = (
-                self.rng.standard_normal((n, h, info.head_size), dtype=np.float32)
-                for h in (info.num_heads, info.num_kv_heads, info.num_kv_heads)
-            )
-            outs.append(self.client.attend(layer, [BatchEntry(self.seq_id, self.length, n)], q, k, v))
-        self.length += n
-        return outs
 
 
 def routed(envoy: ChunkAttnClient, key: str, seed: int = 0, length: int = 0) -> Session:
@@ -195,10 +177,7 @@ def test_sigterm_takes_a_replica_out_of_the_ring_while_its_call_in_flight_finish
         (key,) = keys_on(c, 0, envoy, "drain", want=1)
         info, n = envoy.info(), 4096
         rng = np.random.default_rng(0)
-        q, k, v = (
-            rng.standard_normal((n, h, info.head_size), dtype=np.float32)
-            for h in (info.num_heads, info.num_kv_heads, info.num_kv_heads)
-        )
+        q, k, v = qkv(rng, n, heads=info.num_heads, kv_heads=info.num_kv_heads, head_size=info.head_size)
         result: dict[str, Any] = {}
 
         def long_call() -> None:

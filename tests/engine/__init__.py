@@ -1,2 +1,2 @@
-"""The engine, KV and attention, in-process: against the float64 reference, errors, state machines, and the
-layers' import rules."""
+"""The engine (chunkattn_server.engine), in-process: against the float64 reference, errors, the state machine, the
+block API, the scheduler and its step queue, the value bounds."""

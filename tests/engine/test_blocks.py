@@ -52,7 +52,7 @@ from chunkattn_server.errors import (
 from chunkattn_server.kv import spaces as spaces_module
 from chunkattn_server.kv.records import Quota
 from chunkattn_server.kv.scales import KVScales
-from chunkattn_server.kv.spaces import MAX_SPACES_PER_TENANT, OPEN_WINDOW_S, BlockSpace
+from chunkattn_server.kv.spaces import MAX_SPACES_PER_TENANT, OPEN_WINDOW_S, SpaceState
 from tests.helpers.blockspace import KVCacheManager
 from tests.helpers.harness import MODELS, NATIVE, Harness
 
@@ -90,7 +90,7 @@ def _tokens(entries: Entries) -> int:
 def _run_step(
     h: Harness,
     mgr: KVCacheManager,
-    space: BlockSpace,
+    space: SpaceState,
     entries: Entries,
     *,
     tenant: str,

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import grpc
+import numpy as np
 import pytest
 import torch
 
@@ -28,6 +29,7 @@ from chunkattn_server.errors import (
 )
 from chunkattn_server.service.status import status_code
 from tests.helpers.harness import MODELS, Exploding, Harness, snapshot
+from tests.helpers.tensors import torch_qkv
 
 MODEL = MODELS["sharing"]  # layers: 0 (C=8), 1 shares 0, 2 (global), 3 shares 2; 4 heads, 2 KV heads, D=8
 H, HKV, D = MODEL.num_heads, MODEL.num_kv_heads, MODEL.head_size
@@ -267,17 +269,15 @@ def test_a_call_past_the_work_bound_is_refused_and_changes_nothing() -> None:
     bound = PIECE_WORK + 100
     config = EngineConfig(model, CacheConfig(block_size=4, num_blocks=64), device="cpu", max_call_work=bound)
     engine = Engine(config)
-
-    def qkv(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return tuple(torch.randn(n, h, model.head_size) for h in (4, 1, 1))  # type: ignore[return-value]
-
+    rng = np.random.default_rng(35)
+    shape = {"heads": model.num_heads, "kv_heads": model.num_kv_heads, "head_size": model.head_size}
     before = snapshot(engine)
     with pytest.raises(InvalidBatch, match=rf"call's work is {PIECE_WORK + 105:,} .* at most {bound:,} per call"):
-        engine.attend(1, [BatchEntry("s", 0, 14)], *qkv(14), tenant="")
+        engine.attend(1, [BatchEntry("s", 0, 14)], *torch_qkv(rng, 14, **shape), tenant="")
     assert snapshot(engine) == before
-    engine.attend(1, [BatchEntry("s", 0, 13)], *qkv(13), tenant="")
-    engine.attend(0, [BatchEntry("c", 0, 4)], *qkv(4), tenant="")
+    engine.attend(1, [BatchEntry("s", 0, 13)], *torch_qkv(rng, 13, **shape), tenant="")
+    engine.attend(0, [BatchEntry("c", 0, 4)], *torch_qkv(rng, 4, **shape), tenant="")
     with pytest.raises(InvalidBatch, match=rf"call's work is {2 * PIECE_WORK + 11:,}"):
-        engine.attend(0, [BatchEntry("c", 4, 5)], *qkv(5), tenant="")  # keys 1, 2, 3, 4 | 1
+        engine.attend(0, [BatchEntry("c", 4, 5)], *torch_qkv(rng, 5, **shape), tenant="")  # keys 1, 2, 3, 4 | 1
     for position in range(4, 40):  # decodes: their keys only
-        engine.attend(0, [BatchEntry("c", position, 1)], *qkv(1), tenant="")
+        engine.attend(0, [BatchEntry("c", position, 1)], *torch_qkv(rng, 1, **shape), tenant="")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import settings
@@ -27,8 +26,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from chunkattn_client import BatchEntry
 from chunkattn_server import Engine, ModelShape
 from chunkattn_server.errors import InvalidBatch, OutOfBlocks, PositionMismatch
-from chunkattn_server.kv.manifest import BlockRecord
 from tests.helpers.harness import MODELS, Harness, snapshot
+from tests.helpers.invariants import assert_no_nan, poison
 
 IDS = ["s0", "s1", "s2", "s3"]
 BS = 4
@@ -185,20 +184,6 @@ class EngineMachine(RuleBasedStateMachine):
                 members = [*group.layers, *group.sharers]
                 if group.chunk_size and len({lengths[i] for i in members}) == 1:
                     assert len(info.tables[group.index]) <= group.chunk_size // BS
-
-
-def poison(engine: Engine) -> None:
-    """NaN in every free block of every plane, K and V."""
-    free = torch.tensor([b for b in range(engine.pool.num_blocks) if engine.pool.is_free(b)], dtype=torch.int64)
-    if len(free):
-        for pages in (*engine.cache.k, *engine.cache.v):
-            pages.index_fill_(1, free, float("nan"))
-
-
-def assert_no_nan(records: list[BlockRecord]) -> None:
-    for r in records:
-        for data in (r.k, r.v):
-            assert not np.isnan(np.frombuffer(data, np.float32)).any(), f"record {r.layer, r.logical} carries NaN"
 
 
 class SharingMachine(EngineMachine):

@@ -32,7 +32,10 @@ def _native_problem() -> str:
 
 NATIVE_PROBLEM = _native_problem()
 # The native backend where its kernels build here (CI builds them); elsewhere its cases skip, saying why.
-NATIVE = pytest.param("native", marks=pytest.mark.skipif(bool(NATIVE_PROBLEM), reason=NATIVE_PROBLEM or "built"))
+NATIVE = pytest.param(
+    "native",
+    marks=[pytest.mark.native, pytest.mark.skipif(bool(NATIVE_PROBLEM), reason=NATIVE_PROBLEM or "built")],
+)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

@@ -18,7 +18,7 @@ from chunkattn_client import BatchEntry, ChunkAttnClient, ChunkAttnError, Refere
 from chunkattn_client.reference import within_tolerance
 from tests.helpers.server_process import SMALL, ServerProcess
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.server]
 
 RUNS = itertools.count()
 

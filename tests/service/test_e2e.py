@@ -31,6 +31,8 @@ from chunkattn_server.config import DEFAULT_MAX_MESSAGE_MIB
 from tests.helpers.harness import NATIVE_PROBLEM
 from tests.helpers.server_process import SMALL, ServerProcess, connections
 
+pytestmark = pytest.mark.server
+
 H, HKV, D = 4, 2, 16
 CHUNKS = [16, 16, 16, 0]
 

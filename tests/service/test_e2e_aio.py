@@ -12,6 +12,8 @@ import pytest
 from chunkattn_client import AsyncChunkAttnClient, BatchEntry, ChunkAttnError, ReferenceModel
 from tests.helpers.server_process import SMALL, ServerProcess
 
+pytestmark = pytest.mark.server
+
 H, HKV, D = 4, 2, 16
 
 

@@ -18,8 +18,11 @@ import pytest
 from chunkattn_client import BatchEntry, ChunkAttnClient, ChunkAttnError, ReferenceModel, kvfile
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from tests.helpers.server_process import SMALL, ServerProcess, connections, counter, free_port
+from tests.helpers.tensors import qkv
 
-H, HKV, D, C, BS = 4, 2, 16, 16, 4
+pytestmark = pytest.mark.server
+
+HKV, D, C, BS = 2, 16, 16, 4
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +49,7 @@ class Feed:
         """Every layer once, the same tensors to each client; returns the outputs per client."""
         outs: list[list[np.ndarray]] = [[] for _ in clients]
         for layer in range(4):
-            q = self.rng.standard_normal((n, H, D), dtype=np.float32)
-            k, v = (self.rng.standard_normal((n, HKV, D), dtype=np.float32) for _ in range(2))
+            q, k, v = qkv(self.rng, n)
             for i, (c, s) in enumerate(zip(clients, ids, strict=True)):
                 outs[i].append(c.attend(layer, [BatchEntry(s, position, n)], q, k, v))
         return outs
@@ -233,8 +235,7 @@ def test_fork_over_rpc_decodes_apart_and_frees_exactly(a: ServerProcess) -> None
 
         def call(seq: str, position: int, n: int) -> None:
             for layer in range(4):
-                q = rng.standard_normal((n, H, D), dtype=np.float32)
-                k, v = (rng.standard_normal((n, HKV, D), dtype=np.float32) for _ in range(2))
+                q, k, v = qkv(rng, n)
                 entries = [BatchEntry(seq, position, n)]
                 assert np.abs(ca.attend(layer, entries, q, k, v) - ref.attend(layer, entries, q, k, v)).max() < 1e-5
 
@@ -367,7 +368,7 @@ def test_a_target_that_refuses_imports_is_never_reported_as_internal() -> None:
         with client(src) as c:
             rng = np.random.default_rng(0)
             for layer in range(4):
-                q, k, v = (rng.standard_normal((2000, h, D), np.float32) for h in (H, HKV, HKV))
+                q, k, v = qkv(rng, 2000)
                 c.attend(layer, [BatchEntry("big", 0, 2000)], q, k, v)
             codes: collections.Counter[grpc.StatusCode] = collections.Counter()
             for _ in range(200):

@@ -12,10 +12,12 @@ import pytest
 from chunkattn_client import AsyncChunkAttnClient, BatchEntry, ChunkAttnClient, ChunkAttnError, ReferenceModel
 from chunkattn_client.reference import within_tolerance
 from tests.helpers.server_process import SMALL, ServerProcess, counter
+from tests.helpers.tensors import qkv
 
-H, HKV, D = 4, 2, 16  # SMALL: 3 chunked layers (C = 16), then a global one; blocks of 4
+pytestmark = pytest.mark.server
 
 
+# SMALL: 3 chunked layers (C = 16), then a global one; blocks of 4
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
     with ServerProcess(*SMALL, "--spec-window", "3") as s:
@@ -32,8 +34,7 @@ class Runner:
 
     def step(self, seq_id: str, position: int, n: int) -> None:
         for layer in range(4):
-            q = self.rng.standard_normal((n, H, D), dtype=np.float32)
-            k, v = (self.rng.standard_normal((n, HKV, D), dtype=np.float32) for _ in range(2))
+            q, k, v = qkv(self.rng, n)
             out = self.client.attend(layer, [BatchEntry(seq_id, position, n)], q, k, v)
             ok, err = within_tolerance(
                 out, self.reference.attend(layer, [BatchEntry(seq_id, position, n)], q, k, v), "float32"

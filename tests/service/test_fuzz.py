@@ -29,6 +29,8 @@ from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from tests.helpers.rawrpc import Answer, Raw
 from tests.helpers.server_process import SMALL, ServerProcess
 
+pytestmark = pytest.mark.server
+
 H, HKV, D = 4, 2, 16
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "300"))
 FORBIDDEN = (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)

@@ -20,6 +20,9 @@ from chunkattn_client.limits import MAX_MESSAGE_CHARS
 from chunkattn_server.config import DEFAULT_MAX_MESSAGE_MIB
 from tests.helpers.rawrpc import Answer, Raw, Watch, idle_streams, rss_mib
 from tests.helpers.server_process import SMALL, ServerProcess
+from tests.helpers.tensors import qkv
+
+pytestmark = pytest.mark.server
 
 H, HKV, D = 4, 2, 16
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -429,15 +432,7 @@ def test_27_7_a_non_finite_q_k_or_v_is_refused_naming_its_row_and_writes_nothing
         ChunkAttnClient(s.target) as c,
     ):
         rng = np.random.default_rng(27)
-
-        def qkv(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-            return (
-                rng.standard_normal((n, H, D), np.float32),
-                rng.standard_normal((n, HKV, D), np.float32),
-                rng.standard_normal((n, HKV, D), np.float32),
-            )
-
-        c.attend(0, [BatchEntry("a", 0, 20), BatchEntry("b", 0, 3)], *qkv(23))
+        c.attend(0, [BatchEntry("a", 0, 20), BatchEntry("b", 0, 3)], *qkv(rng, 23))
         free = c.info().free_blocks
         cases = [  # (entries, which tensor, row, bad value, what the message says)
             ([BatchEntry("p", 0, 5)], 0, 3, np.nan, "q row 3 (sequence 'p' at position 3) holds nan"),
@@ -448,7 +443,7 @@ def test_27_7_a_non_finite_q_k_or_v_is_refused_naming_its_row_and_writes_nothing
         if cache == "float16":  # a finite float32 past float16's range would become inf in the compute
             cases.append(([BatchEntry("b", 3, 1)], 1, 0, 1e6, "holds 1e+06, past float16's largest value 65504"))
         for entries, which, row, value, message in cases:
-            tensors = list(qkv(sum(e.num_tokens for e in entries)))
+            tensors = list(qkv(rng, sum(e.num_tokens for e in entries)))
             tensors[which][row, 1, 2] = value
             with pytest.raises(ChunkAttnError) as e:
                 c.attend(0, entries, *tensors)
@@ -458,7 +453,7 @@ def test_27_7_a_non_finite_q_k_or_v_is_refused_naming_its_row_and_writes_nothing
             assert c.info().free_blocks == free
             assert c.info().active_sequences == 2
         # Nothing was written: "a" and "b" go on at 20 and 3, and "p" starts afresh.
-        c.attend(0, [BatchEntry("a", 20, 1), BatchEntry("b", 3, 1), BatchEntry("p", 0, 2)], *qkv(4))
+        c.attend(0, [BatchEntry("a", 20, 1), BatchEntry("b", 3, 1), BatchEntry("p", 0, 2)], *qkv(rng, 4))
 
 
 def start_fails(*flags: str) -> str:
@@ -576,9 +571,6 @@ def test_35_4_a_call_past_the_work_bound_is_refused_naming_it_and_stalls_nobody(
         assert c.info().max_call_work == 50_000
         rng = np.random.default_rng(35)
 
-        def qkv(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-            return tuple(rng.standard_normal((n, h, D), np.float32) for h in (H, HKV, HKV))  # type: ignore[return-value]
-
         def refused_for(work: int, call: Callable[[], object]) -> None:
             with pytest.raises(ChunkAttnError) as e:
                 call()
@@ -586,22 +578,22 @@ def test_35_4_a_call_past_the_work_bound_is_refused_naming_it_and_stalls_nobody(
             assert f"the call's work is {work:,} (the keys each new token sees" in e.value.message, e.value
             assert "at most 50,000 per call (--max-call-work" in e.value.message, e.value
 
-        other.attend(0, [BatchEntry("victim", 0, 1)], *qkv(1))
+        other.attend(0, [BatchEntry("victim", 0, 1)], *qkv(rng, 1))
         step = [1]
 
         def decode() -> None:
-            other.attend(0, [BatchEntry("victim", step[0], 1)], *qkv(1))
+            other.attend(0, [BatchEntry("victim", step[0], 1)], *qkv(rng, 1))
             step[0] += 1
 
         with Watch(decode) as decodes:
             # the global layer: 400 tokens see 1 + 2 + ... + 400 = 80,200 keys, in one piece
-            refused_for(80_200 + piece, lambda: c.attend(3, [BatchEntry("long", 0, 400)], *qkv(400)))
+            refused_for(80_200 + piece, lambda: c.attend(3, [BatchEntry("long", 0, 400)], *qkv(rng, 400)))
             for first in range(0, 400, 100):  # in four calls: the last asks for 35,050 + 8,192
-                c.attend(3, [BatchEntry("long", first, 100)], *qkv(100))
+                c.attend(3, [BatchEntry("long", first, 100)], *qkv(rng, 100))
             # a chunked layer (C = 16): 400 tokens see at most 16 keys each (3,400), in 25 pieces
-            refused_for(3_400 + 25 * piece, lambda: c.attend(0, [BatchEntry("long", 0, 400)], *qkv(400)))
+            refused_for(3_400 + 25 * piece, lambda: c.attend(0, [BatchEntry("long", 0, 400)], *qkv(rng, 400)))
             for first in range(0, 400, 80):  # 5 chunks a call
-                c.attend(0, [BatchEntry("long", first, 80)], *qkv(80))
+                c.attend(0, [BatchEntry("long", first, 80)], *qkv(rng, 80))
             # block rows: 200 decodes over 256 keys (63 blocks shared, the last each row's own): 51,200 pairs
             space = c.open_block_space(300)
             tables = np.concatenate([np.tile(np.arange(63), (200, 1)), 63 + np.arange(200)[:, None]], axis=1)
@@ -611,9 +603,9 @@ def test_35_4_a_call_past_the_work_bound_is_refused_naming_it_and_stalls_nobody(
                 written = np.where(np.arange(n) < padding, -1, slots[:n])
                 return BlockRows(space.space_id, written, np.arange(n + 1), np.full(n, 256), tables[:n])
 
-            refused_for(51_200, lambda: c.attend_blocks(3, rows(200), *qkv(200)))
-            c.attend_blocks(3, rows(100), *qkv(100))
-            c.attend_blocks(3, rows(100, padding=50), *qkv(100))  # padding decodes: their keys, as written ones
-            refused_for(51_200, lambda: c.attend_blocks(3, rows(200, padding=100), *qkv(200)))
+            refused_for(51_200, lambda: c.attend_blocks(3, rows(200), *qkv(rng, 200)))
+            c.attend_blocks(3, rows(100), *qkv(rng, 100))
+            c.attend_blocks(3, rows(100, padding=50), *qkv(rng, 100))  # padding decodes: their keys, as written ones
+            refused_for(51_200, lambda: c.attend_blocks(3, rows(200, padding=100), *qkv(rng, 200)))
         assert len(decodes.seconds) > 2
         assert decodes.worst < 0.5, f"decode: worst {decodes.worst * 1000:.0f} ms"

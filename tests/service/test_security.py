@@ -30,6 +30,9 @@ from chunkattn_client.reference import within_tolerance
 from chunkattn_server.service.auth import token_digest
 from tests.helpers.certs import CA
 from tests.helpers.server_process import SMALL, ServerProcess
+from tests.helpers.tensors import qkv
+
+pytestmark = pytest.mark.server
 
 TOKENS = {
     name: f"token-of-{name}-0123456789" for name in ("a1", "b1", "a2", "b2", "small", "streams", "importer", "other")
@@ -109,14 +112,6 @@ def code_of(call: Callable[[], Any]) -> grpc.StatusCode:
     return e.value.code
 
 
-def tensors(rng: np.random.Generator, n: int) -> tuple[np.ndarray, ...]:
-    return (
-        rng.standard_normal((n, 4, 16), dtype=np.float32),
-        rng.standard_normal((n, 2, 16), dtype=np.float32),
-        rng.standard_normal((n, 2, 16), dtype=np.float32),
-    )
-
-
 # -- TLS --------------------------------------------------------------------------------------------------
 
 
@@ -142,7 +137,7 @@ def test_mutual_tls_wants_a_certificate_of_its_ca_and_its_subject_can_name_the_t
             stranger.info()
         assert e.value.code == grpc.StatusCode.UNAUTHENTICATED
         assert "CN 'stranger'" in e.value.message
-    q, k, v = tensors(np.random.default_rng(0), 3)
+    q, k, v = qkv(np.random.default_rng(0), 3)
     runner = {"certificate_chain": pki.runner_a.cert, "private_key": pki.runner_a.key}
     with connect(mtls, pki, None, **runner) as by_subject:
         by_subject.attend(0, [BatchEntry("via-cert", 0, 3)], q, k, v)
@@ -159,7 +154,7 @@ def test_mutual_tls_wants_a_certificate_of_its_ca_and_its_subject_can_name_the_t
 
 
 def every_rpc(c: ChunkAttnClient, target: str) -> dict[str, Callable[[], Any]]:
-    q, k, v = tensors(np.random.default_rng(1), 1)
+    q, k, v = qkv(np.random.default_rng(1), 1)
     header = pb.KVChunk(header=pb.KVHeader(seq_id="x"))
 
     def stream() -> Any:
@@ -225,7 +220,7 @@ def isolation_run(server: ServerProcess, pki: PKI, a: str, b: str, attempts: boo
 
         def a_step(entries: list[BatchEntry]) -> None:
             for layer in range(4):
-                q, k, v = tensors(rng, sum(e.num_tokens for e in entries))
+                q, k, v = qkv(rng, sum(e.num_tokens for e in entries))
                 outputs.append(ca.attend(layer, entries, q, k, v).tobytes())
 
         def b_tries(call: Callable[[], Any]) -> None:
@@ -235,10 +230,10 @@ def isolation_run(server: ServerProcess, pki: PKI, a: str, b: str, attempts: boo
                 codes.append((e.value.code, e.value.message))
 
         a_step([BatchEntry("s1", 0, 20), BatchEntry("s2", 0, 5)])  # s1 crosses a chunk boundary
-        qb, kb, vb = tensors(np.random.default_rng(8), 3)
+        qb, kb, vb = qkv(np.random.default_rng(8), 3)
         for layer in range(4):
             cb.attend(layer, [BatchEntry("s1", 0, 3)], qb, kb, vb)  # b's own s1
-        q1, k1, v1 = tensors(np.random.default_rng(9), 1)
+        q1, k1, v1 = qkv(np.random.default_rng(9), 1)
         b_tries(lambda: cb.attend(0, [BatchEntry("s2", 5, 1)], q1, k1, v1))  # a's s2, continued
         b_tries(lambda: cb.attend(0, [BatchEntry("s1", 20, 1)], q1, k1, v1))  # "s1" is b's own: 3 tokens
         with cb.stream() as stream:
@@ -273,7 +268,7 @@ def test_a_tenant_cannot_name_another_tenants_sequences_in_any_rpc(server: Serve
 
 
 def test_info_and_metrics_speak_of_the_callers_own_sequences(server: ServerProcess, pki: PKI) -> None:
-    q, k, v = tensors(np.random.default_rng(2), 2)
+    q, k, v = qkv(np.random.default_rng(2), 2)
     with connect(server, pki, "a1") as a, connect(server, pki, "b1") as b:
         total = a.info().num_blocks
         a.attend(
@@ -298,7 +293,7 @@ def test_info_and_metrics_speak_of_the_callers_own_sequences(server: ServerProce
 def test_a_tenant_at_its_quota_is_refused_while_others_go_on(server: ServerProcess, pki: PKI) -> None:
     rng = np.random.default_rng(3)
     with connect(server, pki, "small") as s, connect(server, pki, "b1") as b:
-        q, k, v = tensors(rng, 2)
+        q, k, v = qkv(rng, 2)
         for seq in ("q1", "q2"):
             s.attend(GLOBAL, [BatchEntry(seq, 0, 2)], q, k, v)  # 2 sequences, 1 block each (the global layer)
         with pytest.raises(ChunkAttnError) as e:
@@ -314,7 +309,7 @@ def test_a_tenant_at_its_quota_is_refused_while_others_go_on(server: ServerProce
         for seq in ("q3", "q4", "q5"):  # another tenant is not held back
             b.attend(GLOBAL, [BatchEntry(seq, 0, 2)], q, k, v)
         # 24 blocks of 4 tokens: a global layer holds 96 tokens, so a long prefill is refused, changing nothing
-        qq, kk, vv = tensors(rng, 100)
+        qq, kk, vv = qkv(rng, 100)
         free = s.info().free_blocks
         with pytest.raises(ChunkAttnError) as e:
             s.attend(GLOBAL, [BatchEntry("q1", 2, 100)], qq, kk, vv)
@@ -335,7 +330,7 @@ def test_a_tenant_at_its_calls_quota_is_refused_until_its_call_ends(server: Serv
         silent.bind(("127.0.0.1", 0))
         silent.listen()
         target = f"127.0.0.1:{silent.getsockname()[1]}"
-        q, k, v = tensors(np.random.default_rng(4), 1)
+        q, k, v = qkv(np.random.default_rng(4), 1)
         with connect(server, pki, "small") as s, connect(server, pki, "b1") as b:
             s.attend(2, [BatchEntry("held", 0, 1)], q, k, v)
             failed: list[BaseException] = []
@@ -385,7 +380,7 @@ def test_transfer_between_tls_token_servers_lands_with_the_tokens_tenant(
         ref = ReferenceModel.for_server(src.info())
         entry = [BatchEntry("moved", 0, 21)]
         for layer in range(4):
-            q, k, v = tensors(rng, 21)
+            q, k, v = qkv(rng, 21)
             src.attend(layer, entry, q, k, v)
             ref.attend(layer, entry, q, k, v)
         free = dst.info().free_blocks
@@ -402,7 +397,7 @@ def test_transfer_between_tls_token_servers_lands_with_the_tokens_tenant(
         with connect(target, pki, "other") as stranger:  # it is the importer's, no one else's
             assert code_of(lambda: list(stranger.export_kv("moved"))) == grpc.StatusCode.NOT_FOUND
         for layer in range(4):  # and it decodes on as it would have at the source
-            q, k, v = tensors(rng, 1)
+            q, k, v = qkv(rng, 1)
             ok, err = within_tolerance(
                 dst.attend(layer, [BatchEntry("moved", 21, 1)], q, k, v),
                 ref.attend(layer, [BatchEntry("moved", 21, 1)], q, k, v),
@@ -425,7 +420,7 @@ def test_sighup_reloads_the_certificate_and_the_tokens_keeping_open_streams_of_v
     tokens = token_file(tmp_path / "tokens.json", {"t": {"tokens": [TOKENS["a1"], TOKENS["b1"]]}})
     flags = ["--tls-cert", str(cert), "--tls-key", str(key), "--auth-tokens", str(tokens)]
     successor = CA(tmp_path, "successor")
-    q, k, v = tensors(np.random.default_rng(6), 1)
+    q, k, v = qkv(np.random.default_rng(6), 1)
 
     def reloaded(line: str) -> None:
         before = s.log().count(line)
@@ -469,7 +464,7 @@ def test_a_stream_message_sent_under_a_revoked_token_is_refused_and_not_carried_
     that comes after the revocation is refused and changes nothing. Both ways a token stops naming the
     stream's tenant: revoked, and moved to another tenant."""
     tokens = token_file(tmp_path / "tokens.json", {"team-a": {"tokens": [TOKENS["a1"], TOKENS["a2"]]}})
-    q, k, v = tensors(np.random.default_rng(11), 5)
+    q, k, v = qkv(np.random.default_rng(11), 5)
     with ServerProcess(*FLAGS, "--auth-tokens", str(tokens)) as s:
 
         def reload(tenants: dict[str, dict[str, Any]]) -> None:
@@ -611,7 +606,7 @@ def test_the_servers_own_transfer_token_goes_only_to_the_targets_it_names() -> N
     try:
         flags = ["--transfer-token", TOKENS["importer"], "--transfer-targets", f"{allowed.target}, unused:1"]
         with ServerProcess(*FLAGS, *flags) as s, ChunkAttnClient(s.target, timeout_s=20) as c:
-            q, k, v = tensors(np.random.default_rng(10), 2)
+            q, k, v = qkv(np.random.default_rng(10), 2)
             c.attend(0, [BatchEntry("x", 0, 2)], q, k, v)
             for fake in (allowed, other):
                 with pytest.raises(ChunkAttnError) as refused:
@@ -660,7 +655,7 @@ def test_an_unauthenticated_call_is_refused_at_its_headers_not_after_its_message
 def test_an_import_waiting_for_its_next_message_holds_no_call_of_its_tenant(server: ServerProcess, pki: PKI) -> None:
     """ "small" may work on one call at a time; an import whose client pauses between messages does not keep it."""
     with connect(server, pki, "small") as s:
-        q, k, v = tensors(np.random.default_rng(11), 40)
+        q, k, v = qkv(np.random.default_rng(11), 40)
         s.attend(GLOBAL, [BatchEntry("source", 0, 40)], q, k, v)
         chunks = list(s.export_kv("source", max_message_bytes=4096))  # header, several messages, trailer
         assert len(chunks) > 3
@@ -685,7 +680,7 @@ def test_an_import_waiting_for_its_next_message_holds_no_call_of_its_tenant(serv
 
 def test_a_tenant_at_its_open_calls_quota_cannot_open_more_streams(server: ServerProcess, pki: PKI) -> None:
     """Idle streams hold no call slot, so max_calls does not bound them: max_open_calls does, per tenant."""
-    q, k, v = tensors(np.random.default_rng(12), 1)
+    q, k, v = qkv(np.random.default_rng(12), 1)
     with connect(server, pki, "streams") as c, connect(server, pki, "b1") as b:
         first, second = c.stream(), c.stream()
         first.attend(0, [BatchEntry("one", 0, 1)], q, k, v)

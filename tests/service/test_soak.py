@@ -25,6 +25,8 @@ from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from tests.helpers.rawrpc import SERVICE, rss_mib
 from tests.helpers.server_process import SMALL, ServerProcess
 
+pytestmark = pytest.mark.server
+
 H, HKV, D, LAYERS = 4, 2, 16, 4
 SOAK_S = float(os.environ.get("SOAK_S", "20"))
 RSS_BOUND_MIB = float(os.environ.get("SOAK_RSS_MIB", "64"))

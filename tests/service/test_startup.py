@@ -83,6 +83,7 @@ def call(server: ServerProcess, token: str) -> grpc.StatusCode:
     return grpc.StatusCode.OK
 
 
+@pytest.mark.server
 def test_a_second_server_on_a_port_in_use_exits_naming_it_and_the_first_serves_on(server: ServerProcess) -> None:
     """gRPC sets SO_REUSEPORT by default: the second server used to start and take a share of the new
     connections, whose sequences were on the first."""
@@ -99,6 +100,7 @@ def test_a_second_server_on_a_port_in_use_exits_naming_it_and_the_first_serves_o
     assert server.metrics()
 
 
+@pytest.mark.server
 def test_grpc_itself_refuses_a_port_that_an_earlier_server_shares(monkeypatch: pytest.MonkeyPatch) -> None:
     """The check before the pool aside (a server that took the port since, say), gRPC's own bind must fail
     too, even against a server that allows sharing the port (gRPC's default, as servers before issue 27)."""
@@ -121,6 +123,7 @@ def test_one_port_for_grpc_and_the_metrics_is_refused(caplog: pytest.LogCaptureF
     assert f"--port and --metrics-port are both {port}: give each a port of its own" in caplog.text
 
 
+@pytest.mark.server
 def test_a_token_file_that_gives_a_key_twice_stops_the_server_at_start(tmp_path: Path) -> None:
     path = tmp_path / "tokens.json"
     path.write_text(f'{{"tenants": {{"t": {entry(OLD)}, "t": {entry(NEW)}}}}}')
@@ -131,6 +134,7 @@ def test_a_token_file_that_gives_a_key_twice_stops_the_server_at_start(tmp_path:
     assert "Traceback" not in out
 
 
+@pytest.mark.server
 def test_sighup_with_a_token_file_that_gives_a_key_twice_keeps_the_old_one(server: ServerProcess, tokens: Path) -> None:
     """Last-wins would have kept only the second entry: the first one's token refused."""
     tokens.write_text(f'{{"tenants": {{"t": {entry(OLD)}, "t": {entry(NEW)}}}}}')

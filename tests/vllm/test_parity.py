@@ -37,7 +37,7 @@ from tests.vllm.conftest import BLOCK_SIZE, GENERATE, ROOT, SERVER_PYTHON, gener
 
 pytest.importorskip("vllm", reason="the vLLM tests run in .venv-vllm: make test-vllm")
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.server, pytest.mark.vllm]
 
 LOGPROB_BOUND = 1e-4
 FP8_LOGPROB_BOUND = 0.15  # measured 2026-12-06: 0.07-0.08 (both float8 kernels are 0.04-0.06 from float32)

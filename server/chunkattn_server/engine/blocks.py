@@ -14,38 +14,13 @@ one step that share a plane of the pages run in one backend call.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import numpy as np
-import torch
 
 from chunkattn_client import work
 from chunkattn_client.limits import MAX_BATCH
-from chunkattn_server.attention.backends import AttentionBatch
-from chunkattn_server.engine import checks
-from chunkattn_server.engine.types import BlockCall
-from chunkattn_server.errors import InvalidBatch, PositionMismatch
-from chunkattn_server.kv.spaces import BlockSpace
-
-if TYPE_CHECKING:
-    from chunkattn_server.engine.core import Engine
-
-
-@dataclass
-class _Plan:
-    """A checked call: its pages' plane, each space block's pool block for its layer [num_blocks] int64, per
-    row its new tokens (q_len) and the blocks its keys take, and the space blocks it reads or writes."""
-
-    call: BlockCall
-    space: BlockSpace
-    plane: int
-    pool: np.ndarray
-    q_lens: np.ndarray
-    blocks: np.ndarray
-    touched: np.ndarray
+from chunkattn_server.engine.types import BlockCall, Planned
+from chunkattn_server.errors import InvalidBatch
+from chunkattn_server.kv.spaces import SpaceState
 
 
 def check_rows(call: BlockCall, num_blocks: int, block_size: int, *, reads_back: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -141,137 +116,32 @@ def _first(field: str, bad: np.ndarray, problem: str, offset: int = 0) -> None:
         raise InvalidBatch(f"{field}[{i}] {problem}")
 
 
-def attend_step(engine: Engine, layer: int, calls: Sequence[BlockCall]) -> list[torch.Tensor | Exception]:
-    """Per call its output ([T_i, num_heads, head_size] in its q's dtype) or the error it fails with alone
-    (a call refused by its checks wrote nothing); calls that share a plane of the pages are computed
-    together. An error that is not a call's own (a backend failure, after the calls' K/V were written at
-    their slots) fails every call of its plane."""
-    engine.config.model.spec(layer)  # UnknownLayer for the whole step, as the sequence path raises it
-    results: list[torch.Tensor | Exception] = [RuntimeError("not served")] * len(calls)
-    by_plane: dict[int, list[tuple[int, _Plan, torch.Tensor, torch.Tensor]]] = {}
-    for i, call in enumerate(calls):
-        try:
-            p = _plan(engine, layer, call)
-            kc, vc = _store(engine, layer, p)
-        except Exception as e:  # an EngineError; anything else is a bug, and still this call's alone
-            results[i] = e
-            continue
-        by_plane.setdefault(p.plane, []).append((i, p, kc, vc))
-    for plane, members in by_plane.items():
-        try:
-            outs = _compute(engine, layer, plane, members)
-        except Exception as e:
-            for i, *_ in members:
-                results[i] = e
-            continue
-        now = time.monotonic()
-        for (i, p, _, _), out in zip(members, outs, strict=True):
-            results[i] = out if out.dtype == p.call.q.dtype else out.to(p.call.q.dtype)
-            p.space.last_used = now  # used until the call's end: its lease runs from here
-    return results
-
-
-def _plan(engine: Engine, layer: int, call: BlockCall) -> _Plan:
-    model, spec = engine.config.model, engine.config.model.spec(layer)
-    space = engine.kv.spaces.get(call.space_id, tenant=call.tenant)
-    tokens = int(call.q.shape[0]) if call.q.dim() else 0
-    if tokens < 1:
-        raise InvalidBatch("q has no tokens; a block batch brings at least one new token")
-    checks.check_tensors(model, layer, spec, (), tokens, call.q, call.k, call.v, engine.dtype, engine.cache_dtype)
-    q_lens, blocks = check_rows(call, space.num_blocks, engine.block_size, reads_back=spec.kv_source is not None)
-    if engine.max_call_work:
-        checks.check_work(int(work.token_work(call.starts, call.seq_lens).sum()), engine.max_call_work)
-    if call.k is not None and call.v is not None and engine.scales.calibrating(layer):
-        engine.check_calibration(engine.on_device(call.k), engine.on_device(call.v))
-    if spec.kv_source is not None and engine.scales.calibrating(spec.kv_source):
-        raise PositionMismatch(
-            f"layer {layer} reads layer {spec.kv_source}'s KV cache (KV sharing), which has had no write yet:"
-            f" call layer {spec.kv_source} first"
-        )
-    planes = engine.config.group_size
-    p = space.layer_planes[layer]
-    used = np.arange(call.tables.shape[1]) < blocks[:, None]
-    touched = np.concatenate([call.tables[used], call.slots[call.slots >= 0] // engine.block_size])
-    return _Plan(call, space, p % planes, space.blocks[:, p // planes], q_lens, blocks, touched)
-
-
-def _slots(p: _Plan, bs: int) -> np.ndarray:
-    """The pool slots of the call's slots (all of them; a negative one stays negative)."""
-    slots = p.call.slots
-    physical = p.pool[np.where(slots >= 0, slots, 0) // bs] * bs + slots % bs
-    return np.where(slots >= 0, physical, -1)
-
-
-def _store(engine: Engine, layer: int, p: _Plan) -> tuple[torch.Tensor, torch.Tensor]:
-    """Write the call's K/V at its slots (a KV-sharing layer: read them back there); returns them as the
-    cache holds them, in the compute dtype."""
-    spec = engine.config.model.spec(layer)
-    engine.cache.zero_blocks(p.space.take_stale(p.touched))  # first touch: no previous owner's bytes show
-    slots = _slots(p, engine.block_size)
-    call = p.call
-    if call.k is None or call.v is None:
-        source = layer if spec.kv_source is None else spec.kv_source
-        return engine.cache.read(p.plane, engine.index(slots), engine.read_scales(source), engine.dtype)
-    k, v = engine.on_device(call.k), engine.on_device(call.v)
-    scales = engine.write_scales(layer, k, v)
-    written = slots >= 0
-    if written.all():
-        return engine.cache.write(p.plane, engine.index(slots), k, v, scales)
-    rows = np.flatnonzero(written)
-    return engine.cache.write(p.plane, engine.index(slots[rows]), k, v, scales, engine.index(rows))
-
-
-def _compute(
-    engine: Engine, layer: int, plane: int, members: list[tuple[int, _Plan, torch.Tensor, torch.Tensor]]
-) -> list[torch.Tensor]:
-    """One backend call over the calls' rows; per call its output [T_i, H, D] in the compute dtype."""
-    spec = engine.config.model.spec(layer)
-    source = layer if spec.kv_source is None else spec.kv_source
+def plan(call: BlockCall, space: SpaceState, layer: int, source: int, block_size: int) -> tuple[Planned, np.ndarray]:
+    """A block call of ``layer`` (whose K/V are ``source``'s: itself, or a KV-sharing layer's source) in the
+    engine's one form (types.Planned), checked against its space (``check_rows``): each row with new tokens
+    is a span whose earlier keys are read through its table, in the layer's pool blocks; its slots in the
+    pool. Also the space blocks it reads or writes [n] int64 (the stale ones among them are zeroed before its
+    write). Pure: nothing changes."""
+    q_lens, blocks = check_rows(call, space.num_blocks, block_size, reads_back=source != layer)
+    plane, pool = space.pages(layer)
+    starts, seq_lens, table = call.starts, call.seq_lens, call.tables
     spans: list[tuple[int, int, int]] = []
     tables: list[np.ndarray] = []  # per row: its keys' pool blocks, by logical block
-    sizes: list[int] = []
-    base = 0
-    unwritten: set[int] = set()
-    for _, p, _, _ in members:
-        starts, seq_lens, table = p.call.starts, p.call.seq_lens, p.call.tables
-        negative = np.concatenate([[0], np.cumsum(p.call.slots < 0)])
-        padded = negative[starts[1:]] > negative[starts[:-1]]  # [R] rows with a token not written
-        for r in np.flatnonzero(p.q_lens):
-            n = int(p.q_lens[r])
-            if padded[r]:  # some of its new tokens were not written: it reads them from this call's k and v
-                unwritten.add(len(spans))
-            spans.append((base + int(starts[r]), int(seq_lens[r]) - n, n))
-            tables.append(p.pool[table[r, : p.blocks[r]]])
-        sizes.append(int(p.call.q.shape[0]))
-        base += sizes[-1]
-    one = len(members) == 1
-    q = engine.on_device(members[0][1].call.q) if one else torch.cat([engine.on_device(m[1].call.q) for m in members])
-    k = members[0][2] if one else torch.cat([m[2] for m in members])
-    v = members[0][3] if one else torch.cat([m[3] for m in members])
-    k_scale, v_scale = engine.read_scales(source)
-    out = torch.empty(q.shape, dtype=engine.dtype, device=engine.device)
-    if spans:
-        batch = AttentionBatch(
-            q=q,
-            k=k,
-            v=v,
-            k_pages=engine.cache.k[plane],
-            v_pages=engine.cache.v[plane],
-            spans=spans,
-            tables=tables,
-            chunk_size=0,
-            block_size=engine.block_size,
-            scale=engine.scale(layer),
-            alibi_slopes=engine.slopes(layer),
-            k_scale=k_scale,
-            v_scale=v_scale,
-            unwritten=frozenset(unwritten),
-        )
-        engine.backend.attend(batch, out)
-    if one:
-        return [out]
-    parts, row = [], 0
-    for n in sizes:
-        parts.append(out[row : row + n])
-        row += n
-    return parts
+    for r in np.flatnonzero(q_lens):
+        n = int(q_lens[r])
+        spans.append((int(starts[r]), int(seq_lens[r]) - n, n))
+        tables.append(pool[table[r, : blocks[r]]])
+    used = np.arange(table.shape[1]) < blocks[:, None]
+    touched = np.concatenate([table[used], call.slots[call.slots >= 0] // block_size])
+    planned = Planned(
+        q=call.q,
+        k=call.k,
+        v=call.v,
+        plane=plane,
+        source=source,
+        slots=space.pool_slots(layer, call.slots, block_size),
+        spans=spans,
+        tables=tables,
+        chunk_size=0,
+    )
+    return planned, touched

@@ -12,14 +12,15 @@ another. Each call goes through
 A call that fails its checks or its reservation fails alone, with the error it would have had alone, and
 changes nothing; the others in its step go on. ``Engine.attend`` is a step of one call.
 
-The engine is not thread-safe: exactly one worker calls it (the scheduler's thread).
+The engine is not thread-safe: exactly one thread calls it (the scheduler's engine thread).
 """
 
 from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -28,23 +29,21 @@ from chunkattn_client import dtypes, work
 from chunkattn_client.batch import BatchEntry
 from chunkattn_server import torchtypes
 from chunkattn_server.attention.backends import AttentionBatch, Backend
+from chunkattn_server.attention.backends.base import Table
 from chunkattn_server.config import EngineConfig, LayerSpec, default_call_work
 from chunkattn_server.engine import blocks, checks
 from chunkattn_server.engine.device import make_backend, resolve_device
 from chunkattn_server.engine.entries import Entries
-from chunkattn_server.engine.types import AttendCall, BlockCall, EngineStats, Retry
-from chunkattn_server.errors import (
-    InvalidTensor,
-    OutOfBlocks,
-)
+from chunkattn_server.engine.types import AttendCall, BlockCall, EngineStats, Planned, Retry
+from chunkattn_server.errors import InvalidBatch, InvalidTensor, OutOfBlocks, PositionMismatch
 from chunkattn_server.kv.cache import KVCache, token_slots
 from chunkattn_server.kv.manager import KVManager
-from chunkattn_server.kv.manifest import ModelFingerprint
-from chunkattn_server.kv.records import Reservation, Write
+from chunkattn_server.kv.manifest import BlockRecord, BlockView, KVManifest, ModelFingerprint
+from chunkattn_server.kv.records import Quota, Reservation, Truncation, Write
 from chunkattn_server.kv.scales import KVScaleTable
 from chunkattn_server.kv.sequences import SequenceState
-from chunkattn_server.kv.spaces import BlockSpace
-from chunkattn_server.kv.transfer import KVExchange
+from chunkattn_server.kv.spaces import SpaceState
+from chunkattn_server.kv.transfer import ImportSession, KVExchange
 
 # Tensors made from received bytes (requests, imported KV) are read-only views; the engine never writes into
 # them, so torch.frombuffer's warning about it says nothing.
@@ -69,7 +68,9 @@ class Engine:
         self.dtype = torchtypes.of(compute)  # attention computes in it; outputs come back in q's dtype
         self.cache_dtype = torchtypes.of(cache)
         self._converts = self.cache_dtype != self.dtype  # its writes need the layer's scales (KVCache.write)
-        self.scales = KVScaleTable.starting(model, config.cache.scales, dtypes.BY_NAME[cache], dtypes.BY_NAME[compute])
+        self.scales = KVScaleTable.starting(
+            model.kv_sources, config.cache.scales, dtypes.BY_NAME[cache], dtypes.BY_NAME[compute]
+        )
         self.block_size = config.cache.block_size
         self.groups = config.kv_groups
         self.bytes_per_block = KVCache.bytes_per_block(
@@ -159,35 +160,49 @@ class Engine:
 
     def attend_blocks(self, layer: int, calls: Sequence[BlockCall]) -> list[torch.Tensor | Exception]:
         """Block-addressed calls of one layer (engine/blocks.py): per call its output ([T_i, num_heads,
-        head_size] in its q's dtype) or the error it fails with alone, nothing of it written."""
+        head_size] in its q's dtype) or the error it fails with alone (a call refused by its checks wrote
+        nothing). The calls that share a plane of the pages are stored and computed together; an error that is
+        not a call's own (a backend failure, after their K/V were written at their slots) fails every call of
+        its plane."""
         with torch.no_grad():
-            return blocks.attend_step(self, layer, calls)
+            spec = self.config.model.spec(layer)  # UnknownLayer for the whole step, as attend_step raises it
+            results: list[torch.Tensor | Exception] = [RuntimeError("not served")] * len(calls)
+            by_plane: dict[int, list[tuple[int, Planned, SpaceState]]] = {}
+            for i, (planned, space) in _each(calls, lambda c: self._plan_blocks(layer, spec, c), results):
+                by_plane.setdefault(planned.plane, []).append((i, planned, space))
+            for members in by_plane.values():
+                try:
+                    outs = self._run(layer, [p for _, p, _ in members])
+                except Exception as e:
+                    for i, _, _ in members:
+                        results[i] = e
+                    continue
+                now = time.monotonic()
+                for (i, _, space), out in zip(members, outs, strict=True):
+                    results[i] = out
+                    space.last_used = now  # used until the call's end: its lease runs from here
+            return results
 
-    def open_space(self, num_blocks: int, planes: Sequence[int], *, tenant: str, lease_s: float = 0.0) -> BlockSpace:
+    def open_space(self, num_blocks: int, planes: Sequence[int], *, tenant: str, lease_s: float = 0.0) -> SpaceState:
         """A new block space of ``tenant`` (kv/spaces.py). Its blocks are not zeroed now: each is zeroed by the
-        first call that touches it (engine/blocks.py), so no previous owner's K/V ever shows and opening costs
+        first call that touches it (``_plan_blocks``), so no previous owner's K/V ever shows and opening costs
         no more than the pool's bookkeeping."""
         return self.kv.spaces.open(num_blocks, planes, tenant=tenant, lease_s=lease_s)
+
+    # -- the sequence API: plan -> reserve -> run -> commit ------------------------------------------------------
 
     def _attend_step(self, layer: int, calls: Sequence[AttendCall]) -> list[torch.Tensor | Exception | Retry]:
         results: list[torch.Tensor | Exception | Retry] = [Retry()] * len(calls)
         spec = self.config.model.spec(layer)
-        planned: list[tuple[int, list[SequenceState | None], list[Write]]] = []
-        for i, call in enumerate(calls):
-            try:
-                states, writes = self._plan(layer, spec, call)
-            except Exception as e:  # an EngineError; anything else is a bug, and still this call's alone
-                results[i] = e
-            else:
-                planned.append((i, states, writes))
+        planned = _each(calls, lambda c: self._plan(layer, spec, c), results)
         seen: set[tuple[str, str]] = set()
-        for i, _, _ in planned:
+        for i, _ in planned:
             ids = {(calls[i].tenant, e.seq_id) for e in calls[i].entries}
             assert seen.isdisjoint(ids), "calls of one step must not share a sequence"
             seen |= ids
         owners: dict[int, int] = {}
         reserved: list[tuple[int, Reservation]] = []
-        for i, states, writes in planned:
+        for i, (states, writes) in planned:
             try:
                 reserved.append(
                     (i, self.kv.reserve(layer, calls[i].entries, states, writes, owners, tenant=calls[i].tenant))
@@ -197,19 +212,15 @@ class Engine:
         if not reserved:
             return results
         try:
-            out = self._compute_step(layer, spec, [calls[i] for i, _ in reserved], [r for _, r in reserved])
+            outs = self._run(layer, [self._reserved(layer, spec, calls[i], r) for i, r in reserved])
         except BaseException:
             for _, r in reversed(reserved):
                 self.kv.rollback(r)
             raise
         now = time.monotonic()
-        row = 0
-        for i, r in reserved:
+        for (i, r), out in zip(reserved, outs, strict=True):
             self.kv.commit(r, now)
-            n = calls[i].q.shape[0]
-            part = out if len(reserved) == 1 else out[row : row + n]
-            results[i] = part if part.dtype == calls[i].q.dtype else part.to(calls[i].q.dtype)
-            row += n
+            results[i] = out
         return results
 
     def _plan(self, layer: int, spec: LayerSpec, call: AttendCall) -> tuple[list[SequenceState | None], list[Write]]:
@@ -217,11 +228,7 @@ class Engine:
         # Entries were checked where they were built (the service's parser): only a plain list is checked here.
         entries = call.entries
         total = sum(e.num_tokens for e in entries) if isinstance(entries, Entries) else checks.check_entries(entries)
-        checks.check_tensors(
-            self.config.model, layer, spec, call.entries, total, call.q, call.k, call.v, self.dtype, self.cache_dtype
-        )
-        if call.k is not None and call.v is not None and self.scales.calibrating(layer):
-            self.check_calibration(self.on_device(call.k), self.on_device(call.v))
+        self._check_tensors(layer, spec, entries, total, call)
         states = [self.kv.get(e.seq_id, tenant=call.tenant) for e in call.entries]
         checks.check_positions(layer, spec, call.entries, states)
         if self.max_call_work:
@@ -229,132 +236,152 @@ class Engine:
             checks.check_work(done, self.max_call_work)
         return states, self.kv.plan_writes(layer, spec, call.entries, states)
 
-    def _compute_step(
-        self, layer: int, spec: LayerSpec, calls: Sequence[AttendCall], reserved: Sequence[Reservation]
-    ) -> torch.Tensor:
-        """One compute over the reserved calls' tokens, in their order: [sum T_i, H, D] in the cache dtype."""
-        if len(calls) == 1:
-            c, r = calls[0], reserved[0]
-            return self._compute(layer, spec, r.entries, r.states, r.writes, c.q, c.k, c.v)
-        entries = [e for r in reserved for e in r.entries]
-        states = [s for r in reserved for s in r.states]
-        writes = [w for r in reserved for w in r.writes]
-
-        def cat(ts: list[torch.Tensor | None]) -> torch.Tensor | None:
-            if ts[0] is None:
-                return None
-            return torch.cat([self.on_device(t) for t in ts if t is not None])
-
-        q = cat([c.q for c in calls])
-        assert q is not None
-        return self._compute(
-            layer, spec, entries, states, writes, q, cat([c.k for c in calls]), cat([c.v for c in calls])
-        )
-
-    def on_device(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` on the engine's device in the compute dtype (itself when it is already: ``to`` is not free)."""
-        if self._on_cpu and t.dtype == self.dtype and t.is_cpu:
-            return t
-        return t.to(device=self.device, dtype=self.dtype)
-
-    def _compute(
-        self,
-        layer: int,
-        spec: LayerSpec,
-        entries: Sequence[BatchEntry],
-        states: Sequence[SequenceState],
-        writes: Sequence[Write],
-        q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """Write the call's K/V into the cache and run the backend; returns [T, H, D] in the compute dtype."""
-        group, plane, bs = self.kv.group_of[layer], self._plane_of[layer], self.block_size
-        tables = [s.tables[group.index] for s in states]
-        source = layer if spec.kv_source is None else spec.kv_source
-        if k is None or v is None:  # KV sharing: the new tokens' K/V come back from the source's cache
-            kc, vc = self._read_back(source, plane, tables, entries)
-        else:
-            kc, vc = self._store(source, plane, tables, entries, writes, self.on_device(k), self.on_device(v))
-        k_scale, v_scale = self.read_scales(source)
-        spans, row = [], 0
-        for e in entries:
+    def _reserved(self, layer: int, spec: LayerSpec, call: AttendCall, r: Reservation) -> Planned:
+        """A reserved sequence call in the engine's one form: each entry a span over its KV group's table; each
+        token's slot where that table puts it, -1 for those its write skips (before the chunk it keeps); a
+        KV-sharing layer reads every new token back where its source wrote it."""
+        group, bs = self.kv.group_of[layer], self.block_size
+        tables = [s.tables[group.index] for s in r.states]
+        spans, parts, row = [], [], 0
+        reads_back = call.k is None or call.v is None
+        for table, e, w in zip(tables, r.entries, r.writes, strict=True):
             spans.append((row, e.position, e.num_tokens))
+            end = e.position + e.num_tokens
+            first = e.position if reads_back else w.start
+            if first > e.position:
+                parts.append(np.full(min(first, end) - e.position, -1, np.int64))
+            if first < end:
+                parts.append(token_slots(table, first, end, bs))
             row += e.num_tokens
-        batch = AttentionBatch(
-            q=self.on_device(q),
-            k=kc,
-            v=vc,
-            k_pages=self.cache.k[plane],
-            v_pages=self.cache.v[plane],
+        return Planned(
+            q=call.q,
+            k=call.k,
+            v=call.v,
+            plane=self._plane_of[layer],
+            source=layer if spec.kv_source is None else spec.kv_source,
+            slots=_concat(parts) if parts else np.empty(0, np.int64),
             spans=spans,
             tables=tables,
             chunk_size=spec.chunk_size,
-            block_size=bs,
-            scale=self._scales[layer],
-            alibi_slopes=self.slopes(layer),
-            k_scale=k_scale,
-            v_scale=v_scale,
         )
+
+    # -- the block API: a call checked against its space -----------------------------------------------------
+
+    def _plan_blocks(self, layer: int, spec: LayerSpec, call: BlockCall) -> tuple[Planned, SpaceState]:
+        """A block call's checks against the model, its space (engine/blocks.py) and the engine's bounds, and
+        its plan; the space blocks it touches that are still stale are zeroed now (nothing else has changed)."""
+        space = self.kv.spaces.get(call.space_id, tenant=call.tenant)
+        tokens = int(call.q.shape[0]) if call.q.dim() else 0
+        if tokens < 1:
+            raise InvalidBatch("q has no tokens; a block batch brings at least one new token")
+        self._check_tensors(layer, spec, (), tokens, call)
+        source = layer if spec.kv_source is None else spec.kv_source
+        planned, touched = blocks.plan(call, space, layer, source, self.block_size)
+        if self.max_call_work:
+            checks.check_work(int(work.token_work(call.starts, call.seq_lens).sum()), self.max_call_work)
+        if source != layer and self.scales.calibrating(source):
+            raise PositionMismatch(
+                f"layer {layer} reads layer {source}'s KV cache (KV sharing), which has had no write yet:"
+                f" call layer {source} first"
+            )
+        self.cache.zero_blocks(space.take_stale(touched))  # first touch: no previous owner's bytes show
+        return planned, space
+
+    def _check_tensors(
+        self, layer: int, spec: LayerSpec, entries: Sequence[BatchEntry], total: int, call: AttendCall | BlockCall
+    ) -> None:
+        """A call's tensors against the model and their values (checks.check_tensors), and a first write of a
+        calibrating float8 layer against what its scales can hold."""
+        q, k, v = call.q, call.k, call.v
+        checks.check_tensors(self.config.model, layer, spec, entries, total, q, k, v, self.dtype, self.cache_dtype)
+        if k is not None and v is not None and self.scales.calibrating(layer):
+            self._check_calibration(self._on_device(k), self._on_device(v))
+
+    # -- the one store and compute path, for both addressings ------------------------------------------------
+
+    def _run(self, layer: int, calls: Sequence[Planned]) -> list[torch.Tensor]:
+        """Store the calls' K/V (all of one plane) and run the backend once over all their rows; per call its
+        output [T_i, num_heads, head_size] in its q's dtype."""
+        first = calls[0]
+        one = len(calls) == 1
+        q = self._on_device(first.q) if one else torch.cat([self._on_device(c.q) for c in calls])
+        kc, vc = self._store(first.plane, first.source, calls)
+        spans: list[tuple[int, int, int]] = []
+        tables: list[Table] = []
+        unwritten: set[int] = set()  # spans with a token not in the pages: they read their new keys from k and v
+        sizes: list[int] = []
+        base = 0
+        for c in calls:
+            for row, position, n in c.spans:
+                if (c.slots[row] < 0) if n == 1 else bool((c.slots[row : row + n] < 0).any()):
+                    unwritten.add(len(spans))
+                spans.append((base + row, position, n))
+            tables.extend(c.tables)
+            sizes.append(int(c.q.shape[0]))
+            base += sizes[-1]
+        k_scale, v_scale = self._read_scales(first.source)
         out = torch.empty(q.shape, dtype=self.dtype, device=self.device)
-        self.backend.attend(batch, out)
-        return out
+        if spans:
+            batch = AttentionBatch(
+                q=q,
+                k=kc,
+                v=vc,
+                k_pages=self.cache.k[first.plane],
+                v_pages=self.cache.v[first.plane],
+                spans=spans,
+                tables=tables,
+                chunk_size=first.chunk_size,
+                block_size=self.block_size,
+                scale=self._scales[layer],
+                alibi_slopes=self._slopes[layer],
+                k_scale=k_scale,
+                v_scale=v_scale,
+                unwritten=frozenset(unwritten),
+            )
+            self.backend.attend(batch, out)
+        parts, row = [], 0
+        for c, n in zip(calls, sizes, strict=True):
+            part = out if one else out[row : row + n]
+            parts.append(part if part.dtype == c.q.dtype else part.to(c.q.dtype))
+            row += n
+        return parts
 
-    def _read_back(
-        self, source: int, plane: int, tables: Sequence[dict[int, int]], entries: Sequence[BatchEntry]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The new tokens' K/V [T, Hkv, D] in the compute dtype, read from the source layer's cache (a
-        KV-sharing layer writes none)."""
-        bs = self.block_size
-        slots = _concat(
-            [token_slots(t, e.position, e.position + e.num_tokens, bs) for t, e in zip(tables, entries, strict=True)]
+    def _store(self, plane: int, source: int, calls: Sequence[Planned]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the calls' K/V at their slots (a float8 cache: over the source layer's scales, calibrated by
+        this write if it is the first; each call was checked on its own, so their merged first write calibrates
+        without error: its largest values are one of theirs); returns all their rows' K/V [T, Hkv, D] as the
+        cache holds them (KVCache.write), in the compute dtype. A KV-sharing layer's calls store nothing: their
+        K/V are read back at their slots."""
+        slots = calls[0].slots if len(calls) == 1 else np.concatenate([c.slots for c in calls])
+        if calls[0].k is None or calls[0].v is None:
+            return self.cache.read(plane, self._index(slots), self._read_scales(source), self.dtype)
+        k, v = (
+            _cat([self._on_device(c.k) for c in calls if c.k is not None]),
+            _cat([self._on_device(c.v) for c in calls if c.v is not None]),
         )
-        return self.cache.read(plane, self.index(slots), self.read_scales(source), self.dtype)
+        scales = self._write_scales(source, k, v) if self._converts else (1.0, 1.0)
+        written = slots >= 0
+        if written.all():
+            return self.cache.write(plane, self._index(slots), k, v, scales)
+        rows = np.flatnonzero(written)
+        return self.cache.write(plane, self._index(slots[rows]), k, v, scales, self._index(rows))
 
-    def _store(
-        self,
-        source: int,
-        plane: int,
-        tables: Sequence[dict[int, int]],
-        entries: Sequence[BatchEntry],
-        writes: Sequence[Write],
-        kc: torch.Tensor,
-        vc: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the call's K/V ([T, Hkv, D], compute dtype) at its writes' cache slots (a float8 cache: over
-        the layer's scales, calibrated by this write if it is the first); returns them as the cache holds them
-        (KVCache.write)."""
-        scales = self.write_scales(source, kc, vc) if self._converts else (1.0, 1.0)
-        # The rows of k/v to store and their cache slots; usually every row (a decode, a short prefill).
-        rows: list[tuple[int, int]] = []
-        slot_parts: list[np.ndarray] = []
-        full, row = True, 0
-        for table, e, w in zip(tables, entries, writes, strict=True):
-            if w.start < w.end:
-                rows.append((row + w.start - e.position, row + e.num_tokens))
-                slot_parts.append(token_slots(table, w.start, w.end, self.block_size))
-            full = full and w.start == e.position
-            row += e.num_tokens
-        slots = self.index(_concat(slot_parts) if slot_parts else np.empty(0, np.int64))
-        index = None if full or not slot_parts else self.index(_concat([np.arange(a, b) for a, b in rows]))
-        return self.cache.write(plane, slots, kc, vc, scales, index)
-
-    def read_scales(self, layer: int) -> tuple[float, float]:
+    def _read_scales(self, layer: int) -> tuple[float, float]:
         """A layer's cache scales (k, v), its first write having calibrated them where it had to."""
         scales = self.scales.of(layer)
         assert scales is not None, "a calibrating layer is read only after its first write"
         return scales
 
-    def write_scales(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[float, float]:
+    def _write_scales(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[float, float]:
         """The scales a write of ``k``, ``v`` ([T, Hkv, D] in the compute dtype, as they are stored) is stored
         over: the layer's, set now from this write if it is calibrating (kv/scales.py: max |x| / K_RANGE or
         V_RANGE, as vLLM's calculate_kv_scales). Each call of a step was checked on its own (_plan), so their
         merged first write calibrates without error: its largest values are one of theirs."""
         if not self.scales.calibrating(layer):
-            return self.read_scales(layer)
+            return self._read_scales(layer)
         return self.scales.calibrated(layer, _top(k), _top(v))
 
-    def check_calibration(self, k: torch.Tensor, v: torch.Tensor) -> None:
+    def _check_calibration(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """InvalidTensor for a first write that cannot calibrate a layer's scales (one too small to read back
         would store every later value as 0); ``k``, ``v`` as for ``write_scales``."""
         assert self.scales.range is not None
@@ -363,7 +390,13 @@ class Engine:
         except ValueError as e:
             raise InvalidTensor(f"{e}. Nothing was written") from None
 
-    def index(self, values: np.ndarray) -> torch.Tensor:
+    def _on_device(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` on the engine's device in the compute dtype (itself when it is already: ``to`` is not free)."""
+        if self._on_cpu and t.dtype == self.dtype and t.is_cpu:
+            return t
+        return t.to(device=self.device, dtype=self.dtype)
+
+    def _index(self, values: np.ndarray) -> torch.Tensor:
         """An int64 index tensor on the engine's device."""
         t = torch.from_numpy(values)
         return t if self._on_cpu else t.to(self.device)
@@ -376,7 +409,7 @@ class Engine:
             head_size=model.head_size,
             block_size=self.block_size,
             chunk_sizes=tuple(x.chunk_size for x in model.layers),
-            kv_sources=tuple(x.kv_source for x in model.layers),
+            kv_sources=model.kv_sources,
             cache_dtype=torchtypes.OF_TORCH[self.cache_dtype].name,
         )
 
@@ -401,9 +434,109 @@ class Engine:
         """The layer's ALiBi slopes [num_heads] float32 on the device, or None."""
         return self._slopes[layer]
 
+    # -- the control plane: the service's one door to sequences, spaces, quotas, transfer and scales -----------
+    # Each runs on the engine's thread, as a control job (Scheduler.run). The service reaches the KV's state
+    # through these alone (tests/service/test_engine_door.py); the parts they delegate to say more.
+
+    def release(self, seq_ids: Sequence[str], *, missing_ok: bool = False, tenant: str) -> int:
+        """Drop ``tenant``'s sequences and return their blocks; how many existed (KVManager.release:
+        UnknownSequence for an unknown id unless ``missing_ok``, InvalidBatch; nothing released then)."""
+        return self.kv.release(seq_ids, missing_ok=missing_ok, tenant=tenant)
+
+    def fork(self, parent: str, child: str, *, tenant: str) -> int:
+        """``child``, a copy-on-write copy of ``parent``; the number of blocks they share (KVManager.fork)."""
+        return self.kv.fork(parent, child, tenant=tenant)
+
+    def truncate(self, seq_id: str, length: int, *, tenant: str) -> Truncation:
+        """The sequence back to its first ``length`` tokens in every layer (KVManager.truncate)."""
+        return self.kv.truncate(seq_id, length, tenant=tenant)
+
+    def set_quotas(self, quotas: dict[str, Quota]) -> None:
+        """Each tenant's quota from now on (a tenant left out has none); the calls under way keep theirs."""
+        self.kv.quotas = quotas
+
+    def close_space(self, space_id: str, *, tenant: str) -> int:
+        """Close ``tenant``'s block space; the pool blocks it gave back (UnknownSpace)."""
+        return self.kv.spaces.close(space_id, tenant=tenant)
+
+    def renew_space(self, space_id: str, *, tenant: str) -> SpaceState:
+        """``tenant``'s block space, used now: its lease starts again (UnknownSpace)."""
+        return self.kv.spaces.renew(space_id, tenant=tenant)
+
+    def spaces_of(self, *, tenant: str) -> list[SpaceState]:
+        """``tenant``'s open block spaces."""
+        return self.kv.spaces.of(tenant)
+
+    def sweep(self, idle_timeout_s: float, *, sequences: bool) -> tuple[int, int, float | None]:
+        """Idle eviction: (sequences released, untouched for more than ``idle_timeout_s``, only when
+        ``sequences``; block spaces closed, unused past their lease; when the next open space's lease ends, in
+        time.monotonic()'s seconds, None for no open space)."""
+        evicted = len(self.kv.evict_idle(idle_timeout_s)) if sequences else 0
+        closed = len(self.kv.spaces.expire(idle_timeout_s))
+        return evicted, closed, self.kv.spaces.next_expiry(idle_timeout_s)
+
+    def max_held_blocks(self) -> int:
+        """A bound on the blocks one sequence's tables list, over all its KV groups (each group's table at most
+        the whole pool): what sizes a KV export's header."""
+        return len(self.groups) * self.pool.num_blocks
+
+    def scales_now(self) -> tuple[tuple[float, float] | None, ...]:
+        """Per layer, its float8 cache's (k, v) scales as of now; None while a calibrating layer has had no
+        write (1.0 in a cache of the compute dtype). A snapshot for readers on other threads."""
+        return tuple(self.scales.of(i) for i in range(self.config.model.num_layers))
+
+    def export_manifest(self, seq_id: str, layers: Sequence[int] | None, *, tenant: str) -> KVManifest:
+        """What an export of ``tenant``'s sequence sends (``layers`` None: all), as of now (KVExchange)."""
+        return self.transfer.export_manifest(seq_id, layers, tenant=tenant)
+
+    def export_views(self, manifest: KVManifest, records: Sequence[tuple[int, int]]) -> list[BlockView]:
+        """The export's ``records`` (layer, logical block) read from the cache; ABORTED when the sequence changed
+        since its manifest (KVExchange.export_views)."""
+        return self.transfer.export_views(manifest, records)
+
+    def release_exported(self, manifest: KVManifest) -> None:
+        """Release the exported sequence, unless a call changed it since the export (KVExchange)."""
+        self.transfer.release_exported(manifest)
+
+    def begin_import(self, manifest: KVManifest, *, tenant: str) -> ImportSession:
+        """An import of ``manifest`` into ``tenant``'s sequences: its blocks reserved now (KVExchange)."""
+        return self.transfer.begin_import(manifest, tenant=tenant)
+
+    def import_records(self, session: ImportSession, records: Sequence[BlockRecord]) -> None:
+        """Write an import's records into its reserved blocks (KVExchange.import_records)."""
+        self.transfer.import_records(session, records)
+
+    def commit_import(self, session: ImportSession) -> int:
+        """The import's sequence, created from its blocks; how many blocks it holds (KVExchange)."""
+        return self.transfer.commit_import(session)
+
+    def abort_import(self, session: ImportSession) -> None:
+        """Return an import's reserved blocks (nothing to do after its commit)."""
+        self.transfer.abort_import(session)
+
+
+C = TypeVar("C")
+P = TypeVar("P")
+
+
+def _each(calls: Sequence[C], plan: Callable[[C], P], results: list[Any]) -> list[tuple[int, P]]:
+    """Per call that ``plan`` takes, its index and plan; a call it refuses gets its error in ``results`` (an
+    EngineError; anything else is a bug, and still that call's alone: the others of its step go on)."""
+    planned: list[tuple[int, P]] = []
+    for i, call in enumerate(calls):
+        try:
+            planned.append((i, plan(call)))
+        except Exception as e:
+            results[i] = e
+    return planned
+
 
 def _concat(parts: list[np.ndarray]) -> np.ndarray:
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _top(x: torch.Tensor) -> float:

@@ -9,31 +9,40 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 
+from chunkattn_server.config import ModelShape
 from chunkattn_server.engine import jobs
-from chunkattn_server.engine.jobs import Job, Result
+from chunkattn_server.engine.jobs import Job, LayerCall
+from chunkattn_server.engine.serve import Steps
 from chunkattn_server.engine.turn import Turn
 
 # How many turns of the event loop a step on it may wait behind other ready callbacks (see _drain).
 MAX_DEFERRALS = 32
 
+# A step at most this large (attention work, query-key pairs x heads x head size, and tokens) may run on the
+# event loop's thread: a few milliseconds of work at most, as long as a large request's parse, so the loop
+# stays responsive; larger steps, prefills mostly, go to the engine thread.
+INLINE_WORK = 1 << 23
+INLINE_TOKENS = 256
+
+
+def is_small(model: ModelShape, step: list[Job]) -> bool:
+    """Whether an event loop may run ``step`` itself (see INLINE_WORK)."""
+    return sum(j.tokens for j in step if isinstance(j, LayerCall)) <= INLINE_TOKENS and (
+        jobs.work(model, step) < INLINE_WORK
+    )
+
 
 class InlineRunner:
-    """Runs small steps on the event loops whose calls are queued; ``small(step)`` says which steps are,
-    ``run_step(step, runner)`` serves one (the scheduler's). Shares the turn with the engine thread."""
+    """Runs small steps (the turn's ``take_on_loop``) on the event loops whose calls are queued, through
+    ``steps``; shares the turn with the engine thread."""
 
-    def __init__(
-        self,
-        turn: Turn,
-        small: Callable[[list[Job]], bool],
-        run_step: Callable[[list[Job], str], list[Result]],
-    ) -> None:
+    def __init__(self, turn: Turn, steps: Steps) -> None:
         self._turn = turn
-        self.small = small
-        self._run_step = run_step
+        self._steps = steps
         self._loops: set[asyncio.AbstractEventLoop] = set()  # where a drain is pending (under turn.cond)
 
     def wake(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -77,31 +86,27 @@ class InlineRunner:
             if not self._runnable(loop):
                 return
             self._loops.discard(loop)
-            step = turn.take()
-            if not self.small(step):
-                turn.hand_over(step)
+            step = turn.take_on_loop()
+            if step is None:  # too large: the engine thread's now
                 return
         threads = torch.get_num_threads()  # this thread's only, put back after: no OpenMP team on the loop's
         if threads != 1:
             torch.set_num_threads(1)
+        retry: list[Job] = []
         try:
-            results = self._run_step(step, "event_loop")
+            results, retry = self._steps.run(step, "event_loop")
         finally:
             if threads != 1:
                 torch.set_num_threads(threads)
             with turn.cond:
-                turn.busy = False
-                if turn.stopping:
-                    turn.cond.notify()  # stop() from another thread: the engine thread takes the rest
-                elif turn.queue.pending():
+                if turn.loop_done(retry):
                     self.wake(loop)
         jobs.deliver(results)
 
     def _runnable(self, loop: asyncio.AbstractEventLoop) -> bool:
         """(Under turn.cond.) Whether ``loop``'s pending drain may take a step now; if not, the drain is over
         (the engine thread gives the turn back when it is done, and stop() leaves the rest to it)."""
-        turn = self._turn
-        if not (turn.busy or turn.stopping) and turn.queue.pending():
+        if self._turn.loop_may_take():
             return True
         self._loops.discard(loop)
         return False

@@ -10,16 +10,19 @@ import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from chunkattn_client import work as work_of
-from chunkattn_server.config import ModelShape
-from chunkattn_server.engine.core import Engine
-from chunkattn_server.engine.entries import Entries
-from chunkattn_server.engine.types import BlockCall
+
+if TYPE_CHECKING:  # the step queue reads jobs without loading torch or the engine (tests/server/test_layers.py)
+    import torch
+
+    from chunkattn_server.config import ModelShape
+    from chunkattn_server.engine.core import Engine
+    from chunkattn_server.engine.entries import Entries
+    from chunkattn_server.engine.types import BlockCall
 
 
 @dataclass(eq=False)

@@ -2,10 +2,12 @@
 layer merged into one ``Engine.attend_step`` (block-addressed ones into one ``Engine.attend_blocks``), their
 outputs copied to host memory there (a device tensor's copy waits for its compute: it belongs to the thread
 that owns the device), ``end_of_sequence`` releases after each call; and the step's metrics, observed here and
-nowhere else."""
+nowhere else. ``Steps`` serves steps for either runner and publishes what readers on other threads may see
+(the pool's stats, the layers' KV scales) after each."""
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -14,6 +16,38 @@ from chunkattn_server.engine.core import Engine
 from chunkattn_server.engine.jobs import Attend, AttendBlocks, Control, Job, LayerCall, Result
 from chunkattn_server.engine.types import AttendCall, EngineStats, Retry
 from chunkattn_server.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+Scales = tuple[tuple[float, float] | None, ...]  # per layer, as Engine.scales_now
+
+
+class Steps:
+    """Serves steps on the engine for whichever runner has the turn, and publishes after each, for readers that
+    must not queue behind the jobs (Info, the tenants' metrics): ``stats``, the pool and sequences, and
+    ``kv_scales``, the layers' KV scales (Engine.scales_now). Each is replaced whole by the thread that ran the
+    step, before its answers go, so a reader sees one step's state or the next one's, and a caller that reads
+    after its answer sees its own step. Built on the engine thread, which takes the first snapshot."""
+
+    def __init__(self, engine: Engine, metrics: Metrics | None) -> None:
+        self.engine = engine
+        self._metrics = metrics
+        self.stats: EngineStats = engine.stats()
+        self.kv_scales: Scales = engine.scales_now()
+        self._calibrating = None in self.kv_scales  # scales change only while a layer calibrates
+
+    def run(self, step: list[Job], runner: str) -> tuple[list[Result], list[Job]]:
+        """Serve one step (``serve``): its answers, and the calls to run again first. An error outside any call's
+        own (a bug) fails every job of the step rather than leaving them unanswered."""
+        try:
+            results, retry, self.stats = serve(self.engine, step, self._metrics, runner)
+        except Exception as e:
+            log.exception("an engine step failed")
+            results, retry = [(job, False, e) for job in step], []
+        if self._calibrating:
+            self.kv_scales = self.engine.scales_now()
+            self._calibrating = None in self.kv_scales
+        return results, retry
 
 
 def serve(
@@ -65,7 +99,7 @@ def _serve_attend(engine: Engine, step: list[Attend], results: list[Result], ret
             continue
         try:
             if job.ending:
-                released += engine.kv.release(list(job.ending), tenant=job.tenant)
+                released += engine.release(list(job.ending), tenant=job.tenant)
             results.append((job, True, _host(out)))
         except Exception as e:
             results.append((job, False, e))

@@ -25,6 +25,7 @@ import collections
 from collections.abc import Iterator, Sequence
 from itertools import islice
 
+from chunkattn_server.config import DEFAULT_MAX_BATCH_TOKENS
 from chunkattn_server.engine.jobs import Job, LayerCall
 
 SCAN_LIMIT = 1024  # queued jobs one step looks through for calls to merge
@@ -34,7 +35,9 @@ class StepQueue:
     """Queued jobs in arrival order; ``take`` removes the next step. ``batching`` False: every job is a
     step of its own."""
 
-    def __init__(self, *, batching: bool = True, max_batch_tokens: int = 8192, scan_limit: int = SCAN_LIMIT) -> None:
+    def __init__(
+        self, *, batching: bool = True, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, scan_limit: int = SCAN_LIMIT
+    ) -> None:
         self.batching = batching
         self.max_batch_tokens = max_batch_tokens
         self.scan_limit = scan_limit

@@ -1,5 +1,5 @@
-"""What the engine takes and gives besides tensors: a call of a step (sequence- or block-addressed), the Retry
-signal, and the pool's stats."""
+"""What the engine takes and gives besides tensors: a call of a step (sequence- or block-addressed), the one
+form both are planned into (``Planned``), the Retry signal, and the pool's stats."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from chunkattn_client.batch import BatchEntry
+from chunkattn_server.attention.backends.base import Table
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,33 @@ class BlockCall:
     seq_lens: np.ndarray
     tables: np.ndarray
     tenant: str
+
+
+@dataclass(frozen=True)
+class Planned:
+    """A checked call of either addressing, as the engine's one store and compute path takes it (core.py
+    ``Engine._run``): which tokens go where in the pages, and which keys each of its rows reads.
+
+    q: [T, num_heads, head_size]; k, v: [T, num_kv_heads, head_size] or None (a KV-sharing layer: its new
+        tokens' K/V are read back at ``slots``, where its source wrote them); the call's dtype, any device.
+    plane: the plane of the pages the call's K/V are in; source: the layer whose cache scales they use (its
+        own, or a KV-sharing layer's source).
+    slots: [T] int64, each token's slot in the pages (pool block * block_size + offset), or -1 where a token
+        is not stored (a sequence's tokens before the chunk it keeps; a block row's padding).
+    spans: per row (its first row of q, the position of its first new token, its new tokens); tables: per row
+        its logical -> pool blocks (see attention.backends.base.Table), for the keys before its new tokens.
+    chunk_size: the C the backend applies (a block call's: 0, the caller windows its rows).
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor | None
+    v: torch.Tensor | None
+    plane: int
+    source: int
+    slots: np.ndarray
+    spans: Sequence[tuple[int, int, int]]
+    tables: Sequence[Table]
+    chunk_size: int
 
 
 class Retry(Exception):

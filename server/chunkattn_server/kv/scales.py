@@ -21,15 +21,12 @@ from __future__ import annotations
 import json
 import math
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from chunkattn_client.dtypes import DType
 from chunkattn_server import jsonfile
 from chunkattn_server.errors import ConfigError
-
-if TYPE_CHECKING:
-    from chunkattn_server.config import ModelShape
 
 FLOAT32_TINY = 2.0**-126  # float32's smallest normal number
 
@@ -128,11 +125,12 @@ class KVScales:
 
         return cls(scales("k_scale"), scales("v_scale"), calibrate)
 
-    def per_layer(self, model: ModelShape) -> list[tuple[float, float] | None]:
-        """Each layer's (k scale, v scale), float32-rounded; None where none is given (1, or calibrated); a
-        KV-sharing layer's are its source's. ConfigError for a wrong count, a scale that is not a normal
+    def per_layer(self, kv_sources: Sequence[int | None]) -> list[tuple[float, float] | None]:
+        """Each layer's (k scale, v scale), float32-rounded, for a model whose layers read ``kv_sources``' caches
+        (config.ModelShape.kv_sources: per layer its source, None for its own); None where none is given (1, or
+        calibrated); a KV-sharing layer's are its source's. ConfigError for a wrong count, a scale that is not a normal
         float32 number, or a sharer's scale that differs from its source's."""
-        n = model.num_layers
+        n = len(kv_sources)
         out: list[tuple[float, float] | None] = []
         for name, given in (("k_scale", self.k), ("v_scale", self.v)):
             if len(given) not in (0, 1, n):
@@ -143,18 +141,17 @@ class KVScales:
                     raise ConfigError(problem)
         k = self.k * n if len(self.k) == 1 else self.k
         v = self.v * n if len(self.v) == 1 else self.v
-        for i, spec in enumerate(model.layers):
+        for i, source in enumerate(kv_sources):
             ki, vi = (k[i] if k else None), (v[i] if v else None)
             if (ki is None) != (vi is None):
                 raise ConfigError(f"layer {i}: give both its k_scale and its v_scale, or neither")
-            if ki is None and (k or v) and spec.kv_source is None and not self.calibrate:
+            if ki is None and (k or v) and source is None and not self.calibrate:
                 raise ConfigError(
                     f'layer {i} writes its own cache but its scales are null: give them, or add "calibrate": true'
                     " to have its first write set them"
                 )
             out.append(None if ki is None or vi is None else (float32(ki), float32(vi)))
-        for i, spec in enumerate(model.layers):
-            src = spec.kv_source
+        for i, src in enumerate(kv_sources):
             if src is None:
                 continue
             if out[i] is not None and out[i] != out[src]:
@@ -273,11 +270,14 @@ class KVScaleTable:
         self._scales: list[tuple[float, float] | None] = list(given) if scale_range is not None else []
 
     @classmethod
-    def starting(cls, model: ModelShape, scales: KVScales | None, cache: DType, compute: DType) -> KVScaleTable:
-        """The table a cache of dtype ``cache`` read in ``compute`` starts with: --kv-scales' (``scales``) for a
+    def starting(
+        cls, kv_sources: Sequence[int | None], scales: KVScales | None, cache: DType, compute: DType
+    ) -> KVScaleTable:
+        """The table of a model whose layers read ``kv_sources``' caches (see ``KVScales.per_layer``), for a
+        cache of dtype ``cache`` read in ``compute``, as it starts: --kv-scales' (``scales``) for a
         float8 cache, 1 where none is given, None (to calibrate) where it says so. ConfigError for a given
         scale outside the range the cache can be read back over."""
-        given = scales.per_layer(model) if scales is not None else [None] * model.num_layers
+        given = scales.per_layer(kv_sources) if scales is not None else [None] * len(kv_sources)
         unscaled = None if scales is not None and scales.calibrate else (1.0, 1.0)
         scale_range = ScaleRange(cache, compute) if cache.fp8 else None
         for i, pair in enumerate(given if scale_range is not None else ()):
@@ -285,7 +285,7 @@ class KVScaleTable:
                 problem = scale_range and scale_range.problem(scale, f"layer {i}'s {name}")
                 if problem:
                     raise ConfigError(f"--kv-scales: {problem} (or compute in float32 or bfloat16: --dtype)")
-        sources = [i if spec.kv_source is None else spec.kv_source for i, spec in enumerate(model.layers)]
+        sources = [i if source is None else source for i, source in enumerate(kv_sources)]
         return cls(sources, [g or unscaled for g in given], scale_range)
 
     @property

@@ -64,17 +64,18 @@ def check_lease(lease_s: float) -> None:
 
 
 @dataclass
-class BlockSpace:
+class SpaceState:
     """One open space: its pool blocks [num_blocks, pool blocks per space block] int64, and per layer of the
-    model the plane its K/V is in (a KV-sharing layer's: its source's). ``stale`` [num_blocks] bool: space
-    blocks no call has touched yet (their pool blocks still hold a previous owner's bytes). ``lease_s``: the
-    lease it was opened with (0: none; see ``lease``)."""
+    model the plane its K/V is in (a KV-sharing layer's: its source's); ``planes_per_block``: the pool's (G).
+    ``stale`` [num_blocks] bool: space blocks no call has touched yet (their pool blocks still hold a previous
+    owner's bytes). ``lease_s``: the lease it was opened with (0: none; see ``lease``)."""
 
     space_id: str
     tenant: str
     blocks: np.ndarray
     layer_planes: tuple[int, ...]
     num_planes: int
+    planes_per_block: int
     lease_s: float = 0.0
     opened: float = field(default_factory=time.monotonic)
     last_used: float = field(default_factory=time.monotonic)
@@ -89,6 +90,19 @@ class BlockSpace:
 
     def pool_blocks(self) -> list[int]:
         return list(self.blocks.reshape(-1).tolist())
+
+    def pages(self, layer: int) -> tuple[int, np.ndarray]:
+        """Where ``layer``'s K/V are (the module doc's arithmetic): its plane of the pool's blocks, and each
+        space block's pool block for it [num_blocks] int64."""
+        p = self.layer_planes[layer]
+        return p % self.planes_per_block, self.blocks[:, p // self.planes_per_block]
+
+    def pool_slots(self, layer: int, slots: np.ndarray, block_size: int) -> np.ndarray:
+        """``layer``'s pool slots [n] int64 of space slots ``slots`` [n] int64 (checked inside the space); a
+        negative one (not written) stays -1."""
+        pool = self.pages(layer)[1]
+        physical = pool[np.where(slots >= 0, slots, 0) // block_size] * block_size + slots % block_size
+        return np.where(slots >= 0, physical, -1)
 
     def take_stale(self, ids: np.ndarray) -> list[int]:
         """The pool blocks of those of space blocks ``ids`` (int64, in range) still stale, now no longer: the
@@ -142,7 +156,7 @@ class BlockSpaces:
         self.model = model
         self.planes_per_block = planes_per_block
         self._check_quota = check_quota
-        self._spaces: dict[tuple[str, str], BlockSpace] = {}
+        self._spaces: dict[tuple[str, str], SpaceState] = {}
         self._count: dict[str, int] = {}  # tenant -> spaces open
         self._opening: dict[str, tuple[float, float]] = {}  # tenant -> (pool blocks it may open now, when)
 
@@ -151,7 +165,7 @@ class BlockSpaces:
 
     def open(
         self, num_blocks: int, planes: Sequence[int], *, tenant: str, lease_s: float = 0.0, now: float | None = None
-    ) -> BlockSpace:
+    ) -> SpaceState:
         """A new space of ``num_blocks`` blocks (see ``layer_planes`` for ``planes``), its pool blocks taken,
         every space block stale (see the module doc). InvalidArgument for a size or lease out of range,
         OutOfBlocks (QuotaExceeded) when the pool (the tenant's quota, its MAX_SPACES_PER_TENANT, or its
@@ -187,7 +201,9 @@ class BlockSpaces:
         self._opening[tenant] = (allowance - needed, now)
         space_id = secrets.token_hex(SPACE_ID_CHARS // 2)
         blocks = np.array(taken, dtype=np.int64).reshape(num_blocks, per_block)
-        space = BlockSpace(space_id, tenant, blocks, resolved, count, lease_s, opened=now, last_used=now)
+        space = SpaceState(
+            space_id, tenant, blocks, resolved, count, self.planes_per_block, lease_s, opened=now, last_used=now
+        )
         self._spaces[tenant, space_id] = space
         self._count[tenant] = self._count.get(tenant, 0) + 1
         return space
@@ -204,7 +220,7 @@ class BlockSpaces:
         left, since = self._opening.get(tenant, (size, now))
         return min(size, left + max(0.0, now - since) * size / OPEN_WINDOW_S)
 
-    def get(self, space_id: str, *, tenant: str) -> BlockSpace:
+    def get(self, space_id: str, *, tenant: str) -> SpaceState:
         """The tenant's space; UnknownSpace when it has none of that id (another tenant's included)."""
         space = self._spaces.get((tenant, space_id))
         if space is None:
@@ -215,13 +231,13 @@ class BlockSpaces:
             )
         return space
 
-    def renew(self, space_id: str, *, tenant: str, now: float | None = None) -> BlockSpace:
+    def renew(self, space_id: str, *, tenant: str, now: float | None = None) -> SpaceState:
         """The tenant's space, used now (its lease starts again). UnknownSpace."""
         space = self.get(space_id, tenant=tenant)
         space.last_used = time.monotonic() if now is None else now
         return space
 
-    def of(self, tenant: str) -> list[BlockSpace]:
+    def of(self, tenant: str) -> list[SpaceState]:
         """The tenant's open spaces, oldest first."""
         return sorted((s for (t, _), s in self._spaces.items() if t == tenant), key=lambda s: s.opened)
 
@@ -230,7 +246,7 @@ class BlockSpaces:
         space = self.get(space_id, tenant=tenant)
         return self._drop(space)
 
-    def _drop(self, space: BlockSpace) -> int:
+    def _drop(self, space: SpaceState) -> int:
         del self._spaces[space.tenant, space.space_id]
         self._count[space.tenant] -= 1
         if not self._count[space.tenant]:

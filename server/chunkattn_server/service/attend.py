@@ -1,44 +1,36 @@
-"""The gRPC servicer: protobuf <-> domain objects, and nothing else.
+"""Attend and AttendStream: an AttendRequest read into domain types (AttendArgs, or the block API's BlockArgs),
+queued on the scheduler, its output encoded; nothing else.
 
-Each RPC reads as parse -> run on the engine worker -> encode; ``rpc.py`` does the parsing, limits and
-statuses around them. No tensor math here: the worker thread owns the engine. Errors become statuses
-through ``errors.status_code`` alone.
+``rpc.py`` does the limits, statuses and counting around them, and parses through ``ATTEND`` (Parse): a large
+request's tensors are views of the received bytes, parsed in a thread. No tensor math here: the engine
+thread owns the engine.
 """
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import Callable
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple
 
 import grpc
 import torch
 from google.protobuf.message import DecodeError
 
-from chunkattn_client import codec, dtypes, wire
+from chunkattn_client import codec, wire
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_client.batch import BatchEntry
-from chunkattn_client.limits import MAX_BATCH, MAX_ID_BYTES, bounded
-from chunkattn_server import __version__, torchtypes
-from chunkattn_server.config import ModelShape, ServerConfig
-from chunkattn_server.engine.core import Engine
+from chunkattn_client.limits import MAX_BATCH
+from chunkattn_server import torchtypes
+from chunkattn_server.config import ModelShape
 from chunkattn_server.engine.entries import Entries
 from chunkattn_server.engine.scheduler import Scheduler
-from chunkattn_server.engine.types import EngineStats
-from chunkattn_server.errors import InvalidArgument, InvalidBatch, InvalidTensor, ShuttingDown
-from chunkattn_server.metrics import Metrics
-from chunkattn_server.service.auth import Authenticator, Tenant
-from chunkattn_server.service.blocks import BlockArgs, BlockService, block_args
-from chunkattn_server.service.kv import KVService
-from chunkattn_server.service.rpc import DRAINING, SMALL_REQUEST_BYTES, Admission, Context, Rpcs, Stream
-from chunkattn_server.service.status import status_code
+from chunkattn_server.errors import InvalidArgument, InvalidBatch, InvalidTensor
+from chunkattn_server.service.auth import Tenant
+from chunkattn_server.service.blocks import BlockArgs, block_args
+from chunkattn_server.service.edge import Edge
+from chunkattn_server.service.rpc import Context, Parse
 
-T = TypeVar("T")
-
-
-# A ReleaseRequest of MAX_BATCH ids of MAX_ID_BYTES, with room for their keys and lengths.
-MAX_RELEASE_BYTES = MAX_BATCH * (MAX_ID_BYTES + 4) + 64
+# The most fields an AttendRequest can have: its entries, and its other fields (layer, q, k, v, request_id and
+# blocks), with room to spare.
+MAX_ATTEND_FIELDS = MAX_BATCH + 8
 
 
 def tensor(name: str, dtype: int, shape: tuple[int, ...], data: wire.Buffer) -> torch.Tensor:
@@ -60,7 +52,7 @@ def parse_attend_request(raw: bytes) -> tuple[pb.AttendRequest, dict[str, torch.
     are scanned in Python, bounded by MAX_BATCH: the caller runs it in a thread). InvalidArgument naming the
     field when it does not parse; InvalidBatch past MAX_BATCH entries."""
     try:
-        request, raws = codec.parse_tensors(pb.AttendRequest, raw, _REQUEST_FIELDS, max_fields=MAX_BATCH + 8)
+        request, raws = codec.parse_tensors(pb.AttendRequest, raw, _REQUEST_FIELDS, max_fields=MAX_ATTEND_FIELDS)
     except wire.TooManyFields:
         raise InvalidBatch(
             f"the request has more fields than a batch can: at most {MAX_BATCH} sequences per call"
@@ -95,10 +87,22 @@ class AttendArgs(NamedTuple):
     k: torch.Tensor | None
     v: torch.Tensor | None
 
+    async def submit(self, scheduler: Scheduler, rpc: str, tenant: str) -> torch.Tensor:
+        """The call's output (Scheduler.attend)."""
+        return await scheduler.attend(
+            rpc, self.layer, self.entries, self.q, self.k, self.v, tenant=tenant, ending=self.ending
+        )
 
-def read_attend_request(
-    raw: bytes, model: ModelShape, tenant: str
-) -> tuple[int, AttendArgs | BlockArgs | InvalidArgument]:
+
+class AttendRead(NamedTuple):
+    """An AttendRequest as read: its request_id, and the call (AttendArgs; BlockArgs for the block API) or the
+    InvalidArgument it fails with."""
+
+    request_id: int
+    call: AttendArgs | BlockArgs | InvalidArgument
+
+
+def read_attend_request(raw: bytes, model: ModelShape, tenant: str) -> AttendRead:
     """parse_attend_request, then the request as AttendArgs (BlockArgs for the block API): (its request_id,
     the call or the InvalidArgument it fails with). A request that parses keeps its id for its answer when its
     contents fail their checks; one that does not parse raises as parse_attend_request does. The checks run in
@@ -106,9 +110,9 @@ def read_attend_request(
     same first thing wherever it is checked."""
     request, tensors = parse_attend_request(raw)
     try:
-        return request.request_id, _attend_args(request, tensors, model, tenant)
+        return AttendRead(request.request_id, _attend_args(request, tensors, model, tenant))
     except InvalidArgument as e:
-        return request.request_id, e
+        return AttendRead(request.request_id, e)
 
 
 def _attend_args(
@@ -132,185 +136,50 @@ def _attend_args(
     return AttendArgs(request.layer, Entries(entries), frozenset(ending), q, k, v)
 
 
-class ChunkAttnService:
-    """Info, Attend, AttendStream and Release over one engine worker (and the KV RPCs, from KVService).
+class AttendService:
+    """Attend and AttendStream over ``edge``. They answer with serialized AttendResponses (``wire``):
+    protobuf's own serializer is slow on MiBs of tensor bytes."""
 
-    Attend and AttendStream answer with serialized AttendResponses (``wire``): protobuf's own serializer is
-    slow on MiBs of tensor bytes.
-    """
-
-    def __init__(self, worker: Scheduler, metrics: Metrics, config: ServerConfig, auth: Authenticator) -> None:
-        self._worker = worker
-        self._metrics = metrics
-        self._config = config
-        self._auth = auth
-        self._engine_info = _static_info(worker.engine, config.max_message_bytes)
-        self._model = worker.engine.config.model
-        self._calibrating = any(x.k_scale == 0 for x in self._engine_info.layers)
-        self._rpcs = Rpcs(self._count, Admission(config.max_concurrent_rpcs, config.inflight_bytes), auth)
-        self._kv = KVService(self._run, self._rpcs, self._observe_pool, metrics, worker.engine, config)
-        self._blocks = BlockService(self._run, self._rpcs, self._observe_pool, metrics, config.idle_timeout_s)
-        metrics.kv_blocks_total.set(worker.engine.stats().num_blocks)
-
-    def add_to_server(self, server: grpc.aio.Server) -> None:
-        """Register the RPCs of chunkattn.v1.ChunkAttn (the KV ones live in kv_service.py)."""
-        r = self._rpcs
-        handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
-            "Info": r.unary("Info", self.Info, pb.InfoRequest, 1024, admit=False),
-            "Attend": r.unary("Attend", self.Attend, None, self._config.max_message_bytes),
-            "AttendStream": r.bidi_stream(
-                "AttendStream", self.AttendStream, self._config.stream_idle_s, "--stream-idle-s"
-            ),
-            "Release": r.unary(
-                "Release", self.Release, pb.ReleaseRequest, MAX_RELEASE_BYTES, max_fields=MAX_BATCH + 16
-            ),
-            **self._kv.handlers(),
-            **self._blocks.handlers(),
-        }
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("chunkattn.v1.ChunkAttn", handlers),))
-
-    @property
-    def spaces_opened(self) -> asyncio.Event:
-        """Set whenever a block space opens (BlockService.opened)."""
-        return self._blocks.opened
-
-    def drain(self) -> None:
-        """From now on, new calls are refused and open streams end before their next request (UNAVAILABLE)."""
-        self._rpcs.draining = True
-
-    def open_calls(self) -> int:
-        """Calls open in the service now (idle streams included; health and reflection are not its)."""
-        return sum(self._rpcs.open_calls.values())
-
-    async def close(self) -> None:
-        """Release what the service holds besides the engine (after the server stopped)."""
-        self._rpcs.close()
-        await self._kv.close()
-
-    async def Info(self, request: pb.InfoRequest, context: Context, tenant: Tenant) -> pb.InfoResponse:  # noqa: N802
-        """Never queued behind the engine's jobs: the pool as of the last one that finished. The pool's
-        totals, and the caller's own sequences only."""
-        stats = self._worker.stats
-        self._observe_pool(stats)
-        response = pb.InfoResponse()
-        response.CopyFrom(self._engine_info)
-        response.free_blocks = stats.free_blocks
-        response.active_sequences = stats.sequences_by_tenant.get(tenant.name, 0)
-        response.block_spaces = stats.spaces_by_tenant.get(tenant.name, 0)
-        if self._calibrating:  # a float8 layer's scales are set by its first write: as of now
-            for layer in response.layers:
-                layer.k_scale, layer.v_scale = self._worker.engine.scales.of(layer.index) or (0.0, 0.0)
-        return response
-
-    async def Attend(self, raw: bytes, context: Context, tenant: Tenant) -> bytes:  # noqa: N802
-        request_id, args = await self._parse(raw, tenant)
-        return await self._attend("Attend", request_id, args, tenant)
-
-    async def AttendStream(self, stream: Stream, context: Context, tenant: Tenant) -> None:  # noqa: N802
-        """One answer per request, in order; a failed request is answered with its status and the stream
-        goes on. Each request is admitted on its own; an idle stream holds nothing."""
-        while (raw := await stream.read()) is not None:
-            if self._rpcs.draining:
-                raise ShuttingDown(DRAINING)
-            request_id = 0  # stays 0 when the request cannot be read at all
-            started = time.perf_counter()
-            try:
-                with self._rpcs.admission.admit(len(raw), tenant=tenant):
-                    request_id, args = await self._parse(raw, tenant)
-                    response = await self._attend("AttendStream", request_id, args, tenant)
-            except Exception as e:
-                code = status_code(e)
-                response = wire.encode_attend_response(request_id, None, code.value[0], bounded(str(e)))
-            else:
-                code = grpc.StatusCode.OK
-            self._count("AttendStream", code, time.perf_counter() - started, tenant)
-            await stream.write(response)
-
-    async def Release(self, request: pb.ReleaseRequest, context: Context, tenant: Tenant) -> pb.ReleaseResponse:  # noqa: N802
-        ids, missing_ok, name = request.seq_ids, request.missing_ok, tenant.name
-        released, stats = await self._run(
-            "Release", lambda e: (e.kv.release(ids, missing_ok=missing_ok, tenant=name), e.stats())
+    def __init__(self, edge: Edge) -> None:
+        self._edge = edge
+        model = edge.scheduler.engine.config.model
+        # Any request up to the server's message limit (gRPC refuses longer ones before they get here).
+        self._parse = Parse(
+            pb.AttendRequest.DESCRIPTOR.full_name,
+            edge.config.max_message_bytes,
+            lambda raw, tenant: read_attend_request(raw, model, tenant),
         )
-        self._metrics.released.inc(released)
-        self._observe_pool(stats)
-        return pb.ReleaseResponse(released=released)
 
-    # -- helpers -------------------------------------------------------------------------------------
+    def handlers(self) -> dict[str, grpc.RpcMethodHandler[Any, Any]]:
+        r, c = self._edge.rpcs, self._edge.config
+        return {
+            "Attend": r.unary("Attend", self.Attend, self._parse),
+            "AttendStream": r.answers(
+                "AttendStream", self.AttendStream, self._parse, _failed, c.stream_idle_s, "--stream-idle-s"
+            ),
+        }
 
-    async def _parse(self, raw: bytes, tenant: Tenant) -> tuple[int, AttendArgs | BlockArgs | InvalidArgument]:
-        """read_attend_request, off the event loop for a large request."""
-        if len(raw) <= SMALL_REQUEST_BYTES:
-            return read_attend_request(raw, self._model, tenant.name)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._rpcs.parser, read_attend_request, raw, self._model, tenant.name)
+    async def Attend(self, request: AttendRead, context: Context, tenant: Tenant) -> bytes:  # noqa: N802
+        return await self._answer("Attend", request, tenant)
 
-    async def _attend(
-        self, rpc: str, request_id: int, args: AttendArgs | BlockArgs | InvalidArgument, tenant: Tenant
-    ) -> bytes:
-        if isinstance(args, InvalidArgument):
-            raise args
-        a = args
-        with self._metrics.in_flight.track_inprogress():
-            if isinstance(a, BlockArgs):
-                out = await self._worker.attend_blocks(rpc, a.layer, a.call)
-            else:
-                out = await self._worker.attend(
-                    rpc, a.layer, a.entries, a.q, a.k, a.v, tenant=tenant.name, ending=a.ending
-                )
-        return wire.encode_attend_response(request_id, codec.to_raw(out))
+    async def AttendStream(self, request: AttendRead, context: Context, tenant: Tenant) -> bytes:  # noqa: N802
+        """One request of the stream (rpc.answers: one answer per request, in order; a failed request is
+        answered with its status, ``_failed``, and the stream goes on)."""
+        return await self._answer("AttendStream", request, tenant)
 
-    async def _run(self, rpc: str, fn: Callable[[Engine], T]) -> T:
-        with self._metrics.in_flight.track_inprogress():
-            return await self._worker.run(rpc, fn)
-
-    def _observe_pool(self, stats: EngineStats) -> None:
-        self._metrics.observe_pool(stats)
-
-    def _count(self, rpc: str, code: grpc.StatusCode, seconds: float | None, tenant: Tenant | None) -> None:
-        self._metrics.of(self._metrics.requests, rpc, code.name).inc()
-        if seconds is not None:
-            self._metrics.of(self._metrics.rpc_seconds, rpc).observe(seconds)
-        if tenant is not None and self._auth.enabled:
-            self._metrics.of(self._metrics.tenant_requests, tenant.name, rpc, code.name).inc()
+    async def _answer(self, rpc: str, request: AttendRead, tenant: Tenant) -> bytes:
+        """The request's serialized AttendResponse: its call queued on the scheduler, its output encoded."""
+        call = request.call
+        if isinstance(call, InvalidArgument):
+            raise call
+        with self._edge.metrics.in_flight.track_inprogress():
+            out = await call.submit(self._edge.scheduler, rpc, tenant.name)
+        return wire.encode_attend_response(request.request_id, codec.to_raw(out))
 
 
-def _static_info(engine: Engine, max_message_bytes: int) -> pb.InfoResponse:
-    model = engine.config.model
-    group_of = {layer: g.index for g in engine.groups for layer in (*g.layers, *g.sharers)}
-    stats = engine.stats()
-    scales = [engine.scales.of(i) or (0.0, 0.0) for i in range(model.num_layers)]
-    return pb.InfoResponse(
-        version=__version__,
-        backend=engine.backend.name,
-        device=str(engine.device),
-        num_heads=model.num_heads,
-        num_kv_heads=model.num_kv_heads,
-        head_size=model.head_size,
-        layers=[
-            pb.LayerInfo(
-                index=i,
-                chunk_size=spec.chunk_size,
-                kv_group=group_of[i],
-                kv_source=spec.kv_source,
-                scale=engine.scale(i),
-                alibi=spec.alibi_slopes is not None,
-                alibi_slopes=spec.alibi_slopes or (),
-                k_scale=k_scale,
-                v_scale=v_scale,
-            )
-            for (i, spec), (k_scale, v_scale) in zip(enumerate(model.layers), scales, strict=True)
-        ],
-        block_size=stats.block_size,
-        num_blocks=stats.num_blocks,
-        bytes_per_block=stats.bytes_per_block,
-        cache_dtype=torchtypes.OF_TORCH[engine.cache_dtype].wire,  # type: ignore[arg-type]
-        compute_dtype=torchtypes.OF_TORCH[engine.dtype].wire,  # type: ignore[arg-type]
-        dtypes=[d.wire for d in dtypes.WIRE],  # type: ignore[misc]
-        max_message_bytes=max_message_bytes,
-        max_call_work=engine.max_call_work,
-        spec_window=engine.config.cache.spec_window,
-        planes_per_block=engine.config.group_size,
-    )
+def _failed(request: AttendRead | None, code: grpc.StatusCode, message: str) -> bytes:
+    """An AttendStream request's answer when it failed: its status (its request_id, 0 if it did not parse)."""
+    return wire.encode_attend_response(0 if request is None else request.request_id, None, code.value[0], message)
 
 
-__all__ = ["AttendArgs", "ChunkAttnService", "parse_attend_request", "read_attend_request"]
+__all__ = ["AttendArgs", "AttendRead", "AttendService", "parse_attend_request", "read_attend_request"]

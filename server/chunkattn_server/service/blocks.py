@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple
 
 import grpc
@@ -16,14 +15,13 @@ import torch
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_server.config import ModelShape
 from chunkattn_server.engine.core import Engine
+from chunkattn_server.engine.scheduler import Scheduler
 from chunkattn_server.engine.types import BlockCall, EngineStats
 from chunkattn_server.errors import InvalidArgument, InvalidBatch
-from chunkattn_server.kv.spaces import SPACE_ID_CHARS, BlockSpace, lease
-from chunkattn_server.metrics import Metrics
+from chunkattn_server.kv.spaces import SPACE_ID_CHARS, SpaceState, lease
 from chunkattn_server.service.auth import Tenant
-from chunkattn_server.service.rpc import SMALL_REQUEST_BYTES, Context, Rpcs
-
-Run = Callable[[str, Callable[[Engine], Any]], Awaitable[Any]]
+from chunkattn_server.service.edge import Edge
+from chunkattn_server.service.rpc import SMALL_REQUEST_BYTES, Context, message
 
 
 class BlockArgs(NamedTuple):
@@ -31,6 +29,10 @@ class BlockArgs(NamedTuple):
 
     layer: int
     call: BlockCall
+
+    async def submit(self, scheduler: Scheduler, rpc: str, tenant: str) -> torch.Tensor:
+        """The call's output (Scheduler.attend_blocks; the call carries its ``tenant``)."""
+        return await scheduler.attend_blocks(rpc, self.layer, self.call)
 
 
 def block_args(
@@ -74,35 +76,33 @@ def _ints(field: str, data: bytes, dtype: str) -> np.ndarray:
 
 
 class BlockService:
-    """The block-space RPCs. ``run`` runs a function on the engine worker; ``idle_timeout_s`` is the server's
-    (a space's lease is never longer). ``opened`` is set whenever a space opens, so that whoever closes spaces
-    past their lease (server.py) learns of a new deadline."""
+    """The block-space RPCs, over ``edge``. A space's lease is never longer than the server's
+    --idle-timeout-s. ``opened`` is set whenever a space opens, so that whoever closes spaces past their lease
+    (server.py's sweep) learns of a new deadline."""
 
-    def __init__(
-        self,
-        run: Run,
-        rpcs: Rpcs,
-        observe_pool: Callable[[EngineStats], None],
-        metrics: Metrics,
-        idle_timeout_s: float,
-    ) -> None:
-        self._run = run
-        self._rpcs = rpcs
-        self._observe_pool = observe_pool
-        self._metrics = metrics
-        self._idle_timeout_s = idle_timeout_s
+    def __init__(self, edge: Edge) -> None:
+        self._run = edge.run
+        self._observe_pool = edge.observe_pool
+        self._edge = edge
+        self._idle_timeout_s = edge.config.idle_timeout_s
         self.opened = asyncio.Event()
 
     def handlers(self) -> dict[str, grpc.RpcMethodHandler[Any, Any]]:
-        r, small = self._rpcs, SMALL_REQUEST_BYTES
+        r, small = self._edge.rpcs, SMALL_REQUEST_BYTES
         return {
-            "OpenBlockSpace": r.unary("OpenBlockSpace", self.OpenBlockSpace, pb.OpenBlockSpaceRequest, small),
-            "CloseBlockSpace": r.unary("CloseBlockSpace", self.CloseBlockSpace, pb.CloseBlockSpaceRequest, small),
-            "RenewBlockSpace": r.unary("RenewBlockSpace", self.RenewBlockSpace, pb.RenewBlockSpaceRequest, small),
-            "ListBlockSpaces": r.unary("ListBlockSpaces", self.ListBlockSpaces, pb.ListBlockSpacesRequest, small),
+            "OpenBlockSpace": r.unary("OpenBlockSpace", self.OpenBlockSpace, message(pb.OpenBlockSpaceRequest, small)),
+            "CloseBlockSpace": r.unary(
+                "CloseBlockSpace", self.CloseBlockSpace, message(pb.CloseBlockSpaceRequest, small)
+            ),
+            "RenewBlockSpace": r.unary(
+                "RenewBlockSpace", self.RenewBlockSpace, message(pb.RenewBlockSpaceRequest, small)
+            ),
+            "ListBlockSpaces": r.unary(
+                "ListBlockSpaces", self.ListBlockSpaces, message(pb.ListBlockSpacesRequest, small)
+            ),
         }
 
-    def _lease(self, space: BlockSpace) -> float:
+    def _lease(self, space: SpaceState) -> float:
         return lease(space.lease_s, self._idle_timeout_s)
 
     async def OpenBlockSpace(  # noqa: N802
@@ -123,7 +123,7 @@ class BlockService:
 
         response: pb.OpenBlockSpaceResponse
         response, stats = await self._run("OpenBlockSpace", open_space)
-        self._metrics.spaces_opened.inc()
+        self._edge.metrics.spaces_opened.inc()
         self._observe_pool(stats)
         self.opened.set()
         return response
@@ -132,9 +132,7 @@ class BlockService:
         self, request: pb.CloseBlockSpaceRequest, context: Context, tenant: Tenant
     ) -> pb.CloseBlockSpaceResponse:
         space_id, name = request.space_id, tenant.name
-        freed, stats = await self._run(
-            "CloseBlockSpace", lambda e: (e.kv.spaces.close(space_id, tenant=name), e.stats())
-        )
+        freed, stats = await self._run("CloseBlockSpace", lambda e: (e.close_space(space_id, tenant=name), e.stats()))
         self._observe_pool(stats)
         return pb.CloseBlockSpaceResponse(pool_blocks=freed)
 
@@ -142,7 +140,7 @@ class BlockService:
         self, request: pb.RenewBlockSpaceRequest, context: Context, tenant: Tenant
     ) -> pb.RenewBlockSpaceResponse:
         space_id, name = request.space_id, tenant.name
-        space: BlockSpace = await self._run("RenewBlockSpace", lambda e: e.kv.spaces.renew(space_id, tenant=name))
+        space: SpaceState = await self._run("RenewBlockSpace", lambda e: e.renew_space(space_id, tenant=name))
         return pb.RenewBlockSpaceResponse(lease_s=self._lease(space))
 
     async def ListBlockSpaces(  # noqa: N802
@@ -163,7 +161,7 @@ class BlockService:
                         idle_s=now - s.last_used,
                         age_s=now - s.opened,
                     )
-                    for s in e.kv.spaces.of(name)
+                    for s in e.spaces_of(tenant=name)
                 ]
             )
 

@@ -1,10 +1,10 @@
-"""The KV RPCs: Fork, Truncate, ExportKV, ImportKV and TransferKV (server-to-server), over the engine worker.
+"""Moving a sequence's KV: ExportKV, ImportKV and TransferKV (server-to-server), through the scheduler.
 
-As in service.py, each reads as parse -> run on the engine worker -> encode, with ``rpc.py`` around it.
+Each reads as parse -> run on the engine thread (the scheduler) -> encode, with ``rpc.py`` around it.
 An export reads the sequence in batches (one engine job each, so calls to other sequences interleave) and
 fails with ABORTED if the sequence changes in between. An import reserves its blocks when the header
 arrives and returns them unless the stream ends with every block intact and a trailer; its messages are
-decoded on the worker thread, so the event loop never walks a client's KV message.
+decoded on the engine thread, so the event loop never walks a client's KV message.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from typing import Any
 
 import grpc
 
@@ -22,49 +22,45 @@ from chunkattn_client._channel import bearer, channel_options
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2_grpc as pb_grpc
 from chunkattn_client.limits import MAX_ID_BYTES, id_problem, target_problem, token_problem
-from chunkattn_server.config import ServerConfig
 from chunkattn_server.engine.core import Engine
 from chunkattn_server.engine.types import EngineStats
 from chunkattn_server.errors import DataLoss, IncompatibleKV, InvalidArgument, InvalidBatch
 from chunkattn_server.kv.manifest import KVManifest, batches, record_bytes
 from chunkattn_server.kv.transfer import ImportSession
-from chunkattn_server.metrics import Metrics
 from chunkattn_server.service import kvwire
 from chunkattn_server.service.auth import Tenant
 from chunkattn_server.service.channels import ChannelPool
-from chunkattn_server.service.rpc import SMALL_REQUEST_BYTES, Context, Rpcs, Stream, Ticket
+from chunkattn_server.service.edge import Edge
+from chunkattn_server.service.rpc import SMALL_REQUEST_BYTES, Context, Stream, Ticket, message
 from chunkattn_server.service.status import TargetError, status_code
 from chunkattn_server.service.tls import transfer_credentials
-
-T = TypeVar("T")
-Run = Callable[[str, Callable[[Engine], T]], Awaitable[T]]
 
 DEFAULT_KV_MESSAGE_BYTES = 4 << 20
 DEFAULT_TRANSFER_TIMEOUT_S = 600.0  # when the caller sets no deadline: a hung target must not pin us forever
 IMPORT_KV = "/chunkattn.v1.ChunkAttn/ImportKV"
+# A KVHeader's bytes besides its id and its lists of layers and blocks (the model, tags and lengths), with room.
+HEADER_FIXED_BYTES = 1024
+# The most bytes a KVHeader spends on one listed block, or one layer's entries: a few varints, with room.
+HEADER_ITEM_BYTES = 16
 
 
 class KVService:
-    """The KV RPCs. ``run`` runs a function on the engine worker; ``rpcs`` builds their gRPC handlers."""
+    """The KV transfer RPCs, over ``edge`` (the engine's door, the RPC scaffolding, the metrics)."""
 
-    def __init__(
-        self,
-        run: Run[Any],
-        rpcs: Rpcs,
-        observe_pool: Callable[[EngineStats], None],
-        metrics: Metrics,
-        engine: Engine,
-        config: ServerConfig,
-    ) -> None:
-        self._run = run
-        self._rpcs = rpcs
-        self._observe_pool = observe_pool  # the KV-in-use and active-sequence gauges
-        self._metrics = metrics
+    def __init__(self, edge: Edge) -> None:
+        engine = edge.scheduler.engine
+        config = edge.config
+        self._run = edge.run
+        self._rpcs = edge.rpcs
+        self._observe_pool = edge.observe_pool  # the KV-in-use and active-sequence gauges
+        self._metrics = edge.metrics
         self._config = config
         self._model = engine.fingerprint()
-        # A header lists each layer and each held block at most once: a few varint bytes for each.
+        # A header lists each held block once, and four entries per layer (its length, kept_from, group and index).
         self._max_header_bytes = (
-            1024 + MAX_ID_BYTES + 16 * (len(engine.groups) * engine.pool.num_blocks + 4 * len(self._model.chunk_sizes))
+            HEADER_FIXED_BYTES
+            + MAX_ID_BYTES
+            + HEADER_ITEM_BYTES * (engine.max_held_blocks() + 4 * len(self._model.chunk_sizes))
         )
         # TransferKV's channels, kept open. With keepalive, a target whose host vanished without closing the
         # connection (no reset: powered off, cut off, frozen) is found out within two keepalive periods, an
@@ -75,32 +71,15 @@ class KVService:
         )
 
     def handlers(self) -> dict[str, grpc.RpcMethodHandler[Any, Any]]:
-        r, c, small = self._rpcs, self._config, SMALL_REQUEST_BYTES  # a few ids, a target, layers
+        r, c, small = self._rpcs, self._config, SMALL_REQUEST_BYTES  # an id, a target, layers
         return {
-            "Fork": r.unary("Fork", self.Fork, pb.ForkRequest, small),
-            "Truncate": r.unary("Truncate", self.Truncate, pb.TruncateRequest, small),
             # KV chunks travel as bytes built and read by kvwire (no copies of the K/V through protobuf).
             "ExportKV": r.server_stream(
-                "ExportKV", self.ExportKV, pb.ExportKVRequest, small, c.stream_idle_s, "--stream-idle-s"
+                "ExportKV", self.ExportKV, message(pb.ExportKVRequest, small), c.stream_idle_s, "--stream-idle-s"
             ),
             "ImportKV": r.client_stream("ImportKV", self.ImportKV, c.kv_import_stall_s, "--kv-import-stall-s"),
-            "TransferKV": r.unary("TransferKV", self.TransferKV, pb.TransferKVRequest, small),
+            "TransferKV": r.unary("TransferKV", self.TransferKV, message(pb.TransferKVRequest, small)),
         }
-
-    async def Fork(self, request: pb.ForkRequest, context: Context, tenant: Tenant) -> pb.ForkResponse:  # noqa: N802
-        parent, child, name = request.parent, request.child, tenant.name
-        shared, stats = await self._run("Fork", lambda e: (e.kv.fork(parent, child, tenant=name), e.stats()))
-        self._metrics.forked.inc()
-        self._observe_pool(stats)
-        return pb.ForkResponse(shared_blocks=shared)
-
-    async def Truncate(self, request: pb.TruncateRequest, context: Context, tenant: Tenant) -> pb.TruncateResponse:  # noqa: N802
-        seq_id, length, name = request.seq_id, request.length, tenant.name
-        done, stats = await self._run("Truncate", lambda e: (e.kv.truncate(seq_id, length, tenant=name), e.stats()))
-        self._metrics.truncated.inc()
-        self._metrics.truncated_tokens.inc(done.dropped_tokens)
-        self._observe_pool(stats)
-        return pb.TruncateResponse(released_blocks=done.released_blocks, min_length=done.min_length)
 
     async def ExportKV(  # noqa: N802
         self, request: pb.ExportKVRequest, context: Context, tenant: Tenant
@@ -152,7 +131,7 @@ class KVService:
     async def _manifest(self, seq_id: str, layers: list[int], tenant: Tenant) -> KVManifest:
         name = tenant.name
         result: KVManifest = await self._run(
-            "ExportKV", lambda e: e.transfer.export_manifest(seq_id, layers or None, tenant=name)
+            "ExportKV", lambda e: e.export_manifest(seq_id, layers or None, tenant=name)
         )
         return result
 
@@ -204,19 +183,19 @@ class KVService:
                 f"a KV stream's first message must be its header, and a header for this server is at most"
                 f" {self._max_header_bytes} bytes; this one has {len(first)}"
             )
-        holder: list[ImportSession] = []  # set on the worker, so that no cancellation can lose the session
+        holder: list[ImportSession] = []  # set on the engine thread, so that no cancellation can lose the session
 
         def begin(e: Engine) -> ImportSession:
             part, header = kvwire.decode(first)
             if part != "header" or not isinstance(header, pb.KVHeader):
                 raise IncompatibleKV("a KV stream must start with its header")
             manifest = kvwire.manifest_from_pb(header, tenant.name)
-            holder.append(e.transfer.begin_import(manifest, tenant=tenant.name))
+            holder.append(e.begin_import(manifest, tenant=tenant.name))
             return holder[0]
 
         def abort(e: Engine) -> None:
             if holder:
-                e.transfer.abort_import(holder[0])  # nothing to do after a commit
+                e.abort_import(holder[0])  # nothing to do after a commit
 
         records = nbytes = 0
         trailer = False
@@ -258,7 +237,7 @@ class KVService:
             await written()
             if not trailer:
                 raise DataLoss(f"the KV stream ended before its trailer, after {records} blocks: it was cut short")
-            blocks, stats = await self._run("ImportKV", lambda e: (e.transfer.commit_import(session), e.stats()))
+            blocks, stats = await self._run("ImportKV", lambda e: (e.commit_import(session), e.stats()))
             self._observe_pool(stats)
         finally:
             if writing is not None:  # the stream failed while a write was queued or running: drop it
@@ -266,7 +245,7 @@ class KVService:
                 dropped.cancel()
                 dropped.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: nothing to log
                 ticket.release()
-            # Queued behind the begin job and any running write (one worker, in order) and shielded: a
+            # Queued behind the begin job and any running write (one engine thread, in order) and shielded: a
             # cancelled RPC still returns every reserved block, even when cancelled while the begin job ran.
             await asyncio.shield(self._run("ImportKV", abort))
         return pb.ImportKVResponse(seq_id=session.manifest.seq_id, blocks=blocks, records=records, bytes=nbytes)
@@ -282,7 +261,7 @@ class KVService:
                 return 0, 0, True
             if part != "blocks" or not isinstance(body, list):
                 raise IncompatibleKV(f"unexpected {part or 'empty'} message in the KV stream after its header")
-            e.transfer.import_records(session, body)
+            e.import_records(session, body)
             return len(body), len(body) * record_bytes(model), False
 
         return job
@@ -379,7 +358,7 @@ def _releasing(ticket: Ticket) -> Callable[[asyncio.Future[Any]], None]:
 
 def _releaser(manifest: KVManifest) -> Callable[[Engine], EngineStats]:
     def job(e: Engine) -> EngineStats:
-        e.transfer.release_exported(manifest)
+        e.release_exported(manifest)
         return e.stats()
 
     return job
@@ -393,11 +372,11 @@ def message_batches(manifest: KVManifest, limit: int) -> list[Sequence[tuple[int
 
 def exporter(manifest: KVManifest, batch: Sequence[tuple[int, int]]) -> Callable[[Engine], tuple[bytes, int, int]]:
     """The engine job that reads one message's records and encodes them: (serialized KVChunk, blocks, K/V
-    bytes), on the worker, leaving the event loop to gRPC. On the CPU the pages are copied once, straight
+    bytes), on the engine thread, leaving the event loop to gRPC. On the CPU the pages are copied once, straight
     into the message."""
 
     def job(e: Engine) -> tuple[bytes, int, int]:
-        views = e.transfer.export_views(manifest, batch)
+        views = e.export_views(manifest, batch)
         return kvwire.encode_blocks(views), len(views), len(views) * record_bytes(manifest.model)
 
     return job

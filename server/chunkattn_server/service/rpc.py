@@ -4,9 +4,8 @@ Handlers are plain coroutines over parsed requests that raise domain errors (err
 registers them with gRPC as raw bytes (so that gRPC never parses a request: a parse failure here is
 INVALID_ARGUMENT naming the field, never UNKNOWN), names each call's tenant first (auth.py: a call without
 valid credentials is UNAUTHENTICATED; auth.Gate refuses a missing or wrong token even before gRPC reads
-the request) and hands it to the handler, maps
-every error to its status through ``errors.status_code`` with a bounded message, counts every answer, and
-enforces the server's limits:
+the request) and hands it to the handler, maps every error to its status through service/status.py's table
+(``status_code``) with a bounded message, counts every answer, and enforces the server's limits:
 
 - ``Admission``: how many calls the server works on at once (--max-concurrent-rpcs), and each tenant
   (its max_calls quota), and how many request bytes it holds (--max-inflight-mib). A unary call counts
@@ -14,8 +13,10 @@ enforces the server's limits:
   until it is answered (AttendStream) or written (ImportKV), and for an export's next message while it is
   read from the cache: an idle stream holds nothing. Health, reflection and Info are not counted. (Calls
   gRPC is still receiving are bounded apart, by server.py's --max-open-calls.)
-- Parsing: a request over SMALL_REQUEST_BYTES is parsed in a thread, its fields counted first, so that no
-  request holds up the event loop for long; a parse failure is explained field by field, within bounds.
+- Parsing (``Parse``: a protobuf message's, ``message``, or an RPC's own, as Attend's): a request longer than
+  any valid one is refused, one over SMALL_REQUEST_BYTES is read in a thread, its fields counted first, so
+  that no request holds up the event loop for long; a parse failure is explained field by field, within
+  bounds.
 - Streams: a read or a write that makes no progress for the stream's idle limit (--stream-idle-s, or
   --kv-import-stall-s for ImportKV) ends the stream with DEADLINE_EXCEEDED.
 """
@@ -25,9 +26,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, Protocol, TypeVar
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError, Message
@@ -41,6 +44,7 @@ from chunkattn_server.service.status import status_code
 Context = grpc.aio.ServicerContext[Any, Any]
 DRAINING = "this server is shutting down (draining); reconnect elsewhere"
 M = TypeVar("M", bound=Message)
+P = TypeVar("P")
 
 # A request of at most this many bytes (the client's and the server's one threshold) is small: parsed by
 # protobuf's C parser on the event loop (the worst, 32K empty AttendRequest entries, takes ~0.4 ms) and never
@@ -155,6 +159,26 @@ def parse_now(message: type[M], raw: bytes, max_fields: int | None = None) -> M:
         raise InvalidArgument(f"the request is not a valid {name}: {why}") from None
 
 
+@dataclass(frozen=True)
+class Parse(Generic[P]):
+    """How an RPC's raw request becomes what its handler takes: ``read(raw, tenant)`` (the caller's tenant's
+    name: a block-addressed Attend call carries it), which raises InvalidArgument naming the field when the
+    request does not parse; ``name``: the message's full name; ``max_bytes``: the longest valid request."""
+
+    name: str
+    max_bytes: int
+    read: Callable[[bytes, str], P]
+
+
+def message(cls: type[M], max_bytes: int, max_fields: int | None = None) -> Parse[M]:
+    """A protobuf request's Parse (``parse_now``)."""
+    return Parse(cls.DESCRIPTOR.full_name, max_bytes, functools.partial(_parse_message, cls, max_fields))
+
+
+def _parse_message(cls: type[M], max_fields: int | None, raw: bytes, tenant: str) -> M:
+    return parse_now(cls, raw, max_fields)
+
+
 class Stream:
     """A stream's reads and writes, each bounded in time: a client that sends nothing (or reads nothing)
     for ``idle_s`` ends the stream with StreamStalled (DEADLINE_EXCEEDED). ``idle_s`` 0: no bound. Each
@@ -226,15 +250,16 @@ class Rpcs:
     def close(self) -> None:
         self.parser.shutdown(wait=False, cancel_futures=True)
 
-    async def parse(self, message: type[M], raw: bytes, max_bytes: int, max_fields: int | None = None) -> M:
-        """``parse_now``, in the parser threads for a large request; first InvalidArgument when ``raw`` is
-        longer than any valid request of its kind (``max_bytes``)."""
-        if len(raw) > max_bytes:
-            name = message.DESCRIPTOR.full_name
-            raise InvalidArgument(f"a {name} of {len(raw)} bytes is longer than any valid one (at most {max_bytes})")
+    async def parse(self, parse: Parse[P], raw: bytes, tenant: Tenant) -> P:
+        """``parse.read``, in the parser threads for a large request; first InvalidArgument when ``raw`` is
+        longer than any valid request of its kind."""
+        if len(raw) > parse.max_bytes:
+            raise InvalidArgument(
+                f"a {parse.name} of {len(raw)} bytes is longer than any valid one (at most {parse.max_bytes})"
+            )
         if len(raw) <= SMALL_REQUEST_BYTES:
-            return parse_now(message, raw, max_fields)
-        return await asyncio.get_running_loop().run_in_executor(self.parser, parse_now, message, raw, max_fields)
+            return parse.read(raw, tenant.name)
+        return await asyncio.get_running_loop().run_in_executor(self.parser, parse.read, raw, tenant.name)
 
     def _rechecker(self, tenant: Tenant, context: Context) -> Callable[[], object]:
         if not self.auth.enabled:
@@ -244,8 +269,8 @@ class Rpcs:
     @contextlib.asynccontextmanager
     async def _answering(self, rpc: str, context: Context, *, count_ok: bool = True) -> AsyncIterator[Tenant]:
         """Name the caller's tenant (UNAUTHENTICATED without credentials) and give it to the block; count the
-        call's outcome (an OK one unless ``count_ok`` is False: a stream whose handler counts its messages);
-        turn any error into its status (the one place that aborts a call)."""
+        call's outcome (an OK one unless ``count_ok`` is False: a stream whose requests are counted one by
+        one, ``answers``); turn any error into its status (the one place that aborts a call)."""
         code = grpc.StatusCode.OK
         started = time.perf_counter()
         tenant: Tenant | None = None  # known once authenticated
@@ -287,21 +312,18 @@ class Rpcs:
     def unary(
         self,
         rpc: str,
-        handler: Callable[[Any, Context, Tenant], Awaitable[Message | bytes]],
-        request: type[Message] | None,
-        max_bytes: int,
+        handler: Callable[[P, Context, Tenant], Awaitable[Message | bytes]],
+        parse: Parse[P],
         *,
-        max_fields: int | None = None,
         admit: bool = True,
     ) -> grpc.RpcMethodHandler[bytes, Any]:
-        """``handler(request, context, tenant)``: ``request`` parsed (see ``parse``; or the raw bytes, with
-        ``request`` None), the call admitted for its whole duration unless ``admit`` is False."""
+        """``handler(request, context, tenant)``: the request parsed (``parse``), the call admitted for its
+        whole duration unless ``admit`` is False."""
 
         async def behavior(raw: bytes, context: Context) -> Message | bytes:
             async with self._answering(rpc, context) as tenant:
                 with self.admission.admit(len(raw), tenant=tenant) if admit else contextlib.nullcontext():
-                    parsed = raw if request is None else await self.parse(request, raw, max_bytes, max_fields)
-                    return await handler(parsed, context, tenant)
+                    return await handler(await self.parse(parse, raw, tenant), context, tenant)
             raise AssertionError("unreachable: _answering aborted the call")  # for mypy: abort raises
 
         return grpc.unary_unary_rpc_method_handler(
@@ -311,9 +333,8 @@ class Rpcs:
     def server_stream(
         self,
         rpc: str,
-        handler: Callable[[Any, Context, Tenant], AsyncIterator[bytes]],
-        request: type[Message],
-        max_bytes: int,
+        handler: Callable[[P, Context, Tenant], AsyncIterator[bytes]],
+        parse: Parse[P],
         idle_s: float,
         flag: str,
     ) -> grpc.RpcMethodHandler[bytes, bytes]:
@@ -326,7 +347,7 @@ class Rpcs:
                 recheck = self._rechecker(tenant, context)
                 ticket = self.admission.admit(len(raw), tenant=tenant)
                 try:
-                    responses = handler(await self.parse(request, raw, max_bytes), context, tenant)
+                    responses = handler(await self.parse(parse, raw, tenant), context, tenant)
                     async with contextlib.aclosing(responses):  # type: ignore[type-var]
                         while True:
                             response = await anext(responses, None)
@@ -358,16 +379,40 @@ class Rpcs:
             behavior, request_deserializer=wire.identity, response_serializer=serialize
         )
 
-    def bidi_stream(
-        self, rpc: str, handler: Callable[[Stream, Context, Tenant], Awaitable[None]], idle_s: float, flag: str
+    def answers(
+        self,
+        rpc: str,
+        handler: Callable[[P, Context, Tenant], Awaitable[bytes]],
+        parse: Parse[P],
+        failed: Callable[[P | None, grpc.StatusCode, str], bytes],
+        idle_s: float,
+        flag: str,
     ) -> grpc.RpcMethodHandler[bytes, bytes]:
-        """``handler(stream, context, tenant)`` reads and writes raw messages itself, admits and counts its own
-        work; only a stream that ends badly (idle, draining, cancelled) is a status, and a count, here."""
+        """A bidirectional stream answered request by request, in order: each request is admitted on its own
+        (an idle stream holds nothing), parsed (``parse``), handled (``handler(request, context, tenant)``,
+        its serialized answer) and counted as a call of ``rpc``; one that fails is answered with ``failed(the
+        request, or None when it did not parse, its status, a bounded message)`` and the stream goes on. Only
+        a stream that ends badly (idle, draining, cancelled) is a status, and a count, of the stream."""
 
         async def behavior(requests: AsyncIterator[bytes], context: Context) -> None:
             async with self._answering(rpc, context, count_ok=False) as tenant:
                 stream = Stream(requests, context, idle_s, flag, self._rechecker(tenant, context))
-                await handler(stream, context, tenant)
+                while (raw := await stream.read()) is not None:
+                    if self.draining:
+                        raise ShuttingDown(DRAINING)
+                    started = time.perf_counter()
+                    request: P | None = None
+                    try:
+                        with self.admission.admit(len(raw), tenant=tenant):
+                            request = await self.parse(parse, raw, tenant)
+                            response = await handler(request, context, tenant)
+                    except Exception as e:
+                        code = status_code(e)
+                        response = failed(request, code, bounded(str(e)))
+                    else:
+                        code = grpc.StatusCode.OK
+                    self._count(rpc, code, time.perf_counter() - started, tenant)
+                    await stream.write(response)
 
         return grpc.stream_stream_rpc_method_handler(
             behavior, request_deserializer=wire.identity, response_serializer=wire.identity

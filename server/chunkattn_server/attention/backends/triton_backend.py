@@ -327,7 +327,7 @@ def attention_config(
 
     fp32 tiles and head sizes over 128 get fewer pipeline stages (and fp32 narrower key blocks) to fit in
     shared memory: fp32 with head size 256 would need 344 KB on sm_90 otherwise (an H200 has 227 KiB).
-    tests/engine/test_triton_compile.py compiles these for sm_90 ahead of time and checks the shared memory.
+    tests/attention/test_triton_compile.py compiles these for sm_90 ahead of time and checks the shared memory.
     """
     fp32 = dtype == torch.float32
     config: dict[str, int | bool] = {

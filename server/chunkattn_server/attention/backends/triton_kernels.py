@@ -32,7 +32,7 @@ With KV_FP8 False the kernel compiles exactly as without float8 support; k_scale
 
 Under TRITON_INTERPRET=1 float8 pointers load as uint8 codes and ``.to(tl.float32)`` decodes them with
 the interpreter's bit-level conversion: exact for every finite code (checked against torch for all 256
-codes of both formats in tests/engine/test_triton_fp8.py). Only the non-finite codes differ (e4m3's NaN and
+codes of both formats in tests/attention/test_triton_fp8.py). Only the non-finite codes differ (e4m3's NaN and
 e5m2's infinities and NaNs read as large finite values), and a saturating cache write never stores them.
 So the kernel has no interpreter-only path. On a GPU, Triton compiles fp8e4nv (e4m3) only for sm_89 and
 later; triton_backend refuses an e4m3 cache on older GPUs, and fp8e5 (e5m2) compiles everywhere.

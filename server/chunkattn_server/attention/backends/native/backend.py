@@ -17,7 +17,7 @@ import torch
 
 from chunkattn_server.attention.backends.base import AttentionBatch, physical
 from chunkattn_server.attention.backends.native import build
-from chunkattn_server.attention.backends.sdpa import TorchBackend, _Views
+from chunkattn_server.attention.backends.torch_backend import TorchBackend, _Views
 
 
 class NativeBackend(TorchBackend):

@@ -47,16 +47,23 @@ class NativeUnavailable(RuntimeError):
     """The native kernels cannot be built or loaded here; the message says why."""
 
 
+def cpu_isa() -> str:
+    """The widest ISA this CPU runs, as torch reads it (AVX512 / AVX2, anything else: DEFAULT); every ISA
+    ``runnable`` from it runs here."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    return capability if capability in FLAGS and platform.machine() in X86 else "DEFAULT"
+
+
 def isa() -> str:
-    """The ISA whose build this CPU runs: CHUNKATTN_NATIVE_ISA (AVX512, AVX2 or DEFAULT) when set, else
-    torch's reading of the CPU (AVX512 / AVX2, anything else: DEFAULT)."""
+    """The ISA whose build is loaded: CHUNKATTN_NATIVE_ISA (AVX512, AVX2 or DEFAULT) when set, else
+    ``cpu_isa()``. Forcing a narrower ISA than the CPU's runs that build here (the tests check each build
+    this way); a wider one stops the process with an illegal instruction."""
     forced = os.environ.get("CHUNKATTN_NATIVE_ISA")
     if forced:
         if forced not in FLAGS:
             raise NativeUnavailable(f"CHUNKATTN_NATIVE_ISA={forced!r}: expected one of {', '.join(FLAGS)}")
         return forced
-    capability = torch.backends.cpu.get_cpu_capability()
-    return capability if capability in FLAGS and platform.machine() in X86 else "DEFAULT"
+    return cpu_isa()
 
 
 def runnable(chosen: str) -> list[str]:

@@ -11,16 +11,16 @@ from typing import Any
 
 import pytest
 
-from chunkattn_server import allocator
+from chunkattn_server import malloc
 
-CLEAN = {k: v for k, v in os.environ.items() if k not in (*allocator.ENVIRONMENT, "GLIBC_TUNABLES")}
+CLEAN = {k: v for k, v in os.environ.items() if k not in (*malloc.ENVIRONMENT, "GLIBC_TUNABLES")}
 GLIBC = pytest.mark.skipif(
     platform.libc_ver()[0] != "glibc", reason="the settings are glibc's; elsewhere nothing is done"
 )
 
 
 def _in_a_fresh_process(env: dict[str, str]) -> str:
-    code = "from chunkattn_server import allocator; print(allocator.keep_freed_memory())"
+    code = "from chunkattn_server import malloc; print(malloc.keep_freed_memory())"
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
 
 
@@ -50,20 +50,20 @@ def _fake_glibc(monkeypatch: pytest.MonkeyPatch, result: int) -> list[tuple[int,
 
     monkeypatch.setattr(platform, "libc_ver", lambda: ("glibc", "2.36"))
     monkeypatch.setattr(ctypes, "CDLL", lambda name: Libc())
-    for name in (*allocator.ENVIRONMENT, "GLIBC_TUNABLES"):
+    for name in (*malloc.ENVIRONMENT, "GLIBC_TUNABLES"):
         monkeypatch.delenv(name, raising=False)
     return calls
 
 
 def test_the_right_parameters_reach_mallopt(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = _fake_glibc(monkeypatch, 1)
-    assert allocator.keep_freed_memory().startswith("malloc keeps")
+    assert malloc.keep_freed_memory().startswith("malloc keeps")
     assert calls == [(-3, 32 << 20), (-1, 64 << 20)]  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
 
 
 def test_a_refused_setting_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
     _fake_glibc(monkeypatch, 0)
-    assert allocator.keep_freed_memory() == "malloc left as it is (mallopt refused the settings)"
+    assert malloc.keep_freed_memory() == "malloc left as it is (mallopt refused the settings)"
 
 
 @pytest.mark.parametrize("libc", [("", ""), ("musl", "1.2")])
@@ -73,4 +73,4 @@ def test_other_c_libraries_are_left_alone(monkeypatch: pytest.MonkeyPatch, libc:
 
     monkeypatch.setattr(platform, "libc_ver", lambda: libc)
     monkeypatch.setattr(ctypes, "CDLL", no_dlopen)
-    assert allocator.keep_freed_memory() == "malloc left as it is (not glibc)"
+    assert malloc.keep_freed_memory() == "malloc left as it is (not glibc)"

@@ -2,28 +2,13 @@
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 import torch
 
 from chunkattn_client import BatchEntry
-from chunkattn_server.engine.core import Engine
 from chunkattn_server.errors import InvalidBatch, OutOfBlocks, SequenceExists, UnknownSequence
 from tests.helpers.harness import MODELS, Exploding, Harness, snapshot
-
-
-def owners_are_exact(engine: Engine) -> None:
-    """Every block's owner count equals the number of block tables that hold it; used = distinct blocks."""
-    held = Counter(
-        b
-        for s in engine.kv.sequence_ids(tenant="")
-        for t in engine.kv.sequence(s, tenant="").tables
-        for b in t.values()
-    )
-    assert engine.pool.num_used == len(held)
-    for block, n in held.items():
-        assert engine.pool.owners(block) == n, (block, n)
+from tests.helpers.invariants import owners_are_exact
 
 
 @pytest.mark.parametrize("model", ["gqa", "sharing"])

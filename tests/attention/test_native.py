@@ -1,7 +1,7 @@
 """The native backend's build and fallback: chosen by --backend native, it serves where its kernels build and
 load, and where they cannot the engine serves with the torch backend and says why (its correctness is the
-backend-contract tests', run with impl "native": tests/engine/test_engine_reference.py, test_fp8.py,
-test_blocks.py). Prebuilt: the build CLI leaves one shared object per ISA in a folder, and with
+backend-contract tests', run with impl "native": tests/engine/test_engine_reference.py, tests/kv/test_fp8.py,
+tests/engine/test_blocks.py). Prebuilt: the build CLI leaves one shared object per ISA in a folder, and with
 CHUNKATTN_NATIVE_DIR naming it the kernels load from there, never compiled (the Docker image's way)."""
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ def test_an_unknown_isa_is_refused_with_the_choices(monkeypatch: pytest.MonkeyPa
         build.load()
 
 
+@pytest.mark.native
 @pytest.mark.skipif(bool(NATIVE_PROBLEM), reason=NATIVE_PROBLEM or "built")
 def test_where_it_builds_the_native_backend_serves() -> None:
     backend = make_backend("native", CPU)
@@ -161,6 +162,7 @@ print(build.load().__file__)
 """
 
 
+@pytest.mark.native
 @pytest.mark.slow
 def test_a_prebuilt_folder_holds_only_the_shared_object_and_serves(prebuilt: Path) -> None:
     so = prebuilt / f"{build.module_name(build.isa())}.so"

@@ -33,7 +33,7 @@ from chunkattn_server import torchtypes
 from chunkattn_server.attention.backends import TorchBackend
 from chunkattn_server.attention.backends.base import AttentionBatch
 from chunkattn_server.attention.backends.triton_backend import TritonBackend, TritonLaunchError
-from tests.engine.test_triton_compile import H200_SHARED_BYTES
+from tests.helpers.sm90 import H200_SHARED_BYTES
 
 CPU = torch.device("cpu")
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2

@@ -27,9 +27,8 @@ from chunkattn_server import Engine, LayerSpec, ModelShape
 from chunkattn_server.errors import InvalidBatch, PositionMismatch, SequenceChanged, UnknownSequence
 from chunkattn_server.kv.manifest import KVManifest, batches
 from chunkattn_server.service import kvwire
-from tests.engine.test_engine_state_machine import assert_no_nan, poison
-from tests.engine.test_fork import owners_are_exact
 from tests.helpers.harness import Harness, snapshot
+from tests.helpers.invariants import assert_no_nan, owners_are_exact, poison
 
 BS = 4
 # A chunked layer (C = 8), a layer that reads its KV (KV sharing), a global layer, and a chunked layer of another

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-H200_SHARED_BYTES = 232_448
+from tests.helpers.sm90 import H200_SHARED_BYTES
 
 SCRIPT = r"""
 import json, sys

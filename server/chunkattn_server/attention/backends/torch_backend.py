@@ -33,6 +33,9 @@ Part = tuple[torch.Tensor, torch.Tensor]  # (output [nq, H, D], log-sum-exp [nq,
 
 
 _MAX_KNOWN = 256  # page tensors whose views are kept (an engine has two per plane)
+# The scores _math holds at once for one block of queries ([heads, queries, keys] float32): 64 MiB at most,
+# so a long piece on the explicit-mask path is worked through in blocks of rows instead of all at once.
+MATH_BLOCK_SCORES = 1 << 24
 
 
 class _Views(NamedTuple):
@@ -280,12 +283,13 @@ def _math(
     slopes: torch.Tensor | None,
     causal: bool,
 ) -> Part:
-    """Float32 attention with an explicit bias/mask, in blocks of queries so scores stay <= 64 MiB."""
+    """Float32 attention with an explicit bias/mask, in blocks of queries so scores stay <= 64 MiB
+    (MATH_BLOCK_SCORES)."""
     nq, heads, dim = q.shape
     kv_heads, s, _ = k.shape
     q_per_kv = heads // kv_heads
     k32, v32 = k.float(), v.float()
-    rows = max(1, (1 << 24) // max(1, heads * s))
+    rows = max(1, MATH_BLOCK_SCORES // max(1, heads * s))
     outs, lses = [], []
     for r0 in range(0, nq, rows):
         qb = q[r0 : r0 + rows].float().view(-1, kv_heads, q_per_kv, dim)

@@ -355,7 +355,7 @@ def test_scales_files_name_every_writing_layer_unless_calibrating() -> None:
     def per_layer(
         k: tuple[float | None, ...], v: tuple[float | None, ...], calibrate: bool = False
     ) -> list[tuple[float, float] | None]:
-        return KVScales(k, v, calibrate).per_layer(model)
+        return KVScales(k, v, calibrate).per_layer(model.kv_sources)
 
     with pytest.raises(ConfigError, match="layer 2 writes its own cache but its scales are null"):
         per_layer((0.5, None, None, None), (0.5, None, None, None))
@@ -478,6 +478,7 @@ def test_e4m3_and_e5m2_are_different_caches() -> None:
 # -- through the service ---------------------------------------------------------------------------------
 
 
+@pytest.mark.server
 def test_info_and_a_transfer_between_two_float8_servers(tmp_path: Path) -> None:
     """Info reports both dtypes and the scales; TransferKV moves the float8 bytes and their scales (the
     protobuf path), and a bfloat16 server refuses them with INVALID_ARGUMENT naming both dtypes."""
@@ -532,6 +533,7 @@ def test_the_triton_backend_serves_a_float8_cache_through_the_engine(name: str) 
     h.step([BatchEntry("a", 10, 1), BatchEntry("b", 1, 7)])
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("scales", ["file", "calibrate"])
 def test_the_bench_verifies_against_a_float8_server(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], scales: str
@@ -556,7 +558,7 @@ def test_the_bench_verifies_against_a_float8_server(
 def test_a_servers_info_gives_the_fingerprint_a_kv_stream_would(cache_dtype: str) -> None:
     """TransferKV names a target's refusal that gRPC lost (grpc/grpc#36066) from the target's Info: it must
     read there what the target's own engine would compare a stream against."""
-    from chunkattn_server.service.attend import _static_info
+    from chunkattn_server.service.info import _static_info
     from chunkattn_server.service.kvwire import fingerprint_of_info
 
     scales = KVScales((0.05,), (0.02,)) if "fp8" in cache_dtype else None

@@ -4,6 +4,8 @@
   the generated stubs, the wire codecs, the client's transport or the service; errors.py and config.py import
   neither grpc nor torch (they are shared by every layer);
 - the block pool and the retention rule are plain Python: importing them imports no torch;
+- what the server and the clients share (the client's dtypes, limits, batch and work, and the core modules that
+  import them) loads no grpc or protobuf, and ``import chunkattn_client`` loads the client itself only on use;
 - no tenant (nor the pool's account) has a default below the service.
 (The client's own rule, no torch in ``import chunkattn_client``, is tests/client/test_client_thin.py.)
 """
@@ -91,6 +93,57 @@ def test_the_block_pool_and_the_retention_rule_import_no_torch() -> None:
     assert result.returncode == 0, f"importing them pulled in {result.stdout.strip()}\n{result.stderr}"
 
 
+# What the server and the clients both need loads neither gRPC, nor protobuf, nor torch: the
+# retention rule, the pool and the step queue import the client's dtypes, limits, batch and work, whose package
+# imports the client itself lazily.
+TRANSPORT_FREE = {
+    "chunkattn_server.kv.sequences": ("grpc", "google.protobuf", "torch"),
+    "chunkattn_server.kv.block_pool": ("grpc", "google.protobuf", "torch"),
+    "chunkattn_server.engine.step_queue": ("grpc", "google.protobuf", "torch"),
+    "chunkattn_client": ("grpc", "google.protobuf", "torch"),
+    "chunkattn_client.dtypes": ("grpc", "google.protobuf", "torch"),
+    "chunkattn_client.limits": ("grpc", "google.protobuf", "torch"),
+    "chunkattn_client.batch": ("grpc", "google.protobuf", "torch"),
+    "chunkattn_client.work": ("grpc", "google.protobuf", "torch"),
+}
+
+
+@pytest.mark.parametrize("module", sorted(TRANSPORT_FREE))
+def test_shared_modules_load_no_grpc_or_protobuf(module: str) -> None:
+    code = (
+        "import sys\n"
+        f"import {module}\n"
+        f"loaded = sorted({{p for p in {TRANSPORT_FREE[module]!r} for m in sys.modules"
+        " if m == p or m.startswith(p + '.')})\n"
+        "print(loaded)\n"
+        "sys.exit(1 if loaded else 0)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, f"importing {module} pulled in {result.stdout.strip()}\n{result.stderr}"
+
+
+def test_the_client_package_still_gives_its_names() -> None:
+    """Lazy, but whole: ``from chunkattn_client import X`` works for every name of ``__all__`` (and loads gRPC
+    only then)."""
+    code = (
+        "import sys, chunkattn_client\n"
+        "assert 'grpc' not in sys.modules\n"
+        "from chunkattn_client import ChunkAttnClient\n"
+        "assert 'grpc' in sys.modules and ChunkAttnClient.__module__ == 'chunkattn_client.client'\n"
+        "for name in chunkattn_client.__all__:\n"
+        "    exec(f'from chunkattn_client import {name}')\n"
+        "assert set(chunkattn_client.__all__) <= set(dir(chunkattn_client))\n"
+        "try:\n"
+        "    from chunkattn_client import NoSuchName\n"
+        "except ImportError:\n"
+        "    pass\n"
+        "else:\n"
+        "    sys.exit('an unknown name imported')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+
+
 # -- the tenant: required below the service ------------------------------------------------------------
 
 OWNER_NAMES = ("tenant", "account")
@@ -129,3 +182,66 @@ def test_the_tenant_check_sees_a_default(tmp_path: Path) -> None:
 def test_no_tenant_has_a_default_below_the_service(path: Path) -> None:
     """A forgotten tenant must be a TypeError, never a call in the anonymous namespace ("")."""
     assert not defaulted_owners(path), f"{path.relative_to(PACKAGE)}: {defaulted_owners(path)}"
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Every module of the server and the server modules it imports anywhere (a ``TYPE_CHECKING`` import too:
+    a circle of types is still a circle to read); ``from a import b`` points at a.b where that is a module."""
+    names = {
+        ".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in PACKAGE.rglob("*.py")
+    }
+    graph: dict[str, set[str]] = {}
+    for name, path in names.items():
+        found = imports(path)
+        graph[name] = {m for m in found if m in names and m != name and not any(f"{m}." in f for f in found)}
+        graph[name] |= {m for m in found if m in names and m != name and m.rsplit(".", 1)[0] not in found}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        while work:
+            node, edges = work[-1]
+            for nxt in edges:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    work.append((nxt, iter(sorted(graph[nxt]))))
+                    break
+                if nxt in stack:
+                    low[node] = min(low[node], index[nxt])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+    return found
+
+
+def test_the_circle_finder_sees_a_circle() -> None:
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_circle_of_imports_in_the_server() -> None:
+    """engine/blocks.py once imported engine/core.py back (for its types); config.py and kv/scales.py each other."""
+    assert circles(module_graph()) == []

@@ -1,0 +1,86 @@
+"""The service, wired: the one place that builds the chunkattn.v1.ChunkAttn service from its APIs' handler
+modules (info.py, attend.py, sequences.py, kv.py, blocks.py), all through the one RPC scaffolding (rpc.py),
+and registers every handler with gRPC. server.py builds the rest of the server around it."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Protocol
+
+import grpc
+
+from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
+from chunkattn_server.config import ServerConfig
+from chunkattn_server.engine.scheduler import Scheduler
+from chunkattn_server.metrics import Metrics
+from chunkattn_server.service.attend import AttendService
+from chunkattn_server.service.auth import Authenticator, Tenant
+from chunkattn_server.service.blocks import BlockService
+from chunkattn_server.service.edge import Edge
+from chunkattn_server.service.info import InfoService
+from chunkattn_server.service.kv import KVService
+from chunkattn_server.service.rpc import Admission, Rpcs
+from chunkattn_server.service.sequences import SequenceService
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ChunkAttn"].full_name
+
+
+class API(Protocol):
+    """One API's handler module: its RPCs' gRPC handlers, by method name (built with rpc.Rpcs)."""
+
+    def handlers(self) -> dict[str, grpc.RpcMethodHandler[Any, Any]]: ...
+
+
+class ChunkAttnService:
+    """Every RPC of chunkattn.v1.ChunkAttn over one scheduler: the handlers of each API, their admission
+    (--max-concurrent-rpcs, --max-inflight-mib, the tenants' quotas) and their counts."""
+
+    def __init__(self, scheduler: Scheduler, metrics: Metrics, config: ServerConfig, auth: Authenticator) -> None:
+        self._metrics = metrics
+        self._auth = auth
+        self._rpcs = Rpcs(self._count, Admission(config.max_concurrent_rpcs, config.inflight_bytes), auth)
+        edge = Edge(scheduler, self._rpcs, metrics, config)
+        self._kv = KVService(edge)
+        self._blocks = BlockService(edge)
+        self._apis: tuple[API, ...] = (
+            InfoService(edge),
+            AttendService(edge),
+            SequenceService(edge),
+            self._kv,
+            self._blocks,
+        )
+        metrics.kv_blocks_total.set(scheduler.stats.num_blocks)
+
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        """Register every RPC of chunkattn.v1.ChunkAttn."""
+        handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
+        for api in self._apis:
+            handlers.update(api.handlers())
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+
+    @property
+    def spaces_opened(self) -> asyncio.Event:
+        """Set whenever a block space opens (BlockService.opened)."""
+        return self._blocks.opened
+
+    def drain(self) -> None:
+        """From now on, new calls are refused and open streams end before their next request (UNAVAILABLE)."""
+        self._rpcs.draining = True
+
+    def open_calls(self) -> int:
+        """Calls open in the service now (idle streams included; health and reflection are not its)."""
+        return sum(self._rpcs.open_calls.values())
+
+    async def close(self) -> None:
+        """Release what the service holds besides the engine (after the server stopped)."""
+        self._rpcs.close()
+        await self._kv.close()
+
+    def _count(self, rpc: str, code: grpc.StatusCode, seconds: float | None, tenant: Tenant | None) -> None:
+        """rpc.Count: every answer by RPC and status, its time, and by tenant when there are tenants."""
+        m = self._metrics
+        m.of(m.requests, rpc, code.name).inc()
+        if seconds is not None:
+            m.of(m.rpc_seconds, rpc).observe(seconds)
+        if tenant is not None and self._auth.enabled:
+            m.of(m.tenant_requests, tenant.name, rpc, code.name).inc()
