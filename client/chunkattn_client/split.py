@@ -66,6 +66,11 @@ def entry_calls(
     size ``chunk_size``) cut into calls of at most ``budget`` tokens and, with ``max_work``, at most that much
     work (``token_ranges``): per call, (row, first token, count) of each row with tokens in it, in row order.
     A row with no tokens is in none."""
+    if sum(lengths) <= budget and (  # the usual case, a decode step: one call, no arrays (a few us per layer)
+        not max_work
+        or sum(work.entry_work(p, n, chunk_size) for p, n in zip(positions, lengths, strict=True)) <= max_work
+    ):
+        return [[(r, 0, n) for r, n in enumerate(lengths) if n]] if any(lengths) else []
     costs, pieces = work.entry_token_work(positions, lengths, chunk_size)
     starts = np.concatenate([[0], np.cumsum(np.asarray(lengths, dtype=np.int64))])
     calls = []

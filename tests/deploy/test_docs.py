@@ -153,6 +153,7 @@ def _masked(text: str) -> str:
     return FLOAT.sub("<float>", text.strip())
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("block", PYTHON, ids=[b.name for b in PYTHON])
 def test_python_example_runs(
     block: Block, servers: Callable[[int], ServerProcess], monkeypatch: pytest.MonkeyPatch, tmp_path: Path

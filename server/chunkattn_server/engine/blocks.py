@@ -143,5 +143,6 @@ def plan(call: BlockCall, space: SpaceState, layer: int, source: int, block_size
         spans=spans,
         tables=tables,
         chunk_size=0,
+        stored=bool((call.slots >= 0).all()),
     )
     return planned, touched

@@ -229,6 +229,7 @@ class Engine:
         entries = call.entries
         total = sum(e.num_tokens for e in entries) if isinstance(entries, Entries) else checks.check_entries(entries)
         self._check_tensors(layer, spec, entries, total, call)
+        self._check_first_write(layer, call)
         states = [self.kv.get(e.seq_id, tenant=call.tenant) for e in call.entries]
         checks.check_positions(layer, spec, call.entries, states)
         if self.max_call_work:
@@ -242,7 +243,7 @@ class Engine:
         KV-sharing layer reads every new token back where its source wrote it."""
         group, bs = self.kv.group_of[layer], self.block_size
         tables = [s.tables[group.index] for s in r.states]
-        spans, parts, row = [], [], 0
+        spans, parts, row, stored = [], [], 0, True
         reads_back = call.k is None or call.v is None
         for table, e, w in zip(tables, r.entries, r.writes, strict=True):
             spans.append((row, e.position, e.num_tokens))
@@ -250,6 +251,7 @@ class Engine:
             first = e.position if reads_back else w.start
             if first > e.position:
                 parts.append(np.full(min(first, end) - e.position, -1, np.int64))
+                stored = False
             if first < end:
                 parts.append(token_slots(table, first, end, bs))
             row += e.num_tokens
@@ -263,6 +265,7 @@ class Engine:
             spans=spans,
             tables=tables,
             chunk_size=spec.chunk_size,
+            stored=stored,
         )
 
     # -- the block API: a call checked against its space -----------------------------------------------------
@@ -279,6 +282,7 @@ class Engine:
         planned, touched = blocks.plan(call, space, layer, source, self.block_size)
         if self.max_call_work:
             checks.check_work(int(work.token_work(call.starts, call.seq_lens).sum()), self.max_call_work)
+        self._check_first_write(layer, call)
         if source != layer and self.scales.calibrating(source):
             raise PositionMismatch(
                 f"layer {layer} reads layer {source}'s KV cache (KV sharing), which has had no write yet:"
@@ -290,12 +294,14 @@ class Engine:
     def _check_tensors(
         self, layer: int, spec: LayerSpec, entries: Sequence[BatchEntry], total: int, call: AttendCall | BlockCall
     ) -> None:
-        """A call's tensors against the model and their values (checks.check_tensors), and a first write of a
-        calibrating float8 layer against what its scales can hold."""
+        """A call's tensors against the model and their values (checks.check_tensors)."""
         q, k, v = call.q, call.k, call.v
         checks.check_tensors(self.config.model, layer, spec, entries, total, q, k, v, self.dtype, self.cache_dtype)
-        if k is not None and v is not None and self.scales.calibrating(layer):
-            self._check_calibration(self._on_device(k), self._on_device(v))
+
+    def _check_first_write(self, layer: int, call: AttendCall | BlockCall) -> None:
+        """A first write of a calibrating float8 layer against what its scales can hold (``_check_calibration``)."""
+        if call.k is not None and call.v is not None and self.scales.calibrating(layer):
+            self._check_calibration(self._on_device(call.k), self._on_device(call.v))
 
     # -- the one store and compute path, for both addressings ------------------------------------------------
 
@@ -308,12 +314,12 @@ class Engine:
         kc, vc = self._store(first.plane, first.source, calls)
         spans: list[tuple[int, int, int]] = []
         tables: list[Table] = []
-        unwritten: set[int] = set()  # spans with a token not in the pages: they read their new keys from k and v
+        unwritten: set[int] = set()  # decodes whose key is not in the pages: they read it from k and v
         sizes: list[int] = []
         base = 0
         for c in calls:
             for row, position, n in c.spans:
-                if (c.slots[row] < 0) if n == 1 else bool((c.slots[row : row + n] < 0).any()):
+                if n == 1 and not c.stored and c.slots[row] < 0:
                     unwritten.add(len(spans))
                 spans.append((base + row, position, n))
             tables.extend(c.tables)
@@ -360,10 +366,9 @@ class Engine:
             _cat([self._on_device(c.v) for c in calls if c.v is not None]),
         )
         scales = self._write_scales(source, k, v) if self._converts else (1.0, 1.0)
-        written = slots >= 0
-        if written.all():
+        if all(c.stored for c in calls):
             return self.cache.write(plane, self._index(slots), k, v, scales)
-        rows = np.flatnonzero(written)
+        rows = np.flatnonzero(slots >= 0)
         return self.cache.write(plane, self._index(slots[rows]), k, v, scales, self._index(rows))
 
     def _read_scales(self, layer: int) -> tuple[float, float]:

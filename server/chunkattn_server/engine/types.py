@@ -58,7 +58,7 @@ class BlockCall:
     tenant: str
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Planned:
     """A checked call of either addressing, as the engine's one store and compute path takes it (core.py
     ``Engine._run``): which tokens go where in the pages, and which keys each of its rows reads.
@@ -72,6 +72,7 @@ class Planned:
     spans: per row (its first row of q, the position of its first new token, its new tokens); tables: per row
         its logical -> pool blocks (see attention.backends.base.Table), for the keys before its new tokens.
     chunk_size: the C the backend applies (a block call's: 0, the caller windows its rows).
+    stored: every slot is >= 0 (the usual case: a decode, a short prefill), so the hot path need not look.
     """
 
     q: torch.Tensor
@@ -83,6 +84,7 @@ class Planned:
     spans: Sequence[tuple[int, int, int]]
     tables: Sequence[Table]
     chunk_size: int
+    stored: bool
 
 
 class Retry(Exception):

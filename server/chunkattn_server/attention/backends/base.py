@@ -38,10 +38,10 @@ class AttentionBatch:
     scale: softmax scale.
     alibi_slopes: [num_heads] float32, or None.
     k_scale, v_scale: the float8 cache's scales (1.0 for any other cache dtype).
-    unwritten: the spans (indices) whose new tokens' K/V were not all written to the pages (the block API's
-        padding tokens): they read their new keys from k and v only. Every other span's new K/V are in the
-        pages too (written at their slots before the compute), so a single-token span may read its own key
-        there. Decided per span: one call's padding never changes how another's rows are computed.
+    unwritten: the single-token spans (indices) whose key was not written to the pages (the block API's
+        padding tokens): they read it from k and v. Every other single-token span's key is in the pages too
+        (written at its slot before the compute), so it may read it there; longer spans always read their new
+        keys from k and v. Decided per span: one call's padding never changes how another's rows are computed.
     """
 
     q: torch.Tensor
