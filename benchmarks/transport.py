@@ -81,7 +81,7 @@ from chunkattn_server import Engine, malloc
 from chunkattn_server.__main__ import engine_config
 from chunkattn_server.flags import parse
 from chunkattn_server.service import kvwire
-from chunkattn_server.service.kv import DEFAULT_KV_MESSAGE_BYTES, exporter, message_batches
+from chunkattn_server.service.transfer import DEFAULT_KV_MESSAGE_BYTES, exporter, message_batches
 
 from timing import cpu_name, publish, rounds  # benchmarks/timing.py
 

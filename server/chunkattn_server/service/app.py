@@ -1,5 +1,5 @@
 """The service, wired: the one place that builds the chunkattn.v1.ChunkAttn service from its APIs' handler
-modules (info.py, attend.py, sequences.py, kv.py, blocks.py), all through the one RPC scaffolding (rpc.py),
+modules (info.py, attend.py, sequences.py, transfer.py, blocks.py), all through the one RPC scaffolding (rpc.py),
 and registers every handler with gRPC. server.py builds the rest of the server around it."""
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from chunkattn_server.service.auth import Authenticator, Tenant
 from chunkattn_server.service.blocks import BlockService
 from chunkattn_server.service.edge import Edge
 from chunkattn_server.service.info import InfoService
-from chunkattn_server.service.kv import KVService
 from chunkattn_server.service.rpc import Admission, Rpcs
 from chunkattn_server.service.sequences import SequenceService
+from chunkattn_server.service.transfer import KVService
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ChunkAttn"].full_name
 

@@ -10,7 +10,7 @@ when next used, and one whose transfer failed with UNAVAILABLE or DEADLINE_EXCEE
 next transfer connects afresh instead of waiting out gRPC's reconnect backoff (the pool's channels do not
 share connections with any other channel: a local subchannel pool). A target whose host vanished without
 resetting the connection is found by the keepalive pings the caller's ``options`` configure
-(service/kv.py): the unanswered ping fails the transfer with UNAVAILABLE, which drops the channel.
+(service/transfer.py): the unanswered ping fails the transfer with UNAVAILABLE, which drops the channel.
 """
 
 from __future__ import annotations

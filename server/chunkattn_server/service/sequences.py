@@ -1,6 +1,6 @@
 """The sequence API's KV handlers: Release, Fork and Truncate (each one engine job through the door the
 Engine's control plane gives). Attend is attend.py's; moving a sequence's KV (ExportKV, ImportKV, TransferKV)
-is kv.py's."""
+is transfer.py's."""
 
 from __future__ import annotations
 
