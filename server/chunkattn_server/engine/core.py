@@ -310,7 +310,7 @@ class Engine:
         output [T_i, num_heads, head_size] in its q's dtype."""
         first = calls[0]
         one = len(calls) == 1
-        q = self._on_device(first.q) if one else torch.cat([self._on_device(c.q) for c in calls])
+        q = _cat([self._on_device(c.q) for c in calls])
         kc, vc = self._store(first.plane, first.source, calls)
         spans: list[tuple[int, int, int]] = []
         tables: list[Table] = []
@@ -358,7 +358,7 @@ class Engine:
         without error: its largest values are one of theirs); returns all their rows' K/V [T, Hkv, D] as the
         cache holds them (KVCache.write), in the compute dtype. A KV-sharing layer's calls store nothing: their
         K/V are read back at their slots."""
-        slots = calls[0].slots if len(calls) == 1 else np.concatenate([c.slots for c in calls])
+        slots = _concat([c.slots for c in calls])
         if calls[0].k is None or calls[0].v is None:
             return self.cache.read(plane, self._index(slots), self._read_scales(source), self.dtype)
         k, v = (
@@ -434,10 +434,6 @@ class Engine:
     def scale(self, layer: int) -> float:
         """The softmax scale the layer uses (its configured one, or 1 / sqrt(head_size))."""
         return self._scales[layer]
-
-    def slopes(self, layer: int) -> torch.Tensor | None:
-        """The layer's ALiBi slopes [num_heads] float32 on the device, or None."""
-        return self._slopes[layer]
 
     # -- the control plane: the service's one door to sequences, spaces, quotas, transfer and scales -----------
     # Each runs on the engine's thread, as a control job (Scheduler.run). The service reaches the KV's state
