@@ -135,10 +135,13 @@ def test_a_kept_channel_that_broke_while_idle_is_replaced() -> None:
         pool = ChannelPool([])
         async with pool.use(target) as first:
             pass
-        first.get_state(try_to_connect=True)
+        # One read of the state per turn (read twice, a change in between was waited for again), and a channel
+        # left IDLE after a failed attempt asked to connect again: else it may never reach TRANSIENT_FAILURE.
+        state = first.get_state(try_to_connect=True)
         async with asyncio.timeout(30):
-            while first.get_state() != grpc.ChannelConnectivity.TRANSIENT_FAILURE:
-                await first.wait_for_state_change(first.get_state())
+            while state != grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+                await first.wait_for_state_change(state)
+                state = first.get_state(try_to_connect=True)
         async with pool.use(target) as second:
             assert second is not first
         assert first.get_state() == SHUTDOWN
