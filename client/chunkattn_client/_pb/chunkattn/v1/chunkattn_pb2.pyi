@@ -156,6 +156,32 @@ class ListBlockSpacesResponse(_message.Message):
     spaces: _containers.RepeatedCompositeFieldContainer[BlockSpaceInfo]
     def __init__(self, spaces: _Optional[_Iterable[_Union[BlockSpaceInfo, _Mapping]]] = ...) -> None: ...
 
+class OpenDataPlaneRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DataPlaneEndpoint(_message.Message):
+    __slots__ = ("transport", "address")
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    transport: str
+    address: str
+    def __init__(self, transport: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+
+class OpenDataPlaneResponse(_message.Message):
+    __slots__ = ("endpoints", "session_key", "expires_in_s", "host_id", "curve_server_key")
+    ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_KEY_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    CURVE_SERVER_KEY_FIELD_NUMBER: _ClassVar[int]
+    endpoints: _containers.RepeatedCompositeFieldContainer[DataPlaneEndpoint]
+    session_key: bytes
+    expires_in_s: float
+    host_id: str
+    curve_server_key: str
+    def __init__(self, endpoints: _Optional[_Iterable[_Union[DataPlaneEndpoint, _Mapping]]] = ..., session_key: _Optional[bytes] = ..., expires_in_s: _Optional[float] = ..., host_id: _Optional[str] = ..., curve_server_key: _Optional[str] = ...) -> None: ...
+
 class Status(_message.Message):
     __slots__ = ("code", "message")
     CODE_FIELD_NUMBER: _ClassVar[int]

@@ -118,6 +118,11 @@ class ChunkAttnStub:
                 request_serializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.ListBlockSpacesRequest.SerializeToString,
                 response_deserializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.ListBlockSpacesResponse.FromString,
                 _registered_method=True)
+        self.OpenDataPlane = channel.unary_unary(
+                '/chunkattn.v1.ChunkAttn/OpenDataPlane',
+                request_serializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.OpenDataPlaneRequest.SerializeToString,
+                response_deserializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.OpenDataPlaneResponse.FromString,
+                _registered_method=True)
 
 
 class ChunkAttnServicer:
@@ -263,6 +268,30 @@ class ChunkAttnServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenDataPlane(self, request, context):
+        """A session on the server's data plane: Attend requests (sequence or block addressing) over ZeroMQ instead
+        of gRPC, for a model runner that waits for each layer's answer (a round trip of tens of microseconds
+        instead of hundreds). The session is the caller's tenant's, as its gRPC calls are: a data-plane message is
+        served only under a live session's key, with the same checks, quotas, limits, admission and batching as
+        Attend, and answered with an AttendResponse whose status holds its outcome. A session ends at its expiry,
+        when the server's token file no longer names its credentials' tenant (SIGHUP), or when the server stops.
+        On a TLS server the data plane is encrypted and authenticated with ZeroMQ's CURVE (the server's public key
+        is in the response, which came over TLS); a TLS server that cannot do CURVE offers no data plane.
+        FAILED_PRECONDITION when the server offers none (chunkattn-server --data-plane-tcp / --data-plane-ipc):
+        the client stays on gRPC.
+
+        The data plane's messages (ZeroMQ; the client a DEALER socket, the server a ROUTER): a request is two
+        frames, the session key (32 bytes) and a serialized AttendRequest whose request_id the client makes unique
+        among its requests in flight; its answer is one frame, a serialized AttendResponse with that request_id
+        (answers may come in any order when several are in flight) and its status (code 0: OK; UNAUTHENTICATED:
+        no live session for the key, the request was not run: open a session and send it again). A message
+        that is not two frames, or whose first frame is not 32 bytes, is answered with INVALID_ARGUMENT and
+        request_id 0.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ChunkAttnServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -330,6 +359,11 @@ def add_ChunkAttnServicer_to_server(servicer, server):
                     servicer.ListBlockSpaces,
                     request_deserializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.ListBlockSpacesRequest.FromString,
                     response_serializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.ListBlockSpacesResponse.SerializeToString,
+            ),
+            'OpenDataPlane': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenDataPlane,
+                    request_deserializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.OpenDataPlaneRequest.FromString,
+                    response_serializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.OpenDataPlaneResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -702,6 +736,33 @@ class ChunkAttn:
             '/chunkattn.v1.ChunkAttn/ListBlockSpaces',
             chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.ListBlockSpacesRequest.SerializeToString,
             chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.ListBlockSpacesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenDataPlane(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/chunkattn.v1.ChunkAttn/OpenDataPlane',
+            chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.OpenDataPlaneRequest.SerializeToString,
+            chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.OpenDataPlaneResponse.FromString,
             options,
             channel_credentials,
             insecure,

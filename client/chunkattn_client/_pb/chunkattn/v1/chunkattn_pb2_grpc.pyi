@@ -123,6 +123,26 @@ class ChunkAttnStub:
     """The caller's tenant's open block spaces, oldest first: a client that lost a space's id (its engine was
     killed) finds it here and closes it. Without --auth-tokens every caller is one tenant and sees them all.
     """
+    OpenDataPlane: _grpc.UnaryUnaryMultiCallable[_chunkattn_pb2.OpenDataPlaneRequest, _chunkattn_pb2.OpenDataPlaneResponse]
+    """A session on the server's data plane: Attend requests (sequence or block addressing) over ZeroMQ instead
+    of gRPC, for a model runner that waits for each layer's answer (a round trip of tens of microseconds
+    instead of hundreds). The session is the caller's tenant's, as its gRPC calls are: a data-plane message is
+    served only under a live session's key, with the same checks, quotas, limits, admission and batching as
+    Attend, and answered with an AttendResponse whose status holds its outcome. A session ends at its expiry,
+    when the server's token file no longer names its credentials' tenant (SIGHUP), or when the server stops.
+    On a TLS server the data plane is encrypted and authenticated with ZeroMQ's CURVE (the server's public key
+    is in the response, which came over TLS); a TLS server that cannot do CURVE offers no data plane.
+    FAILED_PRECONDITION when the server offers none (chunkattn-server --data-plane-tcp / --data-plane-ipc):
+    the client stays on gRPC.
+
+    The data plane's messages (ZeroMQ; the client a DEALER socket, the server a ROUTER): a request is two
+    frames, the session key (32 bytes) and a serialized AttendRequest whose request_id the client makes unique
+    among its requests in flight; its answer is one frame, a serialized AttendResponse with that request_id
+    (answers may come in any order when several are in flight) and its status (code 0: OK; UNAUTHENTICATED:
+    no live session for the key, the request was not run: open a session and send it again). A message
+    that is not two frames, or whose first frame is not 32 bytes, is answered with INVALID_ARGUMENT and
+    request_id 0.
+    """
 
 @_typing.type_check_only
 class ChunkAttnAsyncStub(ChunkAttnStub):
@@ -212,6 +232,26 @@ class ChunkAttnAsyncStub(ChunkAttnStub):
     ListBlockSpaces: _aio.UnaryUnaryMultiCallable[_chunkattn_pb2.ListBlockSpacesRequest, _chunkattn_pb2.ListBlockSpacesResponse]  # type: ignore[assignment]
     """The caller's tenant's open block spaces, oldest first: a client that lost a space's id (its engine was
     killed) finds it here and closes it. Without --auth-tokens every caller is one tenant and sees them all.
+    """
+    OpenDataPlane: _aio.UnaryUnaryMultiCallable[_chunkattn_pb2.OpenDataPlaneRequest, _chunkattn_pb2.OpenDataPlaneResponse]  # type: ignore[assignment]
+    """A session on the server's data plane: Attend requests (sequence or block addressing) over ZeroMQ instead
+    of gRPC, for a model runner that waits for each layer's answer (a round trip of tens of microseconds
+    instead of hundreds). The session is the caller's tenant's, as its gRPC calls are: a data-plane message is
+    served only under a live session's key, with the same checks, quotas, limits, admission and batching as
+    Attend, and answered with an AttendResponse whose status holds its outcome. A session ends at its expiry,
+    when the server's token file no longer names its credentials' tenant (SIGHUP), or when the server stops.
+    On a TLS server the data plane is encrypted and authenticated with ZeroMQ's CURVE (the server's public key
+    is in the response, which came over TLS); a TLS server that cannot do CURVE offers no data plane.
+    FAILED_PRECONDITION when the server offers none (chunkattn-server --data-plane-tcp / --data-plane-ipc):
+    the client stays on gRPC.
+
+    The data plane's messages (ZeroMQ; the client a DEALER socket, the server a ROUTER): a request is two
+    frames, the session key (32 bytes) and a serialized AttendRequest whose request_id the client makes unique
+    among its requests in flight; its answer is one frame, a serialized AttendResponse with that request_id
+    (answers may come in any order when several are in flight) and its status (code 0: OK; UNAUTHENTICATED:
+    no live session for the key, the request was not run: open a session and send it again). A message
+    that is not two frames, or whose first frame is not 32 bytes, is answered with INVALID_ARGUMENT and
+    request_id 0.
     """
 
 class ChunkAttnServicer(metaclass=_abc_1.ABCMeta):
@@ -377,6 +417,32 @@ class ChunkAttnServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_chunkattn_pb2.ListBlockSpacesResponse, _abc.Awaitable[_chunkattn_pb2.ListBlockSpacesResponse]]:
         """The caller's tenant's open block spaces, oldest first: a client that lost a space's id (its engine was
         killed) finds it here and closes it. Without --auth-tokens every caller is one tenant and sees them all.
+        """
+
+    @_abc_1.abstractmethod
+    def OpenDataPlane(
+        self,
+        request: _chunkattn_pb2.OpenDataPlaneRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_chunkattn_pb2.OpenDataPlaneResponse, _abc.Awaitable[_chunkattn_pb2.OpenDataPlaneResponse]]:
+        """A session on the server's data plane: Attend requests (sequence or block addressing) over ZeroMQ instead
+        of gRPC, for a model runner that waits for each layer's answer (a round trip of tens of microseconds
+        instead of hundreds). The session is the caller's tenant's, as its gRPC calls are: a data-plane message is
+        served only under a live session's key, with the same checks, quotas, limits, admission and batching as
+        Attend, and answered with an AttendResponse whose status holds its outcome. A session ends at its expiry,
+        when the server's token file no longer names its credentials' tenant (SIGHUP), or when the server stops.
+        On a TLS server the data plane is encrypted and authenticated with ZeroMQ's CURVE (the server's public key
+        is in the response, which came over TLS); a TLS server that cannot do CURVE offers no data plane.
+        FAILED_PRECONDITION when the server offers none (chunkattn-server --data-plane-tcp / --data-plane-ipc):
+        the client stays on gRPC.
+
+        The data plane's messages (ZeroMQ; the client a DEALER socket, the server a ROUTER): a request is two
+        frames, the session key (32 bytes) and a serialized AttendRequest whose request_id the client makes unique
+        among its requests in flight; its answer is one frame, a serialized AttendResponse with that request_id
+        (answers may come in any order when several are in flight) and its status (code 0: OK; UNAUTHENTICATED:
+        no live session for the key, the request was not run: open a session and send it again). A message
+        that is not two frames, or whose first frame is not 32 bytes, is answered with INVALID_ARGUMENT and
+        request_id 0.
         """
 
 def add_ChunkAttnServicer_to_server(servicer: ChunkAttnServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
