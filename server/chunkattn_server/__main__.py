@@ -135,6 +135,10 @@ def main(argv: list[str] | None = None) -> int:
             transfer_tls_cert=args.transfer_tls_cert,
             transfer_tls_key=args.transfer_tls_key,
             transfer_targets=tuple(t for t in (x.strip() for x in args.transfer_targets.split(",")) if t),
+            data_plane_tcp=args.data_plane_tcp,
+            data_plane_ipc=args.data_plane_ipc,
+            data_plane_advertise=args.data_plane_advertise,
+            data_plane_session_s=args.data_plane_session_s,
         )
         asyncio.run(serve(engine_config(args), server))
     except (ConfigError, OSError) as e:

@@ -338,6 +338,8 @@ DEFAULT_IMPORT_STALL_S = 60.0  # an import that sends nothing this long is aband
 DEFAULT_STREAM_IDLE_S = 300.0  # a stream that makes no progress this long is closed
 DEFAULT_TRANSFER_KEEPALIVE_S = 30.0  # TransferKV's channels ping their target after this long without news
 DEFAULT_MAX_BATCH_TOKENS = 8192  # tokens one engine step merges from queued Attend calls of one layer
+DEFAULT_DATA_PLANE_SESSION_S = 3600.0  # a data-plane session lives this long (OpenDataPlane's expires_in_s)
+MAX_DATA_PLANE_SESSION_S = 7 * 86400.0
 
 
 def default_inflight_bytes(max_message_bytes: int) -> int:
@@ -393,6 +395,13 @@ class ServerConfig:
     transfer_tls_cert: str | None = None
     transfer_tls_key: str | None = None
     transfer_targets: tuple[str, ...] = ()
+    # The data plane (service/dataplane.py): Attend over ZeroMQ, on a TCP HOST:PORT and/or an ipc socket path
+    # ("auto": one in a fresh folder of the runtime directory); the host tcp endpoints are given out with
+    # (None: the bound host, or this machine's name when bound to every address); how long a session lives.
+    data_plane_tcp: str | None = None
+    data_plane_ipc: str | None = None
+    data_plane_advertise: str | None = None
+    data_plane_session_s: float = DEFAULT_DATA_PLANE_SESSION_S
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -422,6 +431,31 @@ class ServerConfig:
                 f"the bytes in flight ({self.max_inflight_bytes >> 20} MiB) must hold at least one largest message"
                 f" ({self.max_message_bytes >> 20} MiB): raise --max-inflight-mib or lower --max-message-mib"
             )
+        self._check_data_plane()
+
+    def _check_data_plane(self) -> None:
+        if self.data_plane_tcp is not None:
+            data_plane_host_port(self.data_plane_tcp)
+        if self.data_plane_ipc is not None and not self.data_plane_ipc:
+            raise ConfigError("--data-plane-ipc needs a socket path, or the word auto")
+        if self.data_plane_advertise is not None:
+            if self.data_plane_tcp is None:
+                raise ConfigError("--data-plane-advertise names the host of the tcp data plane: give --data-plane-tcp")
+            if not self.data_plane_advertise or any(c in self.data_plane_advertise for c in "/ :[]"):
+                raise ConfigError(
+                    f"--data-plane-advertise must be a host name or an IPv4 address, got {self.data_plane_advertise!r}"
+                    " (an IPv6 address goes in brackets in --data-plane-tcp; it is advertised as bound)"
+                )
+        if not 0 < self.data_plane_session_s <= MAX_DATA_PLANE_SESSION_S:
+            raise ConfigError(
+                f"--data-plane-session-s must be > 0 and at most {MAX_DATA_PLANE_SESSION_S:g} (a week), got"
+                f" {self.data_plane_session_s}"
+            )
+
+    @property
+    def data_plane(self) -> bool:
+        """Whether the server offers a data plane (--data-plane-tcp or --data-plane-ipc)."""
+        return self.data_plane_tcp is not None or self.data_plane_ipc is not None
 
     def trusts(self, target: str) -> bool:
         """Whether ``target`` may receive the server's own credentials (--transfer-targets): a tenant names the
@@ -438,6 +472,21 @@ class ServerConfig:
         if self.max_inflight_bytes is not None:
             return self.max_inflight_bytes
         return default_inflight_bytes(self.max_message_bytes)
+
+
+def data_plane_host_port(value: str) -> tuple[str, int]:
+    """--data-plane-tcp's HOST:PORT ([IPv6]:PORT) as (host, port); port 0: any free one. ConfigError saying
+    what was expected."""
+    host, sep, port = value.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        host = ""  # an IPv6 address without brackets: refused below
+    if not sep or not host or not port.isdigit() or int(port) > 65535 or any(c in host for c in "/ []"):
+        raise ConfigError(
+            f"--data-plane-tcp must be HOST:PORT ([IPv6]:PORT; port 0: any free one), got {value[:100]!r}"
+        )
+    return host, int(port)
 
 
 def check_together(engine: EngineConfig, server: ServerConfig) -> None:

@@ -93,3 +93,7 @@ class Unauthenticated(RequestError):
 
 class TooManyCalls(Overloaded):
     """The caller's tenant is working on as many calls as its quota allows: retry later."""
+
+
+class NotOffered(RequestError):
+    """The server does not offer what the call asks for as it was started (a data plane without its flags)."""

@@ -22,6 +22,7 @@ from typing import Any
 from chunkattn_client._channel import MAX_KEEPALIVE_S, MIN_KEEPALIVE_S, check_keepalive
 from chunkattn_server import jsonfile
 from chunkattn_server.config import (
+    DEFAULT_DATA_PLANE_SESSION_S,
     DEFAULT_IMPORT_STALL_S,
     DEFAULT_MAX_BATCH_TOKENS,
     DEFAULT_MAX_MESSAGE_MIB,
@@ -141,6 +142,35 @@ def build_parser() -> argparse.ArgumentParser:
         help="TransferKV pings its target after this long without news and fails if no answer comes within as"
         f" long (default {DEFAULT_TRANSFER_KEEPALIVE_S:g}; 0: no pings; else {MIN_KEEPALIVE_S:g} to"
         f" {MAX_KEEPALIVE_S:g})",
+    )
+    d = p.add_argument_group(
+        "data plane (Attend over ZeroMQ for model runners, opened by OpenDataPlane; docs/deployment.md). On a TLS"
+        " server it is encrypted with CURVE"
+    )
+    d.add_argument(
+        "--data-plane-tcp",
+        metavar="HOST:PORT",
+        help="serve the data plane on this TCP address ([IPv6]:PORT; port 0: any free one, OpenDataPlane gives"
+        " the real one); default: no tcp data plane",
+    )
+    d.add_argument(
+        "--data-plane-ipc",
+        metavar="PATH",
+        help="serve the data plane on this Unix socket (mode 0600; its folder must not be writable by others), or"
+        " auto: a socket in a fresh 0700 folder of $XDG_RUNTIME_DIR (else the temporary folder); for clients on"
+        " this host of the server's user; default: no ipc data plane",
+    )
+    d.add_argument(
+        "--data-plane-advertise",
+        metavar="HOST",
+        help="the host OpenDataPlane gives out in tcp endpoints, as clients reach this server (default: the bound"
+        " host, or this machine's name when bound to 0.0.0.0)",
+    )
+    d.add_argument(
+        "--data-plane-session-s",
+        type=float,
+        default=DEFAULT_DATA_PLANE_SESSION_S,
+        help=f"how long a data-plane session lives (default {DEFAULT_DATA_PLANE_SESSION_S:g})",
     )
     t = p.add_argument_group("security (docs/security.md)")
     t.add_argument("--tls-cert", metavar="FILE", help="serve TLS with this PEM certificate (chain); with --tls-key")

@@ -57,16 +57,22 @@ class Metrics:
         )
         self.requests = Counter(
             "chunkattn_requests_total",
-            "Requests answered, by RPC and gRPC status code (each AttendStream message counts as one).",
-            ["rpc", "code"],
+            "Requests answered, by RPC, gRPC status code and transport: grpc, or zmq (the data plane, whose"
+            " messages count as rpc Attend). Each AttendStream message and each data-plane message counts as one.",
+            ["rpc", "code", "transport"],
             registry=r,
         )
         self.rpc_seconds = Histogram(
             "chunkattn_rpc_duration_seconds",
-            "Time from a request's arrival (whole, parsed by gRPC) to its answer being handed to gRPC, by RPC;"
-            " for AttendStream, per message.",
-            ["rpc"],
+            "Time from a request's arrival (whole) to its answer being handed to gRPC or ZeroMQ, by RPC and"
+            " transport (grpc, zmq); for AttendStream and the data plane, per message.",
+            ["rpc", "transport"],
             buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.data_plane_sessions = Gauge(
+            "chunkattn_data_plane_sessions",
+            "Data-plane sessions open (OpenDataPlane; neither expired nor revoked).",
             registry=r,
         )
         self.queue_seconds = Histogram(

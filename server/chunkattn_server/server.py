@@ -30,8 +30,10 @@ from chunkattn_server.engine.scheduler import Scheduler
 from chunkattn_server.engine.types import EngineStats
 from chunkattn_server.errors import ConfigError
 from chunkattn_server.metrics import Metrics
+from chunkattn_server.service import dataplane
 from chunkattn_server.service.app import SERVICE_NAME, ChunkAttnService
 from chunkattn_server.service.auth import Authenticator, Gate
+from chunkattn_server.service.dataplane import DataPlane
 from chunkattn_server.service.tls import ServerTLS, transfer_credentials
 
 log = logging.getLogger("chunkattn_server")
@@ -77,7 +79,9 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
     health_servicer = _add_services(server, service)
     try:
         port = _listen(server, config, tls)
-    except OSError:
+        if service.data_plane is not None:
+            service.data_plane.start()
+    except (OSError, ConfigError):
         scheduler.stop()
         if stop_http is not None:
             stop_http()
@@ -86,8 +90,8 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
     await server.start()
     await _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
     probe.state = "serving"
-    _log_serving(engine_config, config, scheduler, port, tls, auth)
-    loop.add_signal_handler(signal.SIGHUP, _reloader(tls, auth, scheduler))
+    _log_serving(engine_config, config, scheduler, port, tls, auth, service.data_plane)
+    loop.add_signal_handler(signal.SIGHUP, _reloader(tls, auth, scheduler, service))
     sweeper = asyncio.create_task(_sweep_idle(scheduler, metrics, config.idle_timeout_s, service.spaces_opened))
 
     await stop.wait()
@@ -105,6 +109,8 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
         await _delivered(service, port, config.grace_s)
         await server.stop(max(config.grace_s - (loop.time() - started), 0.0))
     finally:
+        if service.data_plane is not None:  # its messages in flight were open calls: _delivered waited for them
+            await service.data_plane.close(max(config.grace_s - (loop.time() - started), 0.0))
         await service.close()
         scheduler.stop()
         await _cancel(heartbeat)  # /healthz stays 200 while the calls in flight finish
@@ -128,6 +134,7 @@ def _checked_before_the_pool(
     tls = None if config.tls_cert is None else ServerTLS(config.tls_cert, config.tls_key or "", config.tls_client_ca)
     transfer_credentials(config)  # TransferKV's files, read (once) now: mistakes show before the pool
     check_together(engine_config, config)
+    dataplane.check(config)
     return auth, tls
 
 
@@ -164,7 +171,7 @@ def _grpc_server(config: ServerConfig, auth: Authenticator, mutual_tls: bool, me
     options = [*channel_options(config.max_message_bytes, None), *PING_POLICY, *STREAM_LIMITS, *EXCLUSIVE_PORT]
 
     def refused(rpc: str) -> None:
-        metrics.of(metrics.requests, rpc, grpc.StatusCode.UNAUTHENTICATED.name).inc()
+        metrics.of(metrics.requests, rpc, grpc.StatusCode.UNAUTHENTICATED.name, "grpc").inc()
 
     gate = Gate(auth, mutual_tls, f"/{SERVICE_NAME}/", refused)
     return grpc.aio.server(
@@ -208,8 +215,9 @@ def _log_serving(
     port: int,
     tls: ServerTLS | None,
     auth: Authenticator,
+    data_plane: DataPlane | None,
 ) -> None:
-    """The startup log: what is served where, the limits, batching and authentication."""
+    """The startup log: what is served where, the limits, batching, authentication and the data plane."""
     stats = scheduler.stats
     log.info(
         "serving %s on %s:%d (%s, metrics %s) on %s: %d layers, %d KV blocks of %d tokens (%.1f MiB)",
@@ -247,16 +255,29 @@ def _log_serving(
         if auth.enabled
         else "off (every caller is one tenant)",
     )
+    log.info(
+        "data plane: %s",
+        "off (--data-plane-tcp, --data-plane-ipc)"
+        if data_plane is None
+        else f"{', '.join(e.address for e in data_plane.endpoints)}"
+        f" ({'CURVE' if data_plane.curve_public_key else 'plaintext'}; sessions of {config.data_plane_session_s:g} s)",
+    )
 
 
-def _reloader(tls: ServerTLS | None, auth: Authenticator, scheduler: Scheduler) -> Callable[[], None]:
-    """SIGHUP's handler: reload the TLS files (for later handshakes) and the token file, and give the tenants
-    their new quotas (a bad file keeps the old one)."""
+def _reloader(
+    tls: ServerTLS | None, auth: Authenticator, scheduler: Scheduler, service: ChunkAttnService
+) -> Callable[[], None]:
+    """SIGHUP's handler: reload the TLS files (for later handshakes) and the token file, give the tenants their
+    new quotas and end the data-plane sessions whose credentials no longer name their tenant (a bad file keeps
+    the old one)."""
 
     async def reload() -> None:
         if tls is not None:
             tls.reload()
         if auth.reload():
+            revoked = service.recheck_sessions()
+            if revoked:
+                log.info("revoked %d data-plane sessions whose credentials no longer name their tenant", revoked)
             await scheduler.run("quotas", _quotas(auth))
 
     def on_sighup() -> None:

@@ -221,9 +221,9 @@ def test_metrics_parse_and_count_what_was_sent(server: ServerProcess, client: Ch
 
     assert delta("chunkattn_tokens_total", kind="prefill") == 30
     assert delta("chunkattn_tokens_total", kind="decode") == 3
-    assert delta("chunkattn_requests_total", rpc="Attend", code="OK") == 2
-    assert delta("chunkattn_requests_total", rpc="Attend", code="FAILED_PRECONDITION") == 1
-    assert delta("chunkattn_requests_total", rpc="Release", code="OK") == 1
+    assert delta("chunkattn_requests_total", rpc="Attend", code="OK", transport="grpc") == 2
+    assert delta("chunkattn_requests_total", rpc="Attend", code="FAILED_PRECONDITION", transport="grpc") == 1
+    assert delta("chunkattn_requests_total", rpc="Release", code="OK", transport="grpc") == 1
     assert delta("chunkattn_received_bytes_total") == 4 * 33 * (H + 2 * HKV) * D
     assert delta("chunkattn_sent_bytes_total") == 4 * 33 * H * D
     assert delta("chunkattn_compute_seconds_count", rpc="Attend") == 3

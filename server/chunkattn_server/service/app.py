@@ -1,6 +1,8 @@
 """The service, wired: the one place that builds the chunkattn.v1.ChunkAttn service from its APIs' handler
-modules (info.py, attend.py, sequences.py, transfer.py, blocks.py), all through the one RPC scaffolding (rpc.py),
-and registers every handler with gRPC. server.py builds the rest of the server around it."""
+modules (info.py, attend.py, sequences.py, transfer.py, blocks.py, dataplane.py), all through the one RPC
+scaffolding (rpc.py), and registers every handler with gRPC; and the data plane (dataplane.py, its sessions in
+sessions.py), which serves Attend through the same scaffolding. server.py builds the rest of the server around
+it."""
 
 from __future__ import annotations
 
@@ -16,10 +18,12 @@ from chunkattn_server.metrics import Metrics
 from chunkattn_server.service.attend import AttendService
 from chunkattn_server.service.auth import Authenticator, Tenant
 from chunkattn_server.service.blocks import BlockService
+from chunkattn_server.service.dataplane import DataPlane, DataPlaneService
 from chunkattn_server.service.edge import Edge
 from chunkattn_server.service.info import InfoService
 from chunkattn_server.service.rpc import Admission, Rpcs
 from chunkattn_server.service.sequences import SequenceService
+from chunkattn_server.service.sessions import Sessions
 from chunkattn_server.service.transfer import KVService
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ChunkAttn"].full_name
@@ -42,14 +46,23 @@ class ChunkAttnService:
         edge = Edge(scheduler, self._rpcs, metrics, config)
         self._kv = KVService(edge)
         self._blocks = BlockService(edge)
+        attend = AttendService(edge)
+        self.sessions = Sessions(config.data_plane_session_s)
+        self.data_plane = (
+            DataPlane(config, self._rpcs, self.sessions, attend.data_plane_answer, curve=config.tls_cert is not None)
+            if config.data_plane
+            else None
+        )
         self._apis: tuple[API, ...] = (
             InfoService(edge),
-            AttendService(edge),
+            attend,
             SequenceService(edge),
             self._kv,
             self._blocks,
+            DataPlaneService(edge, self.data_plane),
         )
         metrics.kv_blocks_total.set(scheduler.stats.num_blocks)
+        metrics.data_plane_sessions.set_function(self.sessions.live)
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         """Register every RPC of chunkattn.v1.ChunkAttn."""
@@ -64,8 +77,14 @@ class ChunkAttnService:
         return self._blocks.opened
 
     def drain(self) -> None:
-        """From now on, new calls are refused and open streams end before their next request (UNAVAILABLE)."""
+        """From now on, new calls are refused, open streams end before their next request and data-plane messages
+        are answered UNAVAILABLE."""
         self._rpcs.draining = True
+
+    def recheck_sessions(self) -> int:
+        """After the token file was reloaded: data-plane sessions whose credentials no longer name their tenant
+        end (revoked), the others take their tenant's new quotas. Returns how many ended."""
+        return self.sessions.recheck(self._auth.tenant_by) if self._auth.enabled else 0
 
     def open_calls(self) -> int:
         """Calls open in the service now (idle streams included; health and reflection are not its)."""
@@ -76,11 +95,13 @@ class ChunkAttnService:
         self._rpcs.close()
         await self._kv.close()
 
-    def _count(self, rpc: str, code: grpc.StatusCode, seconds: float | None, tenant: Tenant | None) -> None:
-        """rpc.Count: every answer by RPC and status, its time, and by tenant when there are tenants."""
+    def _count(
+        self, rpc: str, code: grpc.StatusCode, seconds: float | None, tenant: Tenant | None, transport: str = "grpc"
+    ) -> None:
+        """rpc.Count: every answer by RPC, status and transport, its time, and by tenant when there are tenants."""
         m = self._metrics
-        m.of(m.requests, rpc, code.name).inc()
+        m.of(m.requests, rpc, code.name, transport).inc()
         if seconds is not None:
-            m.of(m.rpc_seconds, rpc).observe(seconds)
+            m.of(m.rpc_seconds, rpc, transport).observe(seconds)
         if tenant is not None and self._auth.enabled:
             m.of(m.tenant_requests, tenant.name, rpc, code.name).inc()

@@ -8,7 +8,7 @@ thread owns the engine.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import grpc
 import torch
@@ -166,6 +166,17 @@ class AttendService:
         """One request of the stream (rpc.answers: one answer per request, in order; a failed request is
         answered with its status, ``_failed``, and the stream goes on)."""
         return await self._answer("AttendStream", request, tenant)
+
+    async def data_plane_answer(self, raw: bytes | memoryview, tenant: Tenant, started: float) -> bytes:
+        """A data-plane message (service/dataplane.py), served as one AttendStream message is (rpc.Rpcs.answer) and
+        counted as rpc Attend over transport zmq from ``started``: its serialized AttendResponse, a failure's
+        status in it. ``raw``: a large request's memoryview is read in place, as bytes are."""
+        return await self._edge.rpcs.answer(
+            "Attend", cast(bytes, raw), tenant, self._parse, self._data_plane, _failed, transport="zmq", started=started
+        )
+
+    async def _data_plane(self, request: AttendRead, tenant: Tenant) -> bytes:
+        return await self._answer("Attend", request, tenant)
 
     async def _answer(self, rpc: str, request: AttendRead, tenant: Tenant) -> bytes:
         """The request's serialized AttendResponse: its call queued on the scheduler, its output encoded."""

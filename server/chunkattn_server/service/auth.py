@@ -66,6 +66,15 @@ class Tenant:
 ANONYMOUS = Tenant("")
 
 
+@dataclass(frozen=True)
+class Credential:
+    """What a call presented, as kept to check again after a reload (a data-plane session's): the SHA-256 of
+    its bearer token (never the token), or, without a token, its client certificate's common name."""
+
+    token_sha256: bytes | None = None
+    subject: str | None = None
+
+
 def token_digest(token: str) -> str:
     """The SHA-256 of a token, in hex, as the token file lists it."""
     return hashlib.sha256(token.encode("utf-8")).hexdigest()
@@ -175,7 +184,13 @@ class Authenticator:
         """The caller's tenant, from its call metadata and TLS peer; Unauthenticated when it has none."""
         if self.path is None:
             return ANONYMOUS
-        tenants = self.tenants  # one reading of the file for the whole decision
+        return self.tenant_by(self.credential(metadata, auth_context))
+
+    def credential(
+        self, metadata: Iterable[tuple[str, Any]] | None, auth_context: Mapping[str, Iterable[bytes]]
+    ) -> Credential:
+        """What the call presents (its token decides when it sends one); Unauthenticated when it presents
+        nothing, or a malformed authorization header."""
         header = None
         for key, value in metadata or ():
             if key == "authorization":
@@ -184,25 +199,31 @@ class Authenticator:
         if header is not None:
             if not header[: len(BEARER)].lower() == BEARER or not header[len(BEARER) :].strip():
                 raise Unauthenticated("the authorization metadata must be 'Bearer <token>'")
-            presented = hashlib.sha256(header[len(BEARER) :].strip().encode("utf-8")).digest()
-            found = ""
-            for digest, name in tenants.digests:  # every digest, every time: the time says nothing
-                if hmac.compare_digest(presented, digest):
-                    found = name
-            if not found:
-                raise Unauthenticated("the token is not valid here (unknown, mistyped or revoked)")
-            return tenants.by_name[found]
+            return Credential(token_sha256=hashlib.sha256(header[len(BEARER) :].strip().encode("utf-8")).digest())
         for common_name in auth_context.get("x509_common_name", ()):
-            subject = common_name.decode("utf-8", "replace")
-            tenant = tenants.subjects.get(subject)
-            if tenant is not None:
-                return tenants.by_name[tenant]
-            raise Unauthenticated(f"the client certificate's subject (CN {subject[:64]!r}) names no tenant here")
+            return Credential(subject=common_name.decode("utf-8", "replace"))
         raise Unauthenticated(
             "this server requires credentials: send 'authorization: Bearer <token>' call metadata"
             " (ChunkAttnClient(token=...), chunkattn --token or CHUNKATTN_TOKEN), or a client certificate that"
             " names a tenant"
         )
+
+    def tenant_by(self, credential: Credential) -> Tenant:
+        """The tenant the token file (as loaded now) gives ``credential``; Unauthenticated when none."""
+        tenants = self.tenants  # one reading of the file for the whole decision
+        if credential.token_sha256 is not None:
+            found = ""
+            for digest, name in tenants.digests:  # every digest, every time: the time says nothing
+                if hmac.compare_digest(credential.token_sha256, digest):
+                    found = name
+            if not found:
+                raise Unauthenticated("the token is not valid here (unknown, mistyped or revoked)")
+            return tenants.by_name[found]
+        subject = credential.subject or ""
+        tenant = tenants.subjects.get(subject)
+        if tenant is None:
+            raise Unauthenticated(f"the client certificate's subject (CN {subject[:64]!r}) names no tenant here")
+        return tenants.by_name[tenant]
 
     def current(self, tenant: Tenant, context: Any) -> Tenant:
         """The tenant of a call already under way (a stream), again: unchanged unless the token file was

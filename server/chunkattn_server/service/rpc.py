@@ -28,7 +28,7 @@ import concurrent.futures
 import contextlib
 import functools
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -55,9 +55,11 @@ SMALL_REQUEST_BYTES = SMALL_MESSAGE_BYTES
 
 class Count(Protocol):
     """Count a call's outcome; ``seconds``: how long the server took over it (None: a stream as a whole);
-    ``tenant``: the caller's, when known."""
+    ``tenant``: the caller's, when known; ``transport``: what carried it, "grpc" or "zmq" (the data plane)."""
 
-    def __call__(self, rpc: str, code: grpc.StatusCode, seconds: float | None, tenant: Tenant | None) -> None: ...
+    def __call__(
+        self, rpc: str, code: grpc.StatusCode, seconds: float | None, tenant: Tenant | None, transport: str = "grpc"
+    ) -> None: ...
 
 
 class Ticket:
@@ -309,6 +311,54 @@ class Rpcs:
             )
         self.open_calls[tenant.name] = held + 1
 
+    @contextlib.contextmanager
+    def open_call(self, tenant: Tenant) -> Iterator[None]:
+        """The block counts as one of ``tenant``'s open calls (a data-plane message while it is handled);
+        TooManyCalls past its max_open_calls, before the block runs."""
+        self._open_call(tenant)
+        try:
+            yield
+        finally:
+            _drop_one(self.open_calls, tenant.name)
+
+    async def answer(
+        self,
+        rpc: str,
+        raw: bytes,
+        tenant: Tenant,
+        parse: Parse[P],
+        handler: Callable[[P, Tenant], Awaitable[bytes]],
+        failed: Callable[[P | None, grpc.StatusCode, str], bytes],
+        *,
+        transport: str = "grpc",
+        started: float | None = None,
+    ) -> bytes:
+        """One request answered on its own, as each AttendStream message and each data-plane message is:
+        admitted (refusable: the server's limits, the tenant's max_calls, the byte budget), parsed (``parse``),
+        handled (``handler(request, tenant)``: its serialized answer), counted as a call of ``rpc`` over
+        ``transport`` from ``started`` (perf_counter; default now). A request that fails is answered with
+        ``failed(the request, or None when it did not parse, its status, a bounded message)``: this never
+        raises but for cancellation."""
+        if started is None:
+            started = time.perf_counter()
+        request: P | None = None
+        try:
+            with self.admission.admit(len(raw), tenant=tenant):
+                request = await self.parse(parse, raw, tenant)
+                response = await handler(request, tenant)
+        except Exception as e:
+            code = status_code(e)
+            response = failed(request, code, bounded(str(e)))
+        else:
+            code = grpc.StatusCode.OK
+        self._count(rpc, code, time.perf_counter() - started, tenant, transport)
+        return response
+
+    def count(self, rpc: str, code: grpc.StatusCode, seconds: float, tenant: Tenant | None, transport: str) -> None:
+        """Count an answer given outside this module's wrappers (a data-plane message refused before it had a
+        tenant, say)."""
+        self._count(rpc, code, seconds, tenant, transport)
+
     def unary(
         self,
         rpc: str,
@@ -397,22 +447,14 @@ class Rpcs:
         async def behavior(requests: AsyncIterator[bytes], context: Context) -> None:
             async with self._answering(rpc, context, count_ok=False) as tenant:
                 stream = Stream(requests, context, idle_s, flag, self._rechecker(tenant, context))
+
+                def handle(request: P, tenant: Tenant) -> Awaitable[bytes]:
+                    return handler(request, context, tenant)
+
                 while (raw := await stream.read()) is not None:
                     if self.draining:
                         raise ShuttingDown(DRAINING)
-                    started = time.perf_counter()
-                    request: P | None = None
-                    try:
-                        with self.admission.admit(len(raw), tenant=tenant):
-                            request = await self.parse(parse, raw, tenant)
-                            response = await handler(request, context, tenant)
-                    except Exception as e:
-                        code = status_code(e)
-                        response = failed(request, code, bounded(str(e)))
-                    else:
-                        code = grpc.StatusCode.OK
-                    self._count(rpc, code, time.perf_counter() - started, tenant)
-                    await stream.write(response)
+                    await stream.write(await self.answer(rpc, raw, tenant, parse, handle, failed))
 
         return grpc.stream_stream_rpc_method_handler(
             behavior, request_deserializer=wire.identity, response_serializer=wire.identity

@@ -8,6 +8,7 @@ import torch
 from chunkattn_server.errors import (
     DataLoss,
     InvalidArgument,
+    NotOffered,
     OutOfBlocks,
     Overloaded,
     PositionMismatch,
@@ -52,6 +53,7 @@ _STATUS: dict[type[BaseException], grpc.StatusCode] = {
     Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     ShuttingDown: grpc.StatusCode.UNAVAILABLE,
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    NotOffered: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 
