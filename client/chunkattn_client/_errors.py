@@ -77,3 +77,23 @@ def rpc_errors() -> Iterator[None]:
         yield
     except grpc.RpcError as err:
         raise ChunkAttnError.from_rpc(err) from None
+
+
+class LostConnection(ChunkAttnError):
+    """UNAVAILABLE: the data-plane connection carrying a call was lost (the server went away, or the heartbeat
+    timed out on a connection that went silent). As with gRPC's, the call may or may not have been carried out."""
+
+    def __init__(self, address: str, event: str) -> None:
+        super().__init__(
+            grpc.StatusCode.UNAVAILABLE,
+            f"the data-plane connection to {address} was lost mid-call (ZeroMQ: {event}): the server went away,"
+            " or the connection went silent past the heartbeat timeout. Whether the server carried this call out"
+            " is unknown; retry (the socket reconnects), and where a restarted server answers NOT_FOUND, start the"
+            " sequence again",
+        )
+        self.address = address
+
+
+class NoAnswer(ChunkAttnError):
+    """DEADLINE_EXCEEDED: no answer on the data plane within the client's timeout_s (the server may still run
+    the call; its late answer is dropped)."""

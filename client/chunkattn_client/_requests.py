@@ -74,6 +74,11 @@ def health(service: str) -> Call[str]:
     return Call("Health", "Check", health_pb2.HealthCheckRequest(service=service), status)
 
 
+def open_data_plane() -> Call[pb.OpenDataPlaneResponse]:
+    """A data-plane session (the response as it is: ``dataplane.choose`` reads it)."""
+    return Call("ChunkAttn", "OpenDataPlane", pb.OpenDataPlaneRequest(), _same)
+
+
 def attend(layer: int, entries: Entries, q: Any, k: Any, v: Any, **options: Any) -> Call[Output]:
     return Call("Raw", "Attend", attend_request(layer, entries, q, k, v, **options), decode_attend_response)
 

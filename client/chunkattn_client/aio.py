@@ -10,18 +10,21 @@ import asyncio
 import contextlib
 import weakref
 from collections.abc import AsyncIterable, AsyncIterator, Sequence
-from typing import Any, ClassVar, TypeVar, Unpack
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, Unpack
 
 import grpc
 
 from chunkattn_client import _requests as calls
 from chunkattn_client._base import ClientBase
-from chunkattn_client._errors import rpc_errors
+from chunkattn_client._errors import ChunkAttnError, rpc_errors
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_client._requests import AttendOptions, Entries, Output, TransferOptions
-from chunkattn_client._stream import Answer, StreamState, failure
+from chunkattn_client._stream import Answer, AsyncPlaneStream, StreamState, failure
 from chunkattn_client._types import BlockSpace, KVImport, KVTransfer, OpenSpace, ServerInfo, Truncated
 from chunkattn_client.batch import BlockRows
+
+if TYPE_CHECKING:
+    from chunkattn_client._zmqplane import AsyncZmqDataPlane
 
 T = TypeVar("T")
 
@@ -30,6 +33,7 @@ class AsyncChunkAttnClient(ClientBase):
     """An asyncio client; see ``ChunkAttnClient`` for the arguments and each method's contract."""
 
     api: ClassVar[Any] = grpc.aio
+    lock: ClassVar[Any] = asyncio.Lock
 
     async def __aenter__(self) -> AsyncChunkAttnClient:
         return self
@@ -38,8 +42,41 @@ class AsyncChunkAttnClient(ClientBase):
         await self.close()
 
     async def close(self) -> None:
+        if self._plane is not None:
+            await self._plane.close()
+            self._forget_plane()
+        self._end_context()
         if self._owns_channel:
             await self._channel.close()
+
+    async def open_data_plane(self) -> str:
+        """ChunkAttnClient.open_data_plane: make the data-plane choice now; returns ``data_plane``."""
+        await self._data_plane()
+        return self.data_plane
+
+    async def _data_plane(self) -> AsyncZmqDataPlane | None:
+        if self._plane_decided:
+            plane: AsyncZmqDataPlane | None = self._plane
+            return plane
+        async with self._opening:
+            if not self._plane_decided:
+                opened = self._now()
+                try:
+                    outcome: Any = await self._unary(calls.open_data_plane())
+                except ChunkAttnError as e:
+                    outcome = e
+                offer = self._offer(outcome, opened)
+                if offer is not None:
+                    from chunkattn_client._zmqplane import AsyncZmqDataPlane  # zmq only once it is used
+
+                    self._plane = AsyncZmqDataPlane(offer, self._reopen, self._context())
+                    self._plane_decided = True
+            opened_plane: AsyncZmqDataPlane | None = self._plane
+            return opened_plane
+
+    async def _reopen(self) -> Any:
+        opened = self._now()
+        return self._renewed(await self._unary(calls.open_data_plane()), opened)
 
     async def _unary(self, call: calls.Call[T]) -> T:
         with rpc_errors():
@@ -54,6 +91,11 @@ class AsyncChunkAttnClient(ClientBase):
     async def attend(
         self, layer: int, entries: Entries, q: Any, k: Any = None, v: Any = None, **options: Unpack[AttendOptions]
     ) -> Output:
+        plane = await self._data_plane()
+        if plane is not None:
+            return await plane.call(
+                lambda rid: calls.attend_request(layer, entries, q, k, v, **options, request_id=rid), self.timeout_s
+            )
         return await self._unary(calls.attend(layer, entries, q, k, v, **options))
 
     async def release(self, seq_ids: Sequence[str], *, missing_ok: bool = False) -> int:
@@ -76,6 +118,12 @@ class AsyncChunkAttnClient(ClientBase):
     async def attend_blocks(
         self, layer: int, rows: BlockRows, q: Any, k: Any = None, v: Any = None, *, dtype: str | None = None
     ) -> Output:
+        plane = await self._data_plane()
+        if plane is not None:
+            return await plane.call(
+                lambda rid: calls.attend_blocks_request(layer, rows, q, k, v, dtype=dtype, request_id=rid),
+                self.timeout_s,
+            )
         return await self._unary(calls.attend_blocks(layer, rows, q, k, v, dtype))
 
     async def fork(self, parent: str, child: str) -> int:
@@ -98,9 +146,63 @@ class AsyncChunkAttnClient(ClientBase):
     async def transfer_kv(self, seq_id: str, target: str, **options: Unpack[TransferOptions]) -> KVTransfer:
         return await self._unary(calls.transfer_kv(seq_id, target, **options))
 
-    def stream(self) -> AsyncAttendStream:
-        """ChunkAttnClient.stream; call it with the event loop running (its reader is a task)."""
+    def stream(self) -> AsyncAttendStream | AsyncPlaneStream | AsyncStream:
+        """ChunkAttnClient.stream; call it with the event loop running (its reader is a task). Before the
+        data-plane choice is made (the first Attend, ``open_data_plane()``), a stream that makes it on its first
+        call (``AsyncStream``)."""
+        if not self._plane_decided:
+            return AsyncStream(self)
+        if self._plane is not None:
+            return AsyncPlaneStream(self._plane, self.timeout_s)
         return AsyncAttendStream(self._attend_stream, timeout_s=self.timeout_s, metadata=self._metadata)
+
+
+class AsyncStream:
+    """An async client's stream whose transport is chosen on its first call (the client's data plane, once
+    it has chosen): then an AsyncAttendStream or an AsyncPlaneStream, whose contract it keeps."""
+
+    def __init__(self, client: AsyncChunkAttnClient) -> None:
+        self._client = client
+        self._inner: AsyncAttendStream | AsyncPlaneStream | None = None
+        self._ended = False
+
+    async def __aenter__(self) -> AsyncStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _stream(self) -> AsyncAttendStream | AsyncPlaneStream:
+        if self._inner is None:
+            if self._ended:
+                raise ChunkAttnError(grpc.StatusCode.CANCELLED, "the stream was closed")
+            await self._client._data_plane()
+            inner = self._client.stream()
+            assert not isinstance(inner, AsyncStream)  # the choice is made (or _data_plane raised)
+            self._inner = inner
+        return self._inner
+
+    async def close(self) -> None:
+        self._ended = True
+        if self._inner is not None:
+            await self._inner.close()
+
+    def cancel(self) -> None:
+        self._ended = True
+        if self._inner is not None:
+            self._inner.cancel()
+
+    async def attend(
+        self, layer: int, entries: Entries, q: Any, k: Any = None, v: Any = None, **options: Unpack[AttendOptions]
+    ) -> Output:
+        """ChunkAttnClient.attend, over the stream."""
+        return await (await self._stream()).attend(layer, entries, q, k, v, **options)
+
+    async def attend_blocks(
+        self, layer: int, rows: BlockRows, q: Any, k: Any = None, v: Any = None, *, dtype: str | None = None
+    ) -> Output:
+        """ChunkAttnClient.attend_blocks, over the stream."""
+        return await (await self._stream()).attend_blocks(layer, rows, q, k, v, dtype=dtype)
 
 
 class AsyncAttendStream:

@@ -14,7 +14,7 @@ import threading
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from types import TracebackType
-from typing import Any, ClassVar, TypeVar, Unpack
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, Unpack
 
 import grpc
 
@@ -45,9 +45,12 @@ from chunkattn_client._requests import (
     renamed,
     transfer_request,
 )
-from chunkattn_client._stream import Answer, StreamState, failure
+from chunkattn_client._stream import Answer, PlaneStream, StreamState, failure
 from chunkattn_client._types import BlockSpace, KVImport, KVTransfer, LayerInfo, OpenSpace, ServerInfo, Truncated
 from chunkattn_client.batch import BlockRows
+
+if TYPE_CHECKING:
+    from chunkattn_client._zmqplane import ZmqDataPlane
 
 __all__ = [
     "ATTEND",
@@ -83,14 +86,17 @@ T = TypeVar("T")
 
 
 class ChunkAttnClient(ClientBase):
-    """A blocking client. Thread-safe: gRPC channels may be shared between threads.
+    """A blocking client. Thread-safe: gRPC channels may be shared between threads, and on the data plane
+    each thread has its own socket.
 
     target: "host:port". root_certificates, certificate_chain, private_key, token: see ``Credentials``
     (none of them: plaintext, no token). timeout_s: the deadline of each call (None: none). route: the
     routing key for Envoy in front of several replicas (see ``Routed``; default: one random key per client).
+    data_plane: "auto", "grpc" or "zmq" (see ``ClientBase``; default $CHUNKATTN_DATA_PLANE, else "auto").
     """
 
     api: ClassVar[Any] = grpc
+    lock: ClassVar[Any] = threading.Lock
 
     def __enter__(self) -> ChunkAttnClient:
         return self
@@ -99,8 +105,44 @@ class ChunkAttnClient(ClientBase):
         self.close()
 
     def close(self) -> None:
+        """Close this client's data plane (its sockets and their context; a with_route client has its own) and
+        the channel (unless this is a with_route client: the channel is its parent's)."""
+        if self._plane is not None:
+            self._plane.close()
+            self._forget_plane()
+        self._end_context()
         if self._owns_channel:
             self._channel.close()
+
+    def open_data_plane(self) -> str:
+        """Make the data-plane choice now (else the first Attend makes it); returns ``data_plane``."""
+        self._data_plane()
+        return self.data_plane
+
+    def _data_plane(self) -> ZmqDataPlane | None:
+        """The open data plane, or None for gRPC; the first call decides (one OpenDataPlane call)."""
+        if self._plane_decided:
+            plane: ZmqDataPlane | None = self._plane
+            return plane
+        with self._opening:  # its threads open one session
+            if not self._plane_decided:
+                opened = self._now()
+                try:
+                    outcome: Any = self._unary(calls.open_data_plane())
+                except ChunkAttnError as e:
+                    outcome = e
+                offer = self._offer(outcome, opened)
+                if offer is not None:
+                    from chunkattn_client._zmqplane import ZmqDataPlane  # zmq only once it is used
+
+                    self._plane = ZmqDataPlane(offer, self._reopen, self._context())
+                    self._plane_decided = True
+            opened_plane: ZmqDataPlane | None = self._plane
+            return opened_plane
+
+    def _reopen(self) -> Any:
+        opened = self._now()
+        return self._renewed(self._unary(calls.open_data_plane()), opened)
 
     def _unary(self, call: calls.Call[T]) -> T:
         with rpc_errors():
@@ -119,6 +161,11 @@ class ChunkAttnClient(ClientBase):
         """One layer, one batch. q [T, H, D], k/v [T, Hkv, D] (numpy float32/float16, uint16 words with
         dtype="bfloat16", or torch tensors); k/v None for a KV-sharing layer. Sequences named in
         ``end_of_sequence`` are released after the call. Returns [T, H, D] (uint16 words for bfloat16)."""
+        plane = self._data_plane()
+        if plane is not None:
+            return plane.call(
+                lambda rid: calls.attend_request(layer, entries, q, k, v, **options, request_id=rid), self.timeout_s
+            )
         return self._unary(calls.attend(layer, entries, q, k, v, **options))
 
     def release(self, seq_ids: Sequence[str], *, missing_ok: bool = False) -> int:
@@ -152,6 +199,12 @@ class ChunkAttnClient(ClientBase):
         """One layer, one block-addressed batch (``BlockRows``): q [T, H, D], k/v [T, Hkv, D] as for
         ``attend`` (None for a KV-sharing layer). Each row is causal attention over its keys; the layer's chunk
         size is not applied (the caller windows). Returns [T, H, D]."""
+        plane = self._data_plane()
+        if plane is not None:
+            return plane.call(
+                lambda rid: calls.attend_blocks_request(layer, rows, q, k, v, dtype=dtype, request_id=rid),
+                self.timeout_s,
+            )
         return self._unary(calls.attend_blocks(layer, rows, q, k, v, dtype))
 
     def fork(self, parent: str, child: str) -> int:
@@ -186,9 +239,13 @@ class ChunkAttnClient(ClientBase):
         moved), layers (only these; (): all), target_token."""
         return self._unary(calls.transfer_kv(seq_id, target, **options))
 
-    def stream(self) -> AttendStream:
+    def stream(self) -> AttendStream | PlaneStream:
         """A bidirectional stream for a long-lived model runner: one round trip per call, no new RPC.
-        Each call on it waits at most ``timeout_s`` for its answer; then the stream is cancelled."""
+        Each call on it waits at most ``timeout_s`` for its answer; then the stream is cancelled. On the data
+        plane, a ``PlaneStream`` with the same contract (its calls are data-plane messages)."""
+        plane = self._data_plane()
+        if plane is not None:
+            return PlaneStream(plane, self.timeout_s)
         return AttendStream(self._attend_stream, timeout_s=self.timeout_s, metadata=self._metadata)
 
 

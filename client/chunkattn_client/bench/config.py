@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from chunkattn_client.bench.workload import Lengths, SequenceSpec, WorkloadError
+from chunkattn_client.dataplane import SETTINGS as DATA_PLANES
 from chunkattn_client.limits import route_problem
 
 TRANSPORTS = ("unary", "stream")
@@ -26,6 +27,8 @@ class BenchConfig:
     layers: str = "all"
     prefill_chunk: int = 0  # tokens per prefill piece; 0: the whole prompt in one call per layer
     transport: str = "unary"
+    data_plane: str = "auto"  # --data-plane: "auto", "grpc" or "zmq" (the client's data_plane)
+    data_plane_used: str = ""  # what the calls went over ("grpc", "zmq:tcp", "zmq:ipc"), once the client chose
     dtype: str = "float32"
     warmup_s: float = 0.0
     duration_s: float | None = None
@@ -57,6 +60,8 @@ class BenchConfig:
             raise WorkloadError(f"--route: {problem}")
         if self.transport not in TRANSPORTS:
             raise WorkloadError(f"--transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if self.data_plane not in DATA_PLANES:
+            raise WorkloadError(f"--data-plane must be one of {DATA_PLANES}, got {self.data_plane!r}")
         if self.spec_tokens < 0 or not 0 <= self.accept_rate <= 1:
             raise WorkloadError(
                 f"--spec-tokens must be >= 0 and --accept-rate in [0, 1], got {self.spec_tokens} and {self.accept_rate}"
@@ -84,6 +89,7 @@ class BenchConfig:
             "layers": self.layers,
             "prefill_chunk": self.prefill_chunk,
             "transport": self.transport,
+            "data_plane": self.data_plane_used or self.data_plane,
             "dtype": self.dtype,
             "warmup_s": self.warmup_s,
             "duration_s": self.duration_s,

@@ -205,7 +205,7 @@ def table(s: dict[str, Any]) -> str:
     """The human summary of one run."""
     p = s["params"]
     lines = [
-        f"chunkattn bench: {p['target']}, {p['mode']}, {p['transport']}, {p['dtype']},"
+        f"chunkattn bench: {p['target']}, {p['mode']}, {p['transport']} over {p['data_plane']}, {p['dtype']},"
         f" prompt {p['prompt_len']}, output {p['output_len']}, layers {p['layers']}",
         f"duration {s['duration_s']:.1f} s; sequences {s['sequences']} done, {s['sequences_cut']} cut at the"
         f" end, {s['sequences_failed']} failed; at most {s['max_in_flight']} in flight; calls {s['calls']}",

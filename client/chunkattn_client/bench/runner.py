@@ -27,7 +27,8 @@ from typing import Any
 import grpc
 import numpy.typing as npt
 
-from chunkattn_client.aio import AsyncAttendStream, AsyncChunkAttnClient
+from chunkattn_client._stream import AsyncPlaneStream
+from chunkattn_client.aio import AsyncAttendStream, AsyncChunkAttnClient, AsyncStream
 from chunkattn_client.batch import BatchEntry
 from chunkattn_client.bench import promtext
 from chunkattn_client.bench.config import BenchConfig as BenchConfig  # "as": still importable from here
@@ -260,11 +261,12 @@ class Bench:
                 await _close(stream, failed)
             if not finished:
                 await self._release(client, seq_id)
+            await client.close()  # its data-plane socket (the channel is the bench's)
 
     async def _call(
         self,
         client: AsyncChunkAttnClient,
-        stream: AsyncAttendStream | None,
+        stream: Stream | None,
         layer: int,
         seq_id: str,
         step: Step,
@@ -315,7 +317,10 @@ class Bench:
             self._rec.release_errors[grpc.StatusCode.DEADLINE_EXCEEDED.name] += 1
 
 
-async def _close(stream: AsyncAttendStream, failed: bool) -> None:
+Stream = AsyncAttendStream | AsyncPlaneStream | AsyncStream  # over gRPC, over the data plane, not chosen yet
+
+
+async def _close(stream: Stream, failed: bool) -> None:
     """End a sequence's stream: cancelled after a failure (it may be stuck), else closed, or cancelled
     when that takes over 5 s."""
     if failed:

@@ -39,6 +39,7 @@ def bench(args: argparse.Namespace) -> int:
         layers=args.layers,
         prefill_chunk=args.prefill_chunk,
         transport=args.transport,
+        data_plane=args.data_plane,
         dtype=args.dtype,
         warmup_s=args.warmup,
         duration_s=args.duration,
@@ -115,10 +116,14 @@ async def _run_all(configs: Sequence[Any], progress_mode: str, creds: dict[str, 
     from chunkattn_client.bench.runner import Bench
 
     results = []
-    async with AsyncChunkAttnClient(configs[0].target, timeout_s=configs[0].timeout_s, **creds) as client:
+    first = configs[0]
+    async with AsyncChunkAttnClient(
+        first.target, timeout_s=first.timeout_s, data_plane=first.data_plane, **creds
+    ) as client:
         info = await client.info()
+        used = await client.open_data_plane()  # each sequence's routed client opens its own, of this kind
         loop = asyncio.get_running_loop()
-        for cfg in configs:
+        for cfg in (dataclasses.replace(c, data_plane_used=used) for c in configs):
             bench = Bench(cfg, client, info)
             total, unit = (cfg.duration_s, "s") if cfg.duration_s else (cfg.max_sequences(), "seq")
             progress = make_progress(progress_mode, total, unit)

@@ -10,6 +10,8 @@ from chunkattn_client.cli.bench import SWEEPABLE, bench
 from chunkattn_client.cli.common import add_connection
 from chunkattn_client.cli.info import health, info
 from chunkattn_client.cli.kv import kv_export, kv_fork, kv_import, kv_transfer
+from chunkattn_client.dataplane import ENV as DATA_PLANE_ENV
+from chunkattn_client.dataplane import SETTINGS as DATA_PLANES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -93,6 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --spec-tokens: each draft is accepted with probability P while the earlier ones were (default 0.7)",
     )
     w.add_argument("--transport", choices=("unary", "stream"), default="unary")
+    w.add_argument(
+        "--data-plane",
+        choices=DATA_PLANES,
+        default=os.environ.get(DATA_PLANE_ENV) or "auto",
+        help="where the Attend calls go: auto (the server's ZeroMQ data plane where it offers one, else gRPC),"
+        " grpc, zmq (default $CHUNKATTN_DATA_PLANE, else auto); the report says which was used",
+    )
     w.add_argument("--dtype", choices=[d.name for d in dtypes.WIRE], default="float32")
     w.add_argument("--seed", type=int, default=0)
     r = c.add_argument_group("run")
