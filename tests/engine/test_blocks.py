@@ -795,8 +795,9 @@ def test_a_padded_decode_reads_its_context_from_the_pages_and_its_key_from_its_c
     impl: str, model: str, cache: str | None
 ) -> None:
     """A one-token row whose slot is -1 (vLLM's padding) after 9 written keys: its key is not in the pages, so it
-    attends over the 9 there and its own from the call (the native kernel reads the 9 and folds the own key in
-    by log-sum-exp); beside a written decode in the same call, which reads its own key from the pages."""
+    attends over the 9 there and its own from the call (the native kernel reads the 9, then the own key as it
+    would be stored, as its last key); beside a written decode in the same call, which reads its own key from the
+    pages."""
     scales = KVScales((0.05,), (0.02,)) if cache else None
     h = Harness.build(MODELS[model], impl=impl, cache_dtype=cache, kv_scales=scales)
     space = h.engine.open_space(16, [], tenant="t")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -107,6 +108,30 @@ def check_values(
     )
 
 
+@dataclass(frozen=True)
+class Bounds:
+    """A layer's value bounds, the same for every call (built once per layer: ``bounds``): per tensor the largest
+    |x| it takes and why (check_values' ``limit`` and ``why``)."""
+
+    q: tuple[float, str]
+    k: tuple[float, str]
+    v: tuple[float, str]
+
+
+def bounds(model: ModelShape, layer: int, compute: torch.dtype, cache: torch.dtype) -> Bounds:
+    """The layer's value limits (config.ModelShape.value_limits: larger finite values could overflow attention's
+    float32 scores or sums) and, for k and v, what the ``cache`` dtype stores (``storable``)."""
+    qk, v_limit = model.value_limits(layer)
+    overflow = "this layer takes (larger values could overflow attention's scores or sums)"
+    held = torchtypes.storable(cache, compute)
+    kept = f"the server's {torchtypes.OF_TORCH[cache].name} KV cache holds and gives back finite"
+    return Bounds(
+        q=(qk, overflow),
+        k=(min(qk, held), overflow if qk <= held else kept),
+        v=(min(v_limit, held), overflow if v_limit <= held else kept),
+    )
+
+
 def check_tensors(
     model: ModelShape,
     layer: int,
@@ -118,32 +143,29 @@ def check_tensors(
     v: torch.Tensor | None,
     compute: torch.dtype,
     cache: torch.dtype,
+    limits: Bounds | None = None,
 ) -> None:
     """The call's tensors against the model (shapes, dtypes, presence) and their values (``check_values``:
-    finite, within the ``compute`` dtype, the layer's value limits (config.ModelShape.value_limits: larger
-    finite values could overflow attention's float32 scores or sums) and, for k and v, what the ``cache``
-    dtype stores (``storable``))."""
+    finite, within the ``compute`` dtype and the layer's ``bounds``; ``limits``: those, built once by the
+    caller, or None to build them now)."""
     check_tensor("q", q, (total, model.num_heads, model.head_size), "[tokens, num_heads, head_size]", None)
-    qk, v_limit = model.value_limits(layer)
-    overflow = "this layer takes (larger values could overflow attention's scores or sums)"
+    limits = limits or bounds(model, layer, compute, cache)
     if spec.kv_source is not None:
         if k is not None or v is not None:
             raise InvalidTensor(
                 f"layer {layer} reads layer {spec.kv_source}'s KV cache (KV sharing) and writes none:"
                 " send q only, without k and v"
             )
-        check_values("q", q, entries, compute, qk, overflow)
+        check_values("q", q, entries, compute, *limits.q)
         return
     if k is None or v is None:
         raise InvalidTensor(f"layer {layer} writes its own KV cache: k and v are required")
     shape = (total, model.num_kv_heads, model.head_size)
     check_tensor("k", k, shape, "[tokens, num_kv_heads, head_size]", q.dtype)
     check_tensor("v", v, shape, "[tokens, num_kv_heads, head_size]", q.dtype)
-    check_values("q", q, entries, compute, qk, overflow)
-    held = torchtypes.storable(cache, compute)
-    kept = f"the server's {torchtypes.OF_TORCH[cache].name} KV cache holds and gives back finite"
-    for name, t, limit in (("k", k, qk), ("v", v, v_limit)):
-        check_values(name, t, entries, compute, min(limit, held), overflow if limit <= held else kept)
+    check_values("q", q, entries, compute, *limits.q)
+    check_values("k", k, entries, compute, *limits.k)
+    check_values("v", v, entries, compute, *limits.v)
 
 
 def check_work(done: int, limit: int) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import torch
@@ -29,7 +29,7 @@ from chunkattn_client import dtypes, work
 from chunkattn_client.batch import BatchEntry
 from chunkattn_server import torchtypes
 from chunkattn_server.attention.backends import AttentionBatch, Backend
-from chunkattn_server.attention.backends.base import Table
+from chunkattn_server.attention.backends.base import FusedDecodes, Table
 from chunkattn_server.config import EngineConfig, LayerSpec, default_call_work
 from chunkattn_server.engine import blocks, checks
 from chunkattn_server.engine.device import make_backend, resolve_device
@@ -105,6 +105,7 @@ class Engine:
         limit = config.max_call_work
         self.max_call_work = default_call_work(self.device.type) if limit is None else limit
         self._scales = [model.scale_of(i) for i in range(model.num_layers)]
+        self._bounds = [checks.bounds(model, i, self.dtype, self.cache_dtype) for i in range(model.num_layers)]
         self._slopes = [
             None
             if spec.alibi_slopes is None
@@ -296,7 +297,10 @@ class Engine:
     ) -> None:
         """A call's tensors against the model and their values (checks.check_tensors)."""
         q, k, v = call.q, call.k, call.v
-        checks.check_tensors(self.config.model, layer, spec, entries, total, q, k, v, self.dtype, self.cache_dtype)
+        model = self.config.model
+        checks.check_tensors(
+            model, layer, spec, entries, total, q, k, v, self.dtype, self.cache_dtype, self._bounds[layer]
+        )
 
     def _check_first_write(self, layer: int, call: AttendCall | BlockCall) -> None:
         """A first write of a calibrating float8 layer against what its scales can hold (``_check_calibration``)."""
@@ -307,50 +311,100 @@ class Engine:
 
     def _run(self, layer: int, calls: Sequence[Planned]) -> list[torch.Tensor]:
         """Store the calls' K/V (all of one plane) and run the backend once over all their rows; per call its
-        output [T_i, num_heads, head_size] in its q's dtype."""
+        output [T_i, num_heads, head_size] in its q's dtype. A step of decodes only goes to a fused backend's
+        one call (store, metadata and attention together: ``_fused``)."""
         first = calls[0]
         one = len(calls) == 1
-        q = _cat([self._on_device(c.q) for c in calls])
-        kc, vc = self._store(first.plane, first.source, calls)
+        q = self._on_device(first.q) if one else _cat([self._on_device(c.q) for c in calls])
         spans: list[tuple[int, int, int]] = []
         tables: list[Table] = []
-        unwritten: set[int] = set()  # decodes whose key is not in the pages: they read it from k and v
+        unwritten: list[int] = []  # decodes whose key is not in the pages: they read it from k and v (ascending)
         sizes: list[int] = []
+        decodes = True
         base = 0
         for c in calls:
             for row, position, n in c.spans:
-                if n == 1 and not c.stored and c.slots[row] < 0:
-                    unwritten.add(len(spans))
+                if n == 1:
+                    if not c.stored and c.slots[row] < 0:
+                        unwritten.append(len(spans))
+                else:
+                    decodes = False
                 spans.append((base + row, position, n))
             tables.extend(c.tables)
             sizes.append(int(c.q.shape[0]))
             base += sizes[-1]
-        k_scale, v_scale = self._read_scales(first.source)
         out = torch.empty(q.shape, dtype=self.dtype, device=self.device)
-        if spans:
-            batch = AttentionBatch(
-                q=q,
-                k=kc,
-                v=vc,
-                k_pages=self.cache.k[first.plane],
-                v_pages=self.cache.v[first.plane],
-                spans=spans,
-                tables=tables,
-                chunk_size=first.chunk_size,
-                block_size=self.block_size,
-                scale=self._scales[layer],
-                alibi_slopes=self._slopes[layer],
-                k_scale=k_scale,
-                v_scale=v_scale,
-                unwritten=frozenset(unwritten),
-            )
-            self.backend.attend(batch, out)
+        if decodes and getattr(self.backend, "fused", False):  # a backend that serves them in one call (native)
+            self._fused_step(layer, cast(FusedDecodes, self.backend), calls, q, spans, tables, unwritten, out)
+        else:
+            kc, vc = self._store(first.plane, first.source, calls)
+            k_scale, v_scale = self._read_scales(first.source)
+            if spans:
+                batch = AttentionBatch(
+                    q=q,
+                    k=kc,
+                    v=vc,
+                    k_pages=self.cache.k[first.plane],
+                    v_pages=self.cache.v[first.plane],
+                    spans=spans,
+                    tables=tables,
+                    chunk_size=first.chunk_size,
+                    block_size=self.block_size,
+                    scale=self._scales[layer],
+                    alibi_slopes=self._slopes[layer],
+                    k_scale=k_scale,
+                    v_scale=v_scale,
+                    unwritten=frozenset(unwritten),
+                )
+                self.backend.attend(batch, out)
+        if one:
+            return [out if out.dtype == first.q.dtype else out.to(first.q.dtype)]
         parts, row = [], 0
         for c, n in zip(calls, sizes, strict=True):
-            part = out if one else out[row : row + n]
+            part = out[row : row + n]
             parts.append(part if part.dtype == c.q.dtype else part.to(c.q.dtype))
             row += n
         return parts
+
+    def _fused_step(
+        self,
+        layer: int,
+        backend: FusedDecodes,
+        calls: Sequence[Planned],
+        q: torch.Tensor,
+        spans: list[tuple[int, int, int]],
+        tables: list[Table],
+        unwritten: list[int],
+        out: torch.Tensor,
+    ) -> None:
+        """A step of decodes only in the fused backend's one call: the calls' K/V stored at their slots (as
+        ``_store`` stores them: a float8 cache over the source layer's scales, calibrated by a first write; a
+        KV-sharing layer stores nothing and reads its keys in the pages), their attention into ``out``."""
+        first = calls[0]
+        one = len(calls) == 1
+        k = v = slots = None
+        if first.k is not None and first.v is not None:
+            k = self._on_device(first.k) if one else _cat([self._on_device(c.k) for c in calls if c.k is not None])
+            v = self._on_device(first.v) if one else _cat([self._on_device(c.v) for c in calls if c.v is not None])
+            if self._converts:
+                self._write_scales(first.source, k, v)  # calibrates the layer's scales on its first write
+            slots = first.slots if one else _concat([c.slots for c in calls])
+        backend.store_and_decode(
+            q,
+            k,
+            v,
+            slots,
+            self.cache.k[first.plane],
+            self.cache.v[first.plane],
+            spans,
+            tables,
+            unwritten,
+            first.chunk_size,
+            self._scales[layer],
+            self._slopes[layer],
+            self._read_scales(first.source),
+            out,
+        )
 
     def _store(self, plane: int, source: int, calls: Sequence[Planned]) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the calls' K/V at their slots (a float8 cache: over the source layer's scales, calibrated by

@@ -93,3 +93,32 @@ class Backend(Protocol):
 
     def attend(self, batch: AttentionBatch, out: torch.Tensor) -> None:
         """Write the output [T, num_heads, head_size] (the compute dtype) into ``out``."""
+
+
+class FusedDecodes(Protocol):
+    """A backend that serves a step of decodes only (every span one token) in one call, its K/V store included
+    (native/backend.py); the engine sends it such steps when ``fused`` is true."""
+
+    fused: bool
+
+    def store_and_decode(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        slots: np.ndarray | None,
+        k_pages: torch.Tensor,
+        v_pages: torch.Tensor,
+        spans: Sequence[tuple[int, int, int]],
+        tables: Sequence[Table],
+        unwritten: Sequence[int],
+        chunk_size: int,
+        scale: float,
+        alibi_slopes: torch.Tensor | None,
+        scales: tuple[float, float],
+        out: torch.Tensor,
+    ) -> None:
+        """Store k, v [T, Hkv, D] (the compute dtype; None: nothing to store) at ``slots`` [T] int64 (-1: not
+        written; in the cache's dtype over ``scales``, as KVCache.write stores them), then write every span's
+        attention ([T, H, D], the compute dtype) into ``out``; ``unwritten``, ``spans``, ``tables`` as in
+        AttentionBatch, the cache read over ``scales``."""

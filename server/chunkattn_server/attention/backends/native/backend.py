@@ -2,20 +2,28 @@
 
 A decode (a one-token span) is served by the kernel: it reads the block table directly, visits only the
 current chunk's blocks, reads each K/V row once for all the query heads of its KV head, and dequantizes float8
-pages in registers; the whole step's decodes are one call, their metadata built in numpy. A decode whose key
-was not written (the block API's padding) reads the pages before its key, and its own key is folded in after,
-from its call's k and v, by log-sum-exp. Prefill pieces stay on SDPA's CPU flash kernel through the torch
-backend's path (a tiled native prefill is not built yet).
+pages in registers. A decode whose key was not written (the block API's padding) reads the pages before its key
+and its own key last, converted as the pages would hold it. Prefill pieces stay on SDPA's CPU flash kernel
+through the torch backend's path (a tiled native prefill is not built yet).
+
+The fused path (the default): a step whose every span is a decode is one native call, ``store_and_decode``:
+the K/V written at their slots (float8: quantized over the layer's scales, as torchtypes.store does), the
+kernel's metadata built from the spans and the raw tables (each decode's chunk start, its key range, its table
+row) and every decode computed, with no torch op and no numpy around it. In a mixed step the engine stores
+through ``write`` and the decodes go through the same native entry without its store. ``fused=False`` keeps
+the path before #37 (K/V written by torch, the kernel's metadata in numpy), for comparison
+(benchmarks/step.py) and as the fused path's test oracle.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from types import ModuleType
 
 import numpy as np
 import torch
 
-from chunkattn_server.attention.backends.base import AttentionBatch, physical
+from chunkattn_server.attention.backends.base import AttentionBatch, Table, physical
 from chunkattn_server.attention.backends.native import build
 from chunkattn_server.attention.backends.torch_backend import TorchBackend, _Views
 
@@ -26,16 +34,81 @@ class NativeBackend(TorchBackend):
 
     name = "native"
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, *, fused: bool = True) -> None:
         if device.type != "cpu":
             raise build.NativeUnavailable(f"the native kernels run on the CPU, not {device}")
         super().__init__(device)
         self._kernel: ModuleType = build.load()
+        self.fused = fused  # the engine sends a step of decodes to store_and_decode (base.FusedDecodes)
+
+    def store_and_decode(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        slots: np.ndarray | None,
+        k_pages: torch.Tensor,
+        v_pages: torch.Tensor,
+        spans: Sequence[tuple[int, int, int]],
+        tables: Sequence[Table],
+        unwritten: Sequence[int],
+        chunk_size: int,
+        scale: float,
+        alibi_slopes: torch.Tensor | None,
+        scales: tuple[float, float],
+        out: torch.Tensor,
+    ) -> None:
+        """A step of decodes only (every span one token), in one native call: k, v [T, Hkv, D] (the compute
+        dtype; None for a KV-sharing layer, which stores nothing) written at ``slots`` [T] int64 (-1: not
+        written) into the pages [Hkv, num_blocks, bs, D] (a float8 cache over ``scales`` (k, v), which the
+        kernel reads them back with too), then every span's attention over its chunk into ``out`` [T, H, D] (the
+        compute dtype, contiguous). ``unwritten``: the spans (ascending) whose key is not in the pages, read
+        from k and v. Raises RuntimeError (a slot or block outside the pages, a table lacking a block) before
+        anything is written."""
+        self._kernel.store_and_decode(
+            q.contiguous(),
+            None if k is None else k.contiguous(),
+            None if v is None else v.contiguous(),
+            None if slots is None else torch.from_numpy(np.ascontiguousarray(slots, np.int64)),
+            k_pages,
+            v_pages,
+            spans,
+            tables,
+            None,
+            unwritten,
+            chunk_size,
+            out,
+            scale,
+            scales[0],
+            scales[1],
+            alibi_slopes,
+        )
 
     def _decodes(self, batch: AttentionBatch, k_views: _Views, v_views: _Views, out: torch.Tensor) -> set[int]:
         entries = [i for i, (_, _, n) in enumerate(batch.spans) if n == 1]
         if not entries:
             return set()
+        if self.fused:  # the same native entry, its metadata built there; the engine stored the K/V already
+            padded = sorted(batch.unwritten)
+            self._kernel.store_and_decode(
+                batch.q.contiguous(),
+                batch.k.contiguous() if padded else None,
+                batch.v.contiguous() if padded else None,
+                None,
+                batch.k_pages,
+                batch.v_pages,
+                batch.spans,
+                batch.tables,
+                entries,
+                padded,
+                batch.chunk_size,
+                out,
+                batch.scale,
+                batch.k_scale,
+                batch.v_scale,
+                batch.alibi_slopes,
+            )
+            return set(entries)
         bs, c = batch.block_size, batch.chunk_size
         rows = np.empty(len(entries), np.int64)
         starts = np.empty(len(entries), np.int64)

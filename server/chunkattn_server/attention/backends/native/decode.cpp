@@ -10,8 +10,11 @@
 // tables[s][p / bs - key_start[s] / bs], row p % bs, of the pages [Hkv, num_blocks, bs, D].
 
 #include <torch/extension.h>
+#include <pybind11/numpy.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
@@ -248,7 +251,8 @@ struct Shape {
 template <typename Page>
 void attend_range(const Shape& sh, const Page* kp, const Page* vp, const int32_t* table, int64_t base_block,
                   const float* qs, int64_t h, int64_t first, int64_t last, int64_t pos, const float* slopes,
-                  float* acc, float* m, float* l, float* scores, const Page** krows, const Page** vrows) {
+                  float* acc, float* m, float* l, float* scores, const Page** krows, const Page** vrows,
+                  const Page* own_k, const Page* own_v) {
   const int64_t g = sh.g, d = sh.d, dv = sh.dv;
   std::fill(acc, acc + g * dv, 0.0f);
   std::fill(m, m + g, kNegInf);
@@ -260,6 +264,11 @@ void attend_range(const Shape& sh, const Page* kp, const Page* vp, const int32_t
     const int64_t rows = std::min(kTile, last - t0);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t key = t0 + r;
+      if (own_k != nullptr && key == pos) {  // a decode whose key is not in the pages: its own row, converted
+        krows[r] = own_k + h * d;
+        vrows[r] = own_v + h * d;
+        continue;
+      }
       const int64_t off = head_off + static_cast<int64_t>(table[key / sh.bs - base_block]) * sh.s_block +
                           (key % sh.bs) * sh.s_row;
       krows[r] = kp + off;
@@ -269,7 +278,7 @@ void attend_range(const Shape& sh, const Page* kp, const Page* vp, const int32_t
     // row pair): one core's demand misses alone leave the memory idle much of the time, and a block of
     // another sequence's (a scattered pool) is a new page the hardware prefetcher cannot guess.
     int64_t pf_rows = 0;
-    for (int64_t key = t0 + kTile; key < std::min(last, t0 + 2 * kTile); ++key, ++pf_rows) {
+    for (int64_t key = t0 + kTile; key < std::min(own_k != nullptr ? pos : last, t0 + 2 * kTile); ++key, ++pf_rows) {
       const int64_t off = head_off + static_cast<int64_t>(table[key / sh.bs - base_block]) * sh.s_block +
                           (key % sh.bs) * sh.s_row;
       next_k[pf_rows] = kp + off;
@@ -317,32 +326,49 @@ void attend_range(const Shape& sh, const Page* kp, const Page* vp, const int32_t
   }
 }
 
+// What the kernel reads besides the pages, one decode s of n per row: its query, its keys [ks[s], ke[s]) through
+// its table row, where its output goes and, for a decode whose key is not in the pages, that key's own K/V row.
+struct Meta {
+  int64_t n = 0, heads = 0, d = 0;
+  const float* q = nullptr;             // [n, heads, d] float32
+  const int32_t* tables = nullptr;      // [n, width]: physical blocks of logical blocks ks[s] / bs ...
+  int64_t width = 0;
+  const int64_t* ks = nullptr;          // [n]
+  const int64_t* ke = nullptr;          // [n]
+  void* out = nullptr;                  // [rows, heads, d] of Out
+  const int64_t* out_rows = nullptr;    // [n] decode s's row of out (null: s)
+  float* lse = nullptr;                 // [n, heads] natural log, or null
+  const void* own_k = nullptr;          // [n, kv_heads, d] of Page: row s is decode s's key where own[s]
+  const void* own_v = nullptr;
+  const uint8_t* own = nullptr;         // [n], or null: every key is in the pages
+};
+
 template <typename Page, typename Out>
-void decode_impl(const at::Tensor& q, const at::Tensor& k_pages, const at::Tensor& v_pages,
-                 const at::Tensor& tables, const at::Tensor& key_start, const at::Tensor& key_end,
-                 const at::Tensor& out, const at::Tensor& lse, double scale, double k_scale, double v_scale,
-                 const c10::optional<at::Tensor>& alibi, int64_t splits) {
+void decode_impl(const Meta& mt, const at::Tensor& k_pages, const at::Tensor& v_pages, double scale, double k_scale,
+                 double v_scale, const float* slopes, int64_t splits) {
   Shape sh;
-  sh.n = q.size(0);
-  sh.heads = q.size(1);
-  sh.d = q.size(2);
+  sh.n = mt.n;
+  sh.heads = mt.heads;
+  sh.d = mt.d;
   sh.dv = (sh.d + kV - 1) / kV * kV;
   sh.kv_heads = k_pages.size(0);
   sh.g = sh.heads / sh.kv_heads;
   sh.bs = k_pages.size(2);
-  sh.width = tables.size(1);
+  sh.width = mt.width;
   sh.s_head = k_pages.stride(0);
   sh.s_block = k_pages.stride(1);
   sh.s_row = k_pages.stride(2);
-  const float* qp = q.data_ptr<float>();
+  const float* qp = mt.q;
   const Page* kp = reinterpret_cast<const Page*>(k_pages.data_ptr());
   const Page* vp = reinterpret_cast<const Page*>(v_pages.data_ptr());
-  const int32_t* tp = tables.data_ptr<int32_t>();
-  const int64_t* ks = key_start.data_ptr<int64_t>();
-  const int64_t* ke = key_end.data_ptr<int64_t>();
-  Out* op = reinterpret_cast<Out*>(out.data_ptr());
-  float* lp = lse.data_ptr<float>();
-  const float* slopes = alibi.has_value() ? alibi->data_ptr<float>() : nullptr;
+  const int32_t* tp = mt.tables;
+  const int64_t* ks = mt.ks;
+  const int64_t* ke = mt.ke;
+  Out* op = reinterpret_cast<Out*>(mt.out);
+  float* lp = mt.lse;
+  const Page* own_k = reinterpret_cast<const Page*>(mt.own_k);
+  const Page* own_v = reinterpret_cast<const Page*>(mt.own_v);
+  auto out_row = [&](int64_t s) { return mt.out_rows ? mt.out_rows[s] : s; };
   // scores are (q . k_raw) * k_raw_scale * k_scale * scale; outputs sum(p v_raw) * v_raw_scale * v_scale / l.
   // ALiBi is added after the scale, so the query carries all of it.
   const float q_mul = static_cast<float>(scale * k_scale) * kRawScale<Page>;
@@ -371,15 +397,18 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_pages, const at::Tenso
         const float* src = qp + (s * sh.heads + h * g + j) * d;
         for (int64_t i = 0; i < d; ++i) qs[j * dv + i] = src[i] * q_mul;
       }
+      const bool own = mt.own != nullptr && mt.own[s];
+      const int64_t own_off = s * sh.kv_heads * d;
       attend_range<Page>(sh, kp, vp, tp + s * sh.width, first / sh.bs, qs.data(), h, lo, hi, last - 1, slopes,
-                         acc.data(), m.data(), l.data(), scores.data(), krows.data(), vrows.data());
+                         acc.data(), m.data(), l.data(), scores.data(), krows.data(), vrows.data(),
+                         own ? own_k + own_off : nullptr, own ? own_v + own_off : nullptr);
       for (int64_t j = 0; j < g; ++j) {
         const float inv = l[j] > 0 ? v_mul / l[j] : 0.0f;
         const float lse_j = l[j] > 0 ? m[j] + std::log(l[j]) : kNegInf;
         if (splits == 1) {
-          Out* dst = op + (s * sh.heads + h * g + j) * d;
+          Out* dst = op + (out_row(s) * sh.heads + h * g + j) * d;
           for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<Out>(acc[j * dv + i] * inv);
-          lp[s * sh.heads + h * g + j] = lse_j;
+          if (lp) lp[s * sh.heads + h * g + j] = lse_j;
         } else {
           float* dst = part_out.data() + (work * g + j) * dv;
           for (int64_t i = 0; i < d; ++i) dst[i] = acc[j * dv + i] * inv;
@@ -408,20 +437,17 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_pages, const at::Tenso
         }
       }
       const float inv = total > 0 ? 1.0f / total : 0.0f;
-      Out* dst = op + (s * sh.heads + h * g + j) * d;
+      Out* dst = op + (out_row(s) * sh.heads + h * g + j) * d;
       for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<Out>(sum[i] * inv);
-      lp[s * sh.heads + h * g + j] = total > 0 ? mx + std::log(total) : kNegInf;
+      if (lp) lp[s * sh.heads + h * g + j] = total > 0 ? mx + std::log(total) : kNegInf;
     }
   });
 }
 
 template <typename Out>
-void dispatch_pages(const at::Tensor& q, const at::Tensor& k_pages, const at::Tensor& v_pages,
-                    const at::Tensor& tables, const at::Tensor& key_start, const at::Tensor& key_end,
-                    const at::Tensor& out, const at::Tensor& lse, double scale, double k_scale, double v_scale,
-                    const c10::optional<at::Tensor>& alibi, int64_t splits) {
-#define CHUNKATTN_DECODE(PAGE) \
-  return decode_impl<PAGE, Out>(q, k_pages, v_pages, tables, key_start, key_end, out, lse, scale, k_scale, v_scale, alibi, splits)
+void dispatch_pages(const Meta& mt, const at::Tensor& k_pages, const at::Tensor& v_pages, double scale,
+                    double k_scale, double v_scale, const float* slopes, int64_t splits) {
+#define CHUNKATTN_DECODE(PAGE) return decode_impl<PAGE, Out>(mt, k_pages, v_pages, scale, k_scale, v_scale, slopes, splits)
   switch (k_pages.scalar_type()) {
     case at::kFloat: CHUNKATTN_DECODE(float);
     case at::kBFloat16: CHUNKATTN_DECODE(c10::BFloat16);
@@ -434,6 +460,169 @@ void dispatch_pages(const at::Tensor& q, const at::Tensor& k_pages, const at::Te
 #undef CHUNKATTN_DECODE
 }
 
+void run_decodes(const Meta& mt, at::ScalarType out_type, const at::Tensor& k_pages, const at::Tensor& v_pages,
+                 double scale, double k_scale, double v_scale, const float* slopes, int64_t splits) {
+  switch (out_type) {
+    case at::kFloat: return dispatch_pages<float>(mt, k_pages, v_pages, scale, k_scale, v_scale, slopes, splits);
+    case at::kBFloat16:
+      return dispatch_pages<c10::BFloat16>(mt, k_pages, v_pages, scale, k_scale, v_scale, slopes, splits);
+    case at::kHalf: return dispatch_pages<c10::Half>(mt, k_pages, v_pages, scale, k_scale, v_scale, slopes, splits);
+    default:
+      TORCH_CHECK(false, "chunkattn native decode: outputs of dtype ", out_type, " are not served");
+  }
+}
+
+void check_pages(const at::Tensor& k_pages, const at::Tensor& v_pages, int64_t d) {
+  TORCH_CHECK(k_pages.dim() == 4 && k_pages.size(3) == d, "pages must be [Hkv, blocks, bs, D]");
+  TORCH_CHECK(k_pages.stride(3) == 1 && v_pages.stride(3) == 1, "page rows must be contiguous");
+  TORCH_CHECK(k_pages.strides() == v_pages.strides() && k_pages.sizes() == v_pages.sizes() &&
+                  k_pages.scalar_type() == v_pages.scalar_type(), "K and V pages must share a layout");
+  TORCH_CHECK(k_pages.size(0) > 0, "pages must have KV heads");
+}
+
+// Every block the kernel will read is in the pages: O(S x W), nothing next to the attention. A decode with its
+// own key row reads the pages for its keys before that one only.
+void check_tables(const Meta& mt, int64_t blocks, int64_t bs) {
+  for (int64_t s = 0; s < mt.n; ++s) {
+    const int64_t ks = mt.ks[s], ke = mt.ke[s];
+    const int64_t paged_end = mt.own != nullptr && mt.own[s] ? ke - 1 : ke;
+    TORCH_CHECK(0 <= ks && ks < ke, "decode ", s, ": keys [", ks, ", ", ke, ") are empty");
+    if (paged_end <= ks) continue;
+    TORCH_CHECK((paged_end - 1) / bs - ks / bs < mt.width, "decode ", s, ": keys [", ks, ", ", paged_end,
+                ") do not fit a table of ", mt.width, " blocks");
+    for (int64_t b = 0; b <= (paged_end - 1) / bs - ks / bs; ++b)
+      TORCH_CHECK(0 <= mt.tables[s * mt.width + b] && mt.tables[s * mt.width + b] < blocks, "decode ", s,
+                  ": block ", mt.tables[s * mt.width + b], " is not in the pages (", blocks, " blocks)");
+  }
+}
+
+const float* slopes_of(const c10::optional<at::Tensor>& alibi, int64_t heads) {
+  TORCH_CHECK(!alibi.has_value() || (alibi->scalar_type() == at::kFloat && alibi->is_contiguous() &&
+                                     alibi->numel() == heads), "alibi slopes must be float32 [H]");
+  return alibi.has_value() ? alibi->data_ptr<float>() : nullptr;
+}
+
+// -- the store: rows of k / v (the compute dtype) into pages (the cache dtype) ---------------------------------
+
+// x as a cache of type Page holds it: a plain conversion (round to nearest even), or for float8 x / scale in
+// float32, saturated to the format's largest finite value, rounded to nearest even: torchtypes.store, bit for bit.
+template <typename Page> constexpr float kTop = 0.0f;  // the float8 formats' largest finite values
+template <> constexpr float kTop<E4M3> = 448.0f;
+template <> constexpr float kTop<E5M2> = 57344.0f;
+
+template <typename Page> inline Page to_page(float x, float scale);
+template <> inline float to_page<float>(float x, float) { return x; }
+template <> inline c10::BFloat16 to_page<c10::BFloat16>(float x, float) { return c10::BFloat16(x); }
+template <> inline c10::Half to_page<c10::Half>(float x, float) { return c10::Half(x); }
+template <> inline E4M3 to_page<E4M3>(float x, float scale) {
+  const float y = scale != 1.0f ? x / scale : x;
+  return E4M3{c10::Float8_e4m3fn(std::min(std::max(y, -kTop<E4M3>), kTop<E4M3>)).x};
+}
+template <> inline E5M2 to_page<E5M2>(float x, float scale) {
+  const float y = scale != 1.0f ? x / scale : x;
+  return E5M2{c10::Float8_e5m2(std::min(std::max(y, -kTop<E5M2>), kTop<E5M2>)).x};
+}
+
+// Converts `count` elements of src (Src) into dst (Page) over scale.
+template <typename Src, typename Page>
+inline void convert_row(const Src* src, Page* dst, int64_t count, float scale) {
+  for (int64_t i = 0; i < count; ++i) dst[i] = to_page<Page>(static_cast<float>(src[i]), scale);
+}
+
+// rows[i] of k, v [T, Hkv, D] (Src) stored at slots[i] of the pages (Page), or into own_k / own_v [n, Hkv, D]
+// (Page) at own_at[i] where slots[i] < 0 and own_at[i] >= 0 (a decode whose key is not written).
+template <typename Src, typename Page>
+void store_impl(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_pages, const at::Tensor& v_pages,
+                const int64_t* slots, int64_t count, double k_scale, double v_scale, Page* own_k, Page* own_v,
+                const int64_t* own_at) {
+  const int64_t hkv = k_pages.size(0), bs = k_pages.size(2), d = k_pages.size(3);
+  const int64_t s_head = k_pages.stride(0), s_block = k_pages.stride(1), s_row = k_pages.stride(2);
+  const Src* kp = reinterpret_cast<const Src*>(k.data_ptr());
+  const Src* vp = reinterpret_cast<const Src*>(v.data_ptr());
+  Page* kd = reinterpret_cast<Page*>(k_pages.data_ptr());
+  Page* vd = reinterpret_cast<Page*>(v_pages.data_ptr());
+  const float ksc = static_cast<float>(k_scale), vsc = static_cast<float>(v_scale);
+  for (int64_t t = 0; t < count; ++t) {
+    const int64_t slot = slots[t];
+    for (int64_t h = 0; h < hkv; ++h) {
+      const Src* ks = kp + (t * hkv + h) * d;
+      const Src* vs = vp + (t * hkv + h) * d;
+      Page *kt, *vt;
+      if (slot >= 0) {
+        const int64_t off = h * s_head + (slot / bs) * s_block + (slot % bs) * s_row;
+        kt = kd + off;
+        vt = vd + off;
+      } else if (own_at != nullptr && own_at[t] >= 0) {
+        kt = own_k + (own_at[t] * hkv + h) * d;
+        vt = own_v + (own_at[t] * hkv + h) * d;
+      } else {
+        continue;
+      }
+      if constexpr (std::is_same_v<Src, Page>) {
+        std::memcpy(kt, ks, d * sizeof(Page));
+        std::memcpy(vt, vs, d * sizeof(Page));
+      } else {
+        convert_row(ks, kt, d, ksc);
+        convert_row(vs, vt, d, vsc);
+      }
+    }
+  }
+}
+
+template <typename Src>
+void store_pages(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_pages, const at::Tensor& v_pages,
+                 const int64_t* slots, int64_t count, double k_scale, double v_scale, void* own_k, void* own_v,
+                 const int64_t* own_at) {
+#define CHUNKATTN_STORE(PAGE)                                                                                    \
+  return store_impl<Src, PAGE>(k, v, k_pages, v_pages, slots, count, k_scale, v_scale,                          \
+                               reinterpret_cast<PAGE*>(own_k), reinterpret_cast<PAGE*>(own_v), own_at)
+  switch (k_pages.scalar_type()) {
+    case at::kFloat: CHUNKATTN_STORE(float);
+    case at::kBFloat16: CHUNKATTN_STORE(c10::BFloat16);
+    case at::kHalf: CHUNKATTN_STORE(c10::Half);
+    case at::kFloat8_e4m3fn: CHUNKATTN_STORE(E4M3);
+    case at::kFloat8_e5m2: CHUNKATTN_STORE(E5M2);
+    default:
+      TORCH_CHECK(false, "chunkattn native store: pages of dtype ", k_pages.scalar_type(), " are not served");
+  }
+#undef CHUNKATTN_STORE
+}
+
+void store_rows(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_pages, const at::Tensor& v_pages,
+                const int64_t* slots, int64_t count, double k_scale, double v_scale, void* own_k, void* own_v,
+                const int64_t* own_at) {
+  switch (k.scalar_type()) {
+    case at::kFloat:
+      return store_pages<float>(k, v, k_pages, v_pages, slots, count, k_scale, v_scale, own_k, own_v, own_at);
+    case at::kBFloat16:
+      return store_pages<c10::BFloat16>(k, v, k_pages, v_pages, slots, count, k_scale, v_scale, own_k, own_v, own_at);
+    case at::kHalf:
+      return store_pages<c10::Half>(k, v, k_pages, v_pages, slots, count, k_scale, v_scale, own_k, own_v, own_at);
+    default:
+      TORCH_CHECK(false, "chunkattn native store: k and v of dtype ", k.scalar_type(), " are not served");
+  }
+}
+
+// One decode's table: the physical blocks of logical blocks [first, last) of a sequence's table, a dict
+// {logical: physical} (the sequence API) or an int64 array indexed by logical block (the block API's rows).
+void table_row(const py::handle& table, int64_t first, int64_t last, int32_t* dst, int64_t s) {
+  if (PyDict_Check(table.ptr())) {
+    for (int64_t b = first; b < last; ++b) {
+      py::int_ key(b);
+      PyObject* found = PyDict_GetItem(table.ptr(), key.ptr());  // borrowed
+      TORCH_CHECK(found != nullptr, "decode ", s, ": its table has no logical block ", b);
+      dst[b - first] = static_cast<int32_t>(PyLong_AsLongLong(found));
+    }
+    return;
+  }
+  auto array = py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(table);
+  TORCH_CHECK(array && array.ndim() == 1, "decode ", s, ": a table must be a dict or a 1-d int64 array");
+  TORCH_CHECK(last <= array.shape(0), "decode ", s, ": its table has ", array.shape(0), " blocks; logical block ",
+              last - 1, " is needed");
+  const int64_t* p = array.data();
+  for (int64_t b = first; b < last; ++b) dst[b - first] = static_cast<int32_t>(p[b]);
+}
+
 }  // namespace
 
 // q [S, H, D] float32 (scaled inside); pages [Hkv, num_blocks, bs, D] (float32, bfloat16, float16, float8
@@ -444,46 +633,32 @@ void decode(at::Tensor q, at::Tensor k_pages, at::Tensor v_pages, at::Tensor tab
             at::Tensor key_end, at::Tensor out, at::Tensor lse, double scale, double k_scale, double v_scale,
             c10::optional<at::Tensor> alibi, int64_t splits) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous() && q.dim() == 3, "q must be contiguous [S, H, D] float32");
-  TORCH_CHECK(k_pages.dim() == 4 && k_pages.size(3) == q.size(2), "pages must be [Hkv, blocks, bs, D]");
-  TORCH_CHECK(k_pages.stride(3) == 1 && v_pages.stride(3) == 1, "page rows must be contiguous");
-  TORCH_CHECK(k_pages.strides() == v_pages.strides() && k_pages.sizes() == v_pages.sizes() &&
-                  k_pages.scalar_type() == v_pages.scalar_type(), "K and V pages must share a layout");
+  check_pages(k_pages, v_pages, q.size(2));
   TORCH_CHECK(tables.scalar_type() == at::kInt && tables.is_contiguous() && tables.size(0) == q.size(0),
               "tables must be contiguous int32 [S, W]");
   TORCH_CHECK(key_start.scalar_type() == at::kLong && key_end.scalar_type() == at::kLong &&
                   key_start.is_contiguous() && key_end.is_contiguous(), "key ranges must be contiguous int64");
   TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out must be contiguous, q's shape");
   TORCH_CHECK(lse.is_contiguous() && lse.scalar_type() == at::kFloat, "lse must be contiguous float32");
-  TORCH_CHECK(k_pages.size(0) > 0 && q.size(1) % k_pages.size(0) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(q.size(1) % k_pages.size(0) == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(tables.dim() == 2 && key_start.numel() == q.size(0) && key_end.numel() == q.size(0),
               "tables must be [S, W] and key ranges [S]");
   TORCH_CHECK(lse.dim() == 2 && lse.size(0) == q.size(0) && lse.size(1) == q.size(1), "lse must be [S, H]");
   TORCH_CHECK(splits >= 1, "splits must be >= 1");
-  {  // every block the kernel will read is in the pages: O(S x W), nothing next to the attention
-    const int64_t bs = k_pages.size(2), blocks = k_pages.size(1), width = tables.size(1);
-    const int32_t* tp = tables.data_ptr<int32_t>();
-    const int64_t* ks = key_start.data_ptr<int64_t>();
-    const int64_t* ke = key_end.data_ptr<int64_t>();
-    for (int64_t s = 0; s < q.size(0); ++s) {
-      TORCH_CHECK(0 <= ks[s] && ks[s] < ke[s] && (ke[s] - 1) / bs - ks[s] / bs < width,
-                  "decode ", s, ": keys [", ks[s], ", ", ke[s], ") do not fit a table of ", width, " blocks");
-      for (int64_t b = 0; b <= (ke[s] - 1) / bs - ks[s] / bs; ++b)
-        TORCH_CHECK(0 <= tp[s * width + b] && tp[s * width + b] < blocks, "decode ", s, ": block ",
-                    tp[s * width + b], " is not in the pages (", blocks, " blocks)");
-    }
-  }
-  TORCH_CHECK(!alibi.has_value() || (alibi->scalar_type() == at::kFloat && alibi->is_contiguous() &&
-                                     alibi->numel() == q.size(1)), "alibi slopes must be float32 [H]");
-  switch (out.scalar_type()) {
-    case at::kFloat:
-      return dispatch_pages<float>(q, k_pages, v_pages, tables, key_start, key_end, out, lse, scale, k_scale, v_scale, alibi, splits);
-    case at::kBFloat16:
-      return dispatch_pages<c10::BFloat16>(q, k_pages, v_pages, tables, key_start, key_end, out, lse, scale, k_scale, v_scale, alibi, splits);
-    case at::kHalf:
-      return dispatch_pages<c10::Half>(q, k_pages, v_pages, tables, key_start, key_end, out, lse, scale, k_scale, v_scale, alibi, splits);
-    default:
-      TORCH_CHECK(false, "chunkattn native decode: outputs of dtype ", out.scalar_type(), " are not served");
-  }
+  Meta mt;
+  mt.n = q.size(0);
+  mt.heads = q.size(1);
+  mt.d = q.size(2);
+  mt.q = q.data_ptr<float>();
+  mt.tables = tables.data_ptr<int32_t>();
+  mt.width = tables.size(1);
+  mt.ks = key_start.data_ptr<int64_t>();
+  mt.ke = key_end.data_ptr<int64_t>();
+  mt.out = out.data_ptr();
+  mt.lse = lse.data_ptr<float>();
+  check_tables(mt, k_pages.size(1), k_pages.size(2));
+  const float* slopes = slopes_of(alibi, q.size(1));
+  run_decodes(mt, out.scalar_type(), k_pages, v_pages, scale, k_scale, v_scale, slopes, splits);
 }
 
 // How many parts to cut each decode's keys into so that all threads have work: 1 when sequences x KV heads
@@ -496,10 +671,145 @@ int64_t split_for(int64_t seqs, int64_t kv_heads, int64_t longest) {
   return std::max<int64_t>(1, std::min<int64_t>(wanted, longest / 256));
 }
 
+// A step's decodes in one call, their K/V stored first. q [T, H, D] (float32, bfloat16 or float16, the compute
+// dtype); k, v [T, Hkv, D] (the compute dtype) or None; slots [T] int64 or None (no store): row t of k and v is
+// stored at slots[t] (-1: not written), a float8 page as k / k_scale (v / v_scale) saturated and rounded as
+// torchtypes.store does; spans: per span (its row of q, its position, its tokens); tables: per span a dict
+// {logical: physical block} or an int64 array by logical block; which: the spans to compute (each one token),
+// None: every span; unwritten: those of them (ascending) whose key is not in the pages: row `row` of k and v,
+// converted as the pages would hold it, is their last key. A span at position p sees keys [p - p % C, p]
+// (C = chunk_size; 0: [0, p]). out [T, H, D] (the compute dtype): the decodes' rows are written. Everything is
+// checked, and the metadata built from the Python objects, with the GIL held and before any write; the store
+// and the kernel run without the GIL.
+void store_and_decode(at::Tensor q, c10::optional<at::Tensor> k, c10::optional<at::Tensor> v,
+                      c10::optional<at::Tensor> slots, at::Tensor k_pages, at::Tensor v_pages,
+                      const std::vector<std::tuple<int64_t, int64_t, int64_t>>& spans, py::sequence tables,
+                      const c10::optional<std::vector<int64_t>>& which, const std::vector<int64_t>& unwritten,
+                      int64_t chunk_size, at::Tensor out, double scale, double k_scale, double v_scale,
+                      c10::optional<at::Tensor> alibi) {
+  const int64_t rows = q.size(0), heads = q.size(1), d = q.size(2);
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() &&
+                  (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf),
+              "q must be contiguous [T, H, D] float32, bfloat16 or float16");
+  check_pages(k_pages, v_pages, d);
+  const int64_t hkv = k_pages.size(0), blocks = k_pages.size(1), bs = k_pages.size(2);
+  TORCH_CHECK(heads % hkv == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out must be contiguous, q's shape");
+  TORCH_CHECK(chunk_size >= 0, "chunk_size must be >= 0");
+  TORCH_CHECK(static_cast<int64_t>(tables.size()) == static_cast<int64_t>(spans.size()),
+              "one table per span: ", tables.size(), " tables for ", spans.size(), " spans");
+  const bool stores = slots.has_value();
+  const bool has_kv = k.has_value() && v.has_value();
+  TORCH_CHECK(!stores || has_kv, "slots need k and v");
+  if (has_kv) {
+    for (const at::Tensor* t : {&*k, &*v})
+      TORCH_CHECK(t->is_contiguous() && t->dim() == 3 && t->size(0) == rows && t->size(1) == hkv && t->size(2) == d &&
+                      t->scalar_type() == k->scalar_type(), "k and v must be contiguous [T, Hkv, D] of one dtype");
+  }
+  if (stores) {
+    TORCH_CHECK(slots->scalar_type() == at::kLong && slots->is_contiguous() && slots->numel() == rows,
+                "slots must be contiguous int64 [T]");
+    const int64_t* sp = slots->data_ptr<int64_t>();
+    for (int64_t t = 0; t < rows; ++t)
+      TORCH_CHECK(sp[t] < blocks * bs, "slot ", sp[t], " of row ", t, " is not in the pages (", blocks * bs, " slots)");
+  }
+  std::vector<int64_t> decodes;  // the spans computed here: `which`, or every span
+  if (which.has_value()) {
+    decodes = *which;
+  } else {
+    decodes.resize(spans.size());
+    for (size_t i = 0; i < spans.size(); ++i) decodes[i] = static_cast<int64_t>(i);
+  }
+  const int64_t n = static_cast<int64_t>(decodes.size());
+  std::vector<uint8_t> own(n, 0);
+  std::vector<int64_t> own_at(has_kv ? rows : 0, -1);  // per row of k / v, its decode's own row (or -1)
+  {
+    size_t u = 0;  // unwritten: ascending span indices, each one of decodes
+    for (int64_t s = 0; s < n && u < unwritten.size(); ++s)
+      if (decodes[s] == unwritten[u]) {
+        own[s] = 1;
+        ++u;
+      }
+    TORCH_CHECK(u == unwritten.size(), "unwritten spans must be decodes, ascending");
+    TORCH_CHECK(u == 0 || has_kv, "a decode whose key is not written needs k and v");
+  }
+  // Per decode: its row, its keys [start, end) (its chunk's start to its own key), its table row.
+  std::vector<int64_t> ks(n), ke(n), out_rows(n);
+  int64_t width = 1;
+  for (int64_t s = 0; s < n; ++s) {
+    const int64_t e = decodes[s];
+    TORCH_CHECK(0 <= e && e < static_cast<int64_t>(spans.size()), "decode ", s, ": span ", e, " does not exist");
+    const auto [row, position, count] = spans[e];
+    TORCH_CHECK(count == 1 && 0 <= row && row < rows && position >= 0, "decode ", s, ": span ", e,
+                " is not one token of q");
+    ks[s] = chunk_size ? position - position % chunk_size : 0;
+    ke[s] = position + 1;
+    out_rows[s] = row;
+    if (own[s]) {
+      TORCH_CHECK(!stores || slots->data_ptr<int64_t>()[row] < 0, "decode ", s, " has a slot: its key is written");
+      own_at[row] = s;
+    }
+    const int64_t paged_end = own[s] ? position : position + 1;
+    if (paged_end > ks[s]) width = std::max(width, (paged_end - 1) / bs - ks[s] / bs + 1);
+  }
+  std::vector<int32_t> table(n * width, 0);
+  for (int64_t s = 0; s < n; ++s) {
+    const int64_t paged_end = own[s] ? ke[s] - 1 : ke[s];
+    if (paged_end > ks[s])
+      table_row(tables[decodes[s]], ks[s] / bs, (paged_end - 1) / bs + 1, table.data() + s * width, s);
+  }
+  const float* slopes = slopes_of(alibi, heads);
+  Meta mt;
+  mt.n = n;
+  mt.heads = heads;
+  mt.d = d;
+  mt.tables = table.data();
+  mt.width = width;
+  mt.ks = ks.data();
+  mt.ke = ke.data();
+  mt.out = out.data_ptr();
+  mt.out_rows = out_rows.data();
+  mt.own = own.data();
+  check_tables(mt, blocks, bs);
+  int64_t longest = 0;
+  for (int64_t s = 0; s < n; ++s) longest = std::max(longest, ke[s] - ks[s]);
+
+  py::gil_scoped_release nogil;
+  // The decodes' own K/V rows (those not written), as the pages would hold them.
+  const int64_t page_bytes = k_pages.element_size();
+  std::vector<uint8_t> own_k(unwritten.empty() ? 0 : n * hkv * d * page_bytes);
+  std::vector<uint8_t> own_v(own_k.size());
+  if (has_kv && (stores || !unwritten.empty())) {
+    std::vector<int64_t> none(stores ? 0 : rows, -1);
+    store_rows(*k, *v, k_pages, v_pages, stores ? slots->data_ptr<int64_t>() : none.data(), rows, k_scale,
+               v_scale, own_k.empty() ? nullptr : own_k.data(), own_v.empty() ? nullptr : own_v.data(),
+               unwritten.empty() ? nullptr : own_at.data());
+  }
+  if (n == 0) return;
+  mt.own_k = own_k.empty() ? nullptr : own_k.data();
+  mt.own_v = own_v.empty() ? nullptr : own_v.data();
+  // Each decode's query as float32 [n, H, D], in decode order.
+  std::vector<float> qf(n * heads * d);
+  const int64_t qrow = heads * d;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "chunkattn_q", [&] {
+    const scalar_t* qp = q.data_ptr<scalar_t>();
+    for (int64_t s = 0; s < n; ++s) {
+      const scalar_t* src = qp + out_rows[s] * qrow;
+      for (int64_t i = 0; i < qrow; ++i) qf[s * qrow + i] = static_cast<float>(src[i]);
+    }
+  });
+  mt.q = qf.data();
+  run_decodes(mt, out.scalar_type(), k_pages, v_pages, scale, k_scale, v_scale, slopes,
+              split_for(n, hkv, longest));
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The GIL is released while the kernel runs (its arguments are converted first): other Python threads, the
   // server's gRPC handlers, go on meanwhile, as they do around torch's own ops.
   m.def("decode", &decode, py::call_guard<py::gil_scoped_release>(),
         "every decode of a step over the paged cache (see decode.cpp)");
   m.def("split_for", &split_for, "parts per decode's keys for a step of seqs x kv_heads tasks");
+  // The metadata is read from Python objects first; the GIL is released for the store and the kernel.
+  m.def("store_and_decode", &store_and_decode,
+        "store a step's K/V at their slots (float8: over the scales), then every decode of the step (decode.cpp)");
 }
