@@ -27,6 +27,11 @@ CHUNK = 64
 BLOCK_SIZE = 32
 
 
+def plugin_free_env() -> dict[str, str]:
+    """This process's environment without the plugin's settings (CHUNKATTN_VLLM_*, CHUNKATTN_DATA_PLANE)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("CHUNKATTN_VLLM_") and k != "CHUNKATTN_DATA_PLANE"}
+
+
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("tiny-llama4")
@@ -34,10 +39,12 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def generate(args: dict[str, Any], *, target: str | None, timeout_s: float = 600) -> dict[str, Any]:
-    """tests/vllm/generate.py in a subprocess, the plugin on when ``target`` is given; its result, or a
-    failure showing the end of its output."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CHUNKATTN_VLLM_")}
+def generate(
+    args: dict[str, Any], *, target: str | None, env: dict[str, str] | None = None, timeout_s: float = 600
+) -> dict[str, Any]:
+    """tests/vllm/generate.py in a subprocess, the plugin on when ``target`` is given (and set as ``env`` says:
+    CHUNKATTN_VLLM_KV_BLOCKS, CHUNKATTN_DATA_PLANE); its result, or a failure showing the end of its output."""
+    env = {**plugin_free_env(), **(env or {})}
     if target is not None:
         env["CHUNKATTN_VLLM_TARGET"] = target
     done = subprocess.run(

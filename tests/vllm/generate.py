@@ -4,8 +4,9 @@ be created under ``__main__``): ``python generate.py '<json>'`` prints one line 
 The JSON argument: {"model": dir, "llm": {LLM keyword arguments}, "batches": [[[token ids], ...], ...],
 "max_tokens": n, "prompt_logprobs": bool, "pause_after_first": bool}. Each batch is one ``generate`` call
 (its prompts run concurrently); batches run in order, so a later one can hit the prefix cache of an earlier
-one. The result: per prompt its tokens, each token's logprob (and each prompt token's), and vLLM's
-preemption and prefix-cache counters. With ``pause_after_first`` it prints ``READY`` after the first batch
+one. The result: per prompt its tokens, each token's logprob (and each prompt token's), vLLM's
+preemption and prefix-cache counters, and its worker's KV cache (``kv``: the blocks it schedules with, the bytes
+its KV tensors hold). With ``pause_after_first`` it prints ``READY`` after the first batch
 and waits for a line on stdin (the test kills the chunkattn server meanwhile). The plugin is on when
 CHUNKATTN_VLLM_TARGET is set.
 """
@@ -13,6 +14,7 @@ CHUNKATTN_VLLM_TARGET is set.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -26,7 +28,19 @@ def counters(llm: Any) -> dict[str, float]:
     return out
 
 
+def kv_cache(worker: Any) -> dict[str, int]:
+    """Run in vLLM's worker (LLM.collective_rpc): the blocks of its KV cache config (the scheduler's) and the
+    bytes the model runner's KV tensors hold (their untyped storages, each counted once)."""
+    runner = worker.model_runner
+    storages = {}
+    for tensor in runner.kv_caches:
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return {"num_blocks": int(runner.kv_cache_config.num_blocks), "local_kv_bytes": sum(storages.values())}
+
+
 def main() -> None:
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc(kv_cache): a function, pickled
     from vllm import LLM, SamplingParams
 
     args = json.loads(sys.argv[1])
@@ -41,6 +55,7 @@ def main() -> None:
         **args.get("llm", {}),
     )
     built = time.perf_counter() - started
+    (kv,) = llm.collective_rpc(kv_cache)
     params = SamplingParams(
         temperature=0,
         max_tokens=args.get("max_tokens", 16),
@@ -67,7 +82,7 @@ def main() -> None:
             print("READY", flush=True)
             sys.stdin.readline()
     generated = time.perf_counter() - started
-    summary = {"outputs": results, "counters": counters(llm), "llm_s": built, "generate_s": generated}
+    summary = {"outputs": results, "counters": counters(llm), "kv": kv, "llm_s": built, "generate_s": generated}
     print("RESULT " + json.dumps(summary), flush=True)
 
 

@@ -1,11 +1,11 @@
 """vLLM's side: an attention backend whose impl sends every layer's work to a chunkattn block space.
 
 ``register()`` (vllm/__init__.py) puts ``ChunkAttnBackend`` in place of vLLM's CPU backend (CPU_ATTN) and
-wraps the model runner's ``initialize_kv_cache``: right after vLLM allocates its KV cache the worker checks
-the server against the model and opens a block space of vLLM's block count, laid out as vLLM's KV tensors
-are (layers that alias one buffer, vLLM's hybrid KV cache groups, share one plane), so that a server that
-cannot serve the model stops vLLM at start with the reason. Chunked layers arrive as vLLM's virtual batches
-(rows windowed to one chunk), which the server computes as given.
+wraps the model runner's ``initialize_kv_cache``: right after vLLM lays out its KV cache (placeholders that
+hold no memory: kvmemory.py) the worker checks the server against the model and opens a block space of vLLM's
+block count, laid out as vLLM's KV tensors are (layers that alias one buffer, vLLM's hybrid KV cache groups,
+share one plane), so that a server that cannot serve the model stops vLLM at start with the reason. Chunked
+layers arrive as vLLM's virtual batches (rows windowed to one chunk), which the server computes as given.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from vllm.model_executor.layers.attention.attention import Attention
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
+from chunkattn_client.vllm.kvmemory import plane_offsets, sized_blocks
 from chunkattn_client.vllm.offload import LayerShape, Offload, OffloadError, PluginConfig
 
 log = logging.getLogger("chunkattn_client.vllm")
@@ -49,7 +50,13 @@ def start(config: PluginConfig, runner: Any) -> None:
         if not layers:
             raise OffloadError("the chunkattn plugin found no attention layers in vLLM's model")
         dtype = str(runner.vllm_config.model_config.dtype).removeprefix("torch.")
-        shapes, planes, num_blocks, block_size = _describe(layers, dtype)
+        shapes, planes, num_blocks, block_size = _describe(layers, dtype, plane_offsets(runner.kv_cache_config))
+        sized = sized_blocks()
+        if sized is not None and sized != num_blocks:
+            raise OffloadError(
+                f"the chunkattn plugin gave vLLM {sized} KV blocks (CHUNKATTN_VLLM_KV_BLOCKS / _KV_BYTES) and vLLM"
+                f" made {num_blocks} of them: this vLLM counts a block's bytes otherwise than the plugin reads it"
+            )
         _offload = Offload(config, shapes, num_blocks, block_size, planes)
         atexit.register(stop)
         log.info(
@@ -73,9 +80,12 @@ def _attention_layers(runner: Any) -> list[tuple[int, Attention]]:
     return found
 
 
-def _describe(layers: list[tuple[int, Attention]], model_dtype: str) -> tuple[list[LayerShape], list[int], int, int]:
-    """Per layer its shape and plane (a plane per distinct KV buffer, in layer order), and vLLM's block count
-    and block size (from the allocated KV tensors: [num_blocks, Hkv, block_size, 2 * D])."""
+def _describe(
+    layers: list[tuple[int, Attention]], model_dtype: str, offsets: dict[str, int]
+) -> tuple[list[LayerShape], list[int], int, int]:
+    """Per layer its shape and plane (a plane per distinct KV buffer, in layer order: ``offsets``, where each
+    layer's KV starts in vLLM's layout), and vLLM's block count and block size (from the shapes of its KV
+    tensors: [num_blocks, Hkv, block_size, 2 * D])."""
     by_name = {layer.layer_name: index for index, layer in layers}
     shapes: list[LayerShape] = []
     planes: list[int] = []
@@ -109,7 +119,7 @@ def _describe(layers: list[tuple[int, Attention]], model_dtype: str) -> tuple[li
                 v_scale=float(getattr(layer, "_v_scale_float", 1.0)),
             )
         )
-        planes.append(0 if target is not None else buffers.setdefault(kv.data_ptr(), len(buffers)))
+        planes.append(0 if target is not None else buffers.setdefault(offsets[layer.layer_name], len(buffers)))
         if target is None and kv.numel():
             num_blocks, block_size = int(kv.shape[0]), int(kv.shape[2])
     if not num_blocks:

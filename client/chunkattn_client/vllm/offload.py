@@ -6,6 +6,7 @@ vLLM classes (backend.py) describe the model as ``LayerShape`` values.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import logging
 import math
@@ -15,7 +16,7 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import numpy as np
 import torch
@@ -24,15 +25,31 @@ from chunkattn_client import dtypes, work
 from chunkattn_client._torch import to_torch
 from chunkattn_client._types import BlockSpace
 from chunkattn_client.batch import BlockRows
-from chunkattn_client.client import AttendStream, ChunkAttnClient, ChunkAttnError, ServerInfo
+from chunkattn_client.client import ChunkAttnClient, ChunkAttnError, ServerInfo
 from chunkattn_client.limits import MAX_LEASE_S, MIN_LEASE_S
 from chunkattn_client.split import block_part, message_limit, token_ranges, tokens_per_call
 
 Transport = Literal["stream", "unary"]
+# The client's data plane setting (ChunkAttnClient's data_plane), from the variable the client reads too.
+DATA_PLANE_ENV = "CHUNKATTN_DATA_PLANE"
+DATA_PLANES = ("auto", "grpc", "zmq")
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_LEASE_S = 30.0
 
 log = logging.getLogger("chunkattn_client.vllm")
+
+
+class Stream(Protocol):
+    """What the worker needs of its client's stream (``ChunkAttnClient.stream()``: gRPC's AttendStream, or the
+    data plane's): block calls in order, and closing."""
+
+    def attend_blocks(
+        self, layer: int, rows: BlockRows, q: Any, k: Any = None, v: Any = None, *, dtype: str | None = None
+    ) -> Any:
+        """One layer's block call: the output [T, H, D]."""
+
+    def close(self) -> None:
+        """Close the stream."""
 
 
 class OffloadError(RuntimeError):
@@ -56,6 +73,12 @@ class PluginConfig:
                               closes (benchmarks/vllm_offload.py reads it)
     CHUNKATTN_VLLM_LEASE_S    the space's lease (default 30): the worker renews it every third of that, so a
                               worker killed without closing its space leaves it on the server that long at most
+    CHUNKATTN_VLLM_KV_BLOCKS  the block space's size in blocks: vLLM schedules with exactly that many KV blocks
+                              (its own kv_cache_memory_bytes / gpu_memory_utilization no longer size its KV)
+    CHUNKATTN_VLLM_KV_BYTES   or a byte budget on the server, in blocks of Info's bytes_per_block times the pool
+                              blocks a space block takes; neither: vLLM sizes its KV cache and the space follows
+    CHUNKATTN_DATA_PLANE      the client's data plane for the layer calls: auto (default: the server's data plane
+                              where it offers one, else gRPC), grpc or zmq (the data plane, or an error)
     """
 
     target: str
@@ -68,6 +91,14 @@ class PluginConfig:
     route: str = ""
     profile: str | None = None
     lease_s: float = DEFAULT_LEASE_S
+    kv_blocks: int | None = None
+    kv_bytes: int | None = None
+    data_plane: str = "auto"
+
+    @property
+    def sizes_kv(self) -> bool:
+        """Whether the plugin sizes vLLM's KV cache (CHUNKATTN_VLLM_KV_BLOCKS or _KV_BYTES), not vLLM."""
+        return self.kv_blocks is not None or self.kv_bytes is not None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> PluginConfig | None:
@@ -81,6 +112,13 @@ class PluginConfig:
             raise OffloadError(f"CHUNKATTN_VLLM_TRANSPORT must be stream or unary, got {transport!r}")
         timeout_s = _seconds(env, "CHUNKATTN_VLLM_TIMEOUT_S", DEFAULT_TIMEOUT_S, 0.0, math.inf)
         lease_s = _seconds(env, "CHUNKATTN_VLLM_LEASE_S", DEFAULT_LEASE_S, MIN_LEASE_S, MAX_LEASE_S)
+        kv_blocks = _count(env, "CHUNKATTN_VLLM_KV_BLOCKS")
+        kv_bytes = _count(env, "CHUNKATTN_VLLM_KV_BYTES")
+        if kv_blocks is not None and kv_bytes is not None:
+            raise OffloadError("set CHUNKATTN_VLLM_KV_BLOCKS or CHUNKATTN_VLLM_KV_BYTES, not both")
+        data_plane = env.get(DATA_PLANE_ENV, "") or "auto"
+        if data_plane not in DATA_PLANES:
+            raise OffloadError(f"{DATA_PLANE_ENV} must be one of {', '.join(DATA_PLANES)}, got {data_plane!r}")
         return cls(
             target=target,
             token=env.get("CHUNKATTN_VLLM_TOKEN") or None,
@@ -92,7 +130,25 @@ class PluginConfig:
             route=env.get("CHUNKATTN_VLLM_ROUTE") or f"vllm-{uuid.uuid4().hex[:16]}",
             profile=env.get("CHUNKATTN_VLLM_PROFILE") or None,
             lease_s=lease_s,
+            kv_blocks=kv_blocks,
+            kv_bytes=kv_bytes,
+            data_plane=data_plane,
         )
+
+
+def _count(env: Mapping[str, str], name: str) -> int | None:
+    """A positive whole number variable (blocks, bytes; "1_000" and "1000" alike), None when unset; OffloadError
+    naming it otherwise."""
+    raw = env.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise OffloadError(f"{name} must be a whole number > 0, got {raw!r}") from None
+    if value <= 0:
+        raise OffloadError(f"{name} must be a whole number > 0, got {value}")
+    return value
 
 
 def _seconds(env: Mapping[str, str], name: str, default: float, low: float, high: float) -> float:
@@ -184,6 +240,71 @@ def first_difference(info: ServerInfo, layers: Sequence[LayerShape], block_size:
     return None
 
 
+def connect(config: PluginConfig) -> ChunkAttnClient:
+    """A client for ``config``'s server, on the data plane ``config.data_plane`` asks for. A client without the
+    data plane (an older chunkattn-client) serves "auto" over gRPC and refuses "zmq"."""
+    options: dict[str, Any] = {}
+    if "data_plane" in inspect.signature(ChunkAttnClient).parameters:
+        options["data_plane"] = config.data_plane
+    elif config.data_plane == "zmq":
+        raise OffloadError(f"{DATA_PLANE_ENV}=zmq: this chunkattn-client has no data plane (use auto or grpc)")
+    return ChunkAttnClient(
+        config.target,
+        token=config.token,
+        root_certificates=config.root_certificates,
+        certificate_chain=config.certificate_chain,
+        private_key=config.private_key,
+        timeout_s=config.timeout_s,
+        route=config.route,
+        **options,
+    )
+
+
+def server_info(config: PluginConfig) -> ServerInfo:
+    """The server's Info, on a connection of its own (the worker sizes vLLM's KV cache before it opens its
+    Offload); OffloadError naming the server when it cannot be reached."""
+    try:
+        with connect(config) as client:
+            return client.info()
+    except ChunkAttnError as e:
+        raise OffloadError(f"the chunkattn server at {config.target}: {e}") from None
+
+
+def pool_blocks_per_space_block(info: ServerInfo, planes: int) -> int:
+    """Pool blocks one space block of ``planes`` planes takes: ceil(planes / Info's planes_per_block)."""
+    return max(1, math.ceil(planes / max(1, info.planes_per_block)))
+
+
+def space_blocks(config: PluginConfig, info: ServerInfo, planes: int) -> int:
+    """The blocks of the space the plugin sizes (its sizes_kv property): CHUNKATTN_VLLM_KV_BLOCKS, or
+    CHUNKATTN_VLLM_KV_BYTES over one space block's bytes on the server (``pool_blocks_per_space_block`` blocks
+    of Info's bytes_per_block). OffloadError when that is no block, or more than the server's pool has free
+    (the message says how many it has and what to set); the tenant's quota is the server's to check, when the
+    space opens."""
+    per_block = pool_blocks_per_space_block(info, planes)
+    if config.kv_blocks is not None:
+        blocks, asked = config.kv_blocks, f"CHUNKATTN_VLLM_KV_BLOCKS={config.kv_blocks}"
+    elif config.kv_bytes is not None:
+        cost = per_block * info.bytes_per_block
+        blocks, asked = config.kv_bytes // max(1, cost), f"CHUNKATTN_VLLM_KV_BYTES={config.kv_bytes}"
+        if blocks == 0:
+            raise OffloadError(
+                f"{asked} is less than one KV block on the chunkattn server at {config.target} ({cost} bytes:"
+                f" {per_block} pool block(s) of {info.bytes_per_block} bytes for the model's {planes} planes)"
+            )
+    else:
+        raise OffloadError("the plugin sizes vLLM's KV cache only with CHUNKATTN_VLLM_KV_BLOCKS or _KV_BYTES")
+    needed = blocks * per_block
+    if needed > info.free_blocks:
+        raise OffloadError(
+            f"{asked} asks for a block space of {blocks} blocks, which take {needed} of the server's blocks"
+            f" ({per_block} each for the model's {planes} planes), and the pool of the chunkattn server at"
+            f" {config.target} has {info.free_blocks} free of {info.num_blocks}: set CHUNKATTN_VLLM_KV_BLOCKS to at"
+            f" most {info.free_blocks // per_block}, or start the server with a larger pool (--kv-memory-mib)"
+        )
+    return blocks
+
+
 class Offload:
     """A worker's server link: checks the server against ``layers`` and opens a block space of
     ``num_blocks`` blocks of ``block_size`` tokens laid out in ``planes`` (per layer; vLLM's KV tensors:
@@ -198,16 +319,8 @@ class Offload:
         planes: Sequence[int],
     ) -> None:
         self.config = config
-        self.client = ChunkAttnClient(
-            config.target,
-            token=config.token,
-            root_certificates=config.root_certificates,
-            certificate_chain=config.certificate_chain,
-            private_key=config.private_key,
-            timeout_s=config.timeout_s,
-            route=config.route,
-        )
-        self._stream: AttendStream | None = None
+        self.client = connect(config)
+        self._stream: Stream | None = None
         self.space_id = ""
         self._renewer: threading.Thread | None = None
         self._closing = threading.Event()
@@ -245,17 +358,33 @@ class Offload:
         except ChunkAttnError as e:
             if e.code.name != "RESOURCE_EXHAUSTED":
                 raise
-            if "retry in" in e.message:  # the tenant's opening rate, not the pool: waiting is the fix
-                raise OffloadError(
-                    f"the chunkattn server at {self.config.target} refused a block space for now: {e.message}"
-                ) from None
-            per_block = math.ceil((max(planes) + 1) / max(1, self.info.planes_per_block)) if planes else 1
-            raise OffloadError(
-                f"vLLM's KV cache has {num_blocks} blocks of {self.info.block_size} tokens, which take"
-                f" {num_blocks * per_block} of the server's blocks, and the server at {self.config.target} cannot"
-                f" give them ({e.message}). Give vLLM a smaller KV cache (--kv-cache-memory-bytes, or"
-                " VLLM_CPU_KVCACHE_SPACE on the CPU) or the server a larger pool (--kv-memory-mib)"
-            ) from None
+            raise OffloadError(self._refusal(num_blocks, planes, e.message)) from None
+
+    def _refusal(self, num_blocks: int, planes: Sequence[int], message: str) -> str:
+        """What the server's RESOURCE_EXHAUSTED for the space says, and what to change: which bound it hit (the
+        tenant's opening rate, its number of spaces, its block quota, the pool) and how to size the space."""
+        server = f"the chunkattn server at {self.config.target}"
+        if "retry in" in message:  # the tenant's opening rate, not the pool: waiting is the fix
+            return f"{server} refused a block space for now: {message}"
+        if "block spaces open" in message:
+            return f"{server} refused a block space: {message} (ListBlockSpaces lists them)"
+        per_block = pool_blocks_per_space_block(self.info, max(planes) + 1 if planes else 1)
+        smaller = (
+            "set CHUNKATTN_VLLM_KV_BLOCKS (or _KV_BYTES) smaller"
+            if self.config.sizes_kv
+            else "give vLLM a smaller KV cache (--kv-cache-memory-bytes, VLLM_CPU_KVCACHE_SPACE on the CPU) or set"
+            " CHUNKATTN_VLLM_KV_BLOCKS"
+        )
+        bound, larger = (
+            ("your tenant's block quota (max_kv_blocks)", "ask the operator for a larger max_kv_blocks")
+            if "max_kv_blocks" in message
+            else ("the server's pool", "start the server with a larger pool (--kv-memory-mib)")
+        )
+        return (
+            f"vLLM's KV cache has {num_blocks} blocks of {self.info.block_size} tokens, which take"
+            f" {num_blocks * per_block} of the server's blocks, past {bound} on {server} ({message}): {smaller},"
+            f" or {larger}"
+        )
 
     def _renew(self, every_s: float) -> None:
         """The lease thread: renew the space every ``every_s`` seconds until closed (a failure is logged and
