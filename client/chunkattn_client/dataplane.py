@@ -69,7 +69,7 @@ class Offer:
 
     @property
     def name(self) -> str:
-        """What ``client.data_plane`` reports: "zmq:tcp" or "zmq:ipc"."""
+        """What a client's ``data_plane`` attribute reports: "zmq:tcp" or "zmq:ipc"."""
         return f"zmq:{self.transport}"
 
     @property

@@ -489,7 +489,7 @@ def test_many_messages_in_flight_at_once_are_each_answered(server: ServerProcess
         c.release([f"m{i}" for i in range(32)] + [f"g{i}" for i in range(8)])
 
 
-# -- the session table on its own (sessions.py) ------------------------------------------------------------------
+# -- the session table on its own (service/sessions.py) --------------------------------------------------------------
 
 
 def test_the_session_table_bounds_each_tenant_tells_why_a_key_fails_and_rechecks_on_reload() -> None:
