@@ -125,6 +125,8 @@ class Metrics:
             ["kind"],
             registry=r,
         )
+        for kind in ("decode", "prefill"):  # both shown from the start (a step counts only the kinds it has)
+            self.of(self.tokens, kind)
         # Per tenant, with authentication on (--auth-tokens): label values are the token file's tenant names.
         self.tenant_requests = Counter(
             "chunkattn_tenant_requests_total",
@@ -218,8 +220,20 @@ class Metrics:
         the page."""
         self.registry.register(_TenantGauges(source))
 
+    def watch_pool(self, source: Callable[[], EngineStats]) -> None:
+        """The KV-in-use, active-sequence and block-space gauges, read at each scrape from ``source()`` (the stats
+        the last engine step published): nothing to set per step. ``observe_pool`` has no effect after this."""
+        self.kv_blocks_used.set_function(lambda: source().used_blocks)
+        self.active_sequences.set_function(lambda: source().num_sequences)
+        self.block_spaces.set_function(lambda: sum(source().spaces_by_tenant.values()))
+
+    def watch_jobs(self, queued: Callable[[], int], running: Callable[[], int]) -> None:
+        """chunkattn_engine_jobs_queued and _running, read at each scrape (the scheduler's queue and step)."""
+        self.jobs_queued.set_function(queued)
+        self.jobs_running.set_function(running)
+
     def observe_pool(self, stats: EngineStats) -> None:
-        """Set the KV-in-use and active-sequence gauges from the engine's stats."""
+        """Set the KV-in-use and active-sequence gauges from the engine's stats (until ``watch_pool``)."""
         self.kv_blocks_used.set(stats.used_blocks)
         self.active_sequences.set(stats.num_sequences)
         self.block_spaces.set(sum(stats.spaces_by_tenant.values()))

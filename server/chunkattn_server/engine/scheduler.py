@@ -153,10 +153,17 @@ class Scheduler:
         return result
 
     async def _submit(self, job: Job) -> Any:
+        here = False
         with self._turn.cond:
             if self._turn.submit(job):
                 assert self._inline is not None
-                self._inline.wake(job.future.get_loop())
+                loop = job.future.get_loop()
+                here = self._inline.may_run_here(loop)
+                if not here:
+                    self._inline.wake(loop)
+        if here:  # nothing else was ready on this loop: the step runs now, and the answer is there to take
+            assert self._inline is not None
+            self._inline.run_here()
         return await job.future
 
     def stop(self) -> None:

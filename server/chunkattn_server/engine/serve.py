@@ -35,6 +35,8 @@ class Steps:
         self.stats: EngineStats = engine.stats()
         self.kv_scales: Scales = engine.scales_now()
         self._calibrating = None in self.kv_scales  # scales change only while a layer calibrates
+        if metrics is not None:  # the pool's gauges read what was published last, at scrape time
+            metrics.watch_pool(lambda: self.stats)
 
     def run(self, step: list[Job], runner: str) -> tuple[list[Result], list[Job]]:
         """Serve one step (``serve``): its answers, and the calls to run again first. An error outside any call's
@@ -77,7 +79,7 @@ def serve(
             metrics.released.inc(released)
     stats = engine.stats()
     if metrics is not None:
-        observe(metrics, stats, calls, results, retry, started, time.perf_counter(), runner)
+        observe(metrics, calls, results, retry, started, time.perf_counter(), runner)
     return results, retry, stats
 
 
@@ -131,7 +133,6 @@ def _host(t: torch.Tensor) -> torch.Tensor:
 
 def observe(
     m: Metrics,
-    stats: EngineStats,
     calls: list[LayerCall],
     results: list[Result],
     retry: list[Job],
@@ -141,9 +142,7 @@ def observe(
 ) -> None:
     """A step's metrics, once per step where they can be: per call only what is labelled by its RPC.
     ``calls``: the step's Attend calls (none for a control job's step)."""
-    m.jobs_running.set(0)
     m.of(m.steps, runner).inc()
-    m.observe_pool(stats)
     compute_s = finished - started
     for job, _, _ in results:
         m.of(m.queue_seconds, job.rpc).observe(started - job.submitted)
@@ -153,12 +152,12 @@ def observe(
     m.step_calls.observe(len(calls) - len(retry))
     m.step_tokens.observe(sum(job.tokens for job in calls if job not in retry))
     decode = prefill = received = sent = 0
-    served = {"sequence": 0, "blocks": 0}
+    sequence = blocks = 0
     for job, ok, value in results:
         if not ok or not isinstance(job, LayerCall):
             continue
         if isinstance(job, AttendBlocks):
-            served["blocks"] += 1
+            blocks += 1
             c = job.call
             q_lens = c.starts[1:] - c.starts[:-1]
             decode += int((q_lens == 1).sum())
@@ -166,20 +165,24 @@ def observe(
             q, k, v = c.q, c.k, c.v
         else:
             assert isinstance(job, Attend)
-            served["sequence"] += 1
+            sequence += 1
             for e in job.entries:
                 if e.num_tokens == 1:
                     decode += 1
                 else:
                     prefill += e.num_tokens
             q, k, v = job.q, job.k, job.v
-        received += sum(t.nbytes for t in (q, k, v) if t is not None)
+        received += q.nbytes + (0 if k is None else k.nbytes) + (0 if v is None else v.nbytes)
         sent += value.nbytes
-    for mode, n in served.items():
-        if n:
-            m.of(m.calls, mode).inc(n)
-    if any(served.values()):
+    if not (sequence or blocks):
+        return
+    if sequence:
+        m.of(m.calls, "sequence").inc(sequence)
+    if blocks:
+        m.of(m.calls, "blocks").inc(blocks)
+    if decode:
         m.of(m.tokens, "decode").inc(decode)
+    if prefill:
         m.of(m.tokens, "prefill").inc(prefill)
-        m.bytes_received.inc(received)
-        m.bytes_sent.inc(sent)
+    m.bytes_received.inc(received)
+    m.bytes_sent.inc(sent)

@@ -43,10 +43,12 @@ class Turn:
         self.queue = queue
         self.cond = threading.Condition()
         self._small: Small | None = None
-        self._metrics = metrics
         self._stopping = False
         self._busy = False
         self._handoff: list[Job] | None = None
+        self.running = 0  # jobs in the step that runs now (0: none runs)
+        if metrics is not None:  # read at scrape time: nothing to set per call
+            metrics.watch_jobs(lambda: len(self.queue), lambda: self.running)
 
     def allow_inline(self, small: Small) -> None:
         """From now on the event loops run the steps ``small(step)`` accepts (set once, before any job is
@@ -61,7 +63,6 @@ class Turn:
         if self._stopping:
             raise RuntimeError("the scheduler has stopped")
         self.queue.push(job)
-        self._observe_queue()
         if self._small is None:
             self.cond.notify()
             return False
@@ -88,6 +89,7 @@ class Turn:
         told to take the rest."""
         self._requeue(retry)
         self._busy = False
+        self.running = 0
         if self._stopping:
             self.cond.notify()
             return False
@@ -125,6 +127,7 @@ class Turn:
         small one is the event loops': True, the caller wakes them (FREE)."""
         self._requeue(retry)
         self._busy = False
+        self.running = 0
         if self._small is None or self._stopping or not self.queue.pending():
             return False
         step = self.queue.peek()
@@ -144,15 +147,9 @@ class Turn:
         """The next step (StepQueue.take), out of the queue; the turn is now its runner's (busy)."""
         step = self.queue.take(step)
         self._busy = True
-        self._observe_queue()
-        if self._metrics is not None:
-            self._metrics.jobs_running.set(len(step))
+        self.running = len(step)
         return step
 
     def _requeue(self, retry: Sequence[Job]) -> None:
         if retry:
             self.queue.requeue(retry)
-
-    def _observe_queue(self) -> None:
-        if self._metrics is not None:
-            self._metrics.jobs_queued.set(len(self.queue))

@@ -1,13 +1,16 @@
 """The data plane: Attend over ZeroMQ (issue 37), for model runners that wait for each layer's answer.
 
-One ROUTER socket on the server's event loop (zmq.asyncio), bound to each configured endpoint (--data-plane-tcp,
---data-plane-ipc). A request is two frames, a session key (OpenDataPlane's, sessions.py) and a serialized
-AttendRequest; its answer is one frame, a serialized AttendResponse whose status holds the outcome (see
-OpenDataPlane in proto/chunkattn/v1/chunkattn.proto). Each message is its own task and is served exactly as one
-AttendStream message is (rpc.Rpcs.answer: admission, the parse, the handler, the count), as rpc "Attend" over
-transport "zmq", and while it is handled it counts among its tenant's open calls; its engine call batches with
-gRPC calls in the one scheduler. The answer goes to the sender's identity; a sender gone by then is not there
-to route to, and ROUTER drops it (no error, nothing kept).
+One ROUTER socket on the server's event loop, bound to each configured endpoint (--data-plane-tcp,
+--data-plane-ipc). The loop watches the socket's file descriptor itself (``add_reader``: zmq.asyncio's futures
+and callbacks cost more than a decode-sized call's whole step): each wake-up takes every message waiting, at
+most MAX_BURST before the loop's other callbacks run. A request is two frames, a session key (OpenDataPlane's,
+sessions.py) and a serialized AttendRequest; its answer is one frame, a serialized AttendResponse whose status
+holds the outcome (see OpenDataPlane in proto/chunkattn/v1/chunkattn.proto). Each message is its own task and is
+served exactly as one AttendStream message is (rpc.Rpcs.answer: admission, the parse, the handler, the count), as
+rpc "Attend" over transport "zmq", and while it is handled it counts among its tenant's open calls; its engine
+call batches with gRPC calls in the one scheduler. The answer is sent at once, to the sender's identity (a
+ROUTER never blocks a send); a sender gone by then is not there to route to, and ROUTER drops it (no error,
+nothing kept).
 
 Security: with TLS (--tls-cert) the socket is a CURVE server (a key pair made at start; its public key goes out
 in OpenDataPlane's response over TLS); a TLS server whose libzmq has no CURVE refuses to start with a data plane
@@ -35,7 +38,6 @@ from typing import Any, cast
 
 import grpc
 import zmq
-import zmq.asyncio
 
 from chunkattn_client import dataplane, wire
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
@@ -56,6 +58,7 @@ TRANSPORT = "zmq"
 # ZMQ_MAXMSGSIZE is the server's message limit plus this: a frame's own framing never pushes a valid request past.
 MAX_MESSAGE_MARGIN = 4096
 FLUSH_MS = 500  # at close, answers still queued get this long to leave (a vanished peer's cannot hold it longer)
+MAX_BURST = 64  # messages taken in one wake-up of the socket before the loop's other callbacks run
 SWEEP_S = 30.0  # ended sessions are forgotten on this period (sessions.KEPT_S after their end)
 IPC_NAME = "data.sock"
 MAX_IPC_PATH = 107  # a Unix socket's path, in bytes (sockaddr_un's sun_path less its NUL)
@@ -126,8 +129,11 @@ class DataPlane:
         self._curve = curve
         self.curve_public_key = ""
         self.endpoints: tuple[Endpoint, ...] = ()
-        self._context: zmq.asyncio.Context | None = None
-        self._socket: zmq.asyncio.Socket | None = None
+        self._context: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._socket: zmq.Socket[bytes] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._fd: int | None = None  # the socket's file descriptor, while the loop watches it
+        self._read_pending = False  # a look at the socket is scheduled (call_soon)
         self._ipc_path: str | None = None
         self._ipc_folder: str | None = None  # made by auto: removed at close
         self._tasks: set[asyncio.Task[None]] = set()
@@ -136,7 +142,7 @@ class DataPlane:
     def start(self) -> None:
         """Bind every endpoint and start receiving; OSError (or ConfigError) saying which flag failed, with
         nothing left bound."""
-        self._context = zmq.asyncio.Context()
+        self._context = zmq.Context()
         sock = self._socket = self._context.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 0)  # a second peer with a taken identity does not take its answers
@@ -159,7 +165,11 @@ class DataPlane:
             self._close_now()
             raise
         self.endpoints = tuple(endpoints)
-        self._loops = [asyncio.ensure_future(self._receive()), asyncio.ensure_future(self._sweep())]
+        loop = self._loop = asyncio.get_running_loop()
+        fd = self._fd = cast(int, sock.getsockopt(zmq.FD))
+        loop.add_reader(fd, self._readable)
+        self._look_again()  # (the descriptor signals changes only: look once now)
+        self._loops = [asyncio.ensure_future(self._sweep())]
 
     def _bind_tcp(self, sock: zmq.Socket[Any], value: str) -> Endpoint:
         host, port = data_plane_host_port(value)
@@ -196,15 +206,31 @@ class DataPlane:
         os.chmod(path, 0o600)  # the folder (0700, or one no other user can write) keeps others out meanwhile
         return Endpoint("ipc", f"ipc://{path}")
 
-    async def _receive(self) -> None:
-        """Each message, as it arrives, its own task."""
-        assert self._socket is not None
-        loop = asyncio.get_running_loop()
-        while True:
-            frames = await self._socket.recv_multipart(copy=False)
+    def _readable(self) -> None:
+        """(The loop's reader of the socket's descriptor.) Each message waiting, its own task, MAX_BURST at most:
+        then the loop's other callbacks run before the next look."""
+        self._read_pending = False
+        sock, loop = self._socket, self._loop
+        if sock is None or sock.closed or loop is None or self._fd is None:  # (closing: receives no more)
+            return
+        for _ in range(MAX_BURST):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:  # nothing waits: the descriptor signals the next arrival
+                return
+            except zmq.ZMQError:  # the socket is closing
+                return
             task = loop.create_task(self._serve(frames, time.perf_counter()))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+        self._look_again()
+
+    def _look_again(self) -> None:
+        """Look at the socket once more, soon: the descriptor signals a change of the socket's state, not a
+        message waiting, and a send may take that signal while messages wait."""
+        if not self._read_pending and self._loop is not None:
+            self._read_pending = True
+            self._loop.call_soon(self._readable)
 
     async def _serve(self, frames: list[zmq.Frame], started: float) -> None:
         """One message answered: its frames and session checked, then served as one AttendStream message is."""
@@ -234,15 +260,22 @@ class DataPlane:
             code = status_code(e)
             self._rpcs.count(RPC, code, time.perf_counter() - started, tenant, TRANSPORT)
             response = refusal(raw, code, bounded(str(e)))
-        await self.send(identity, response)
+        self.send(identity, response)
 
-    async def send(self, identity: bytes, response: bytes) -> None:
-        """An answer to the peer ``identity``; dropped when the peer has gone (ROUTER drops what it cannot route)
-        or the socket has closed."""
-        if self._socket is None or self._socket.closed:
+    def send(self, identity: bytes, response: bytes) -> None:
+        """An answer to the peer ``identity``, now; dropped when the peer has gone (ROUTER drops what it cannot
+        route, and what a peer that reads nothing has no room for) or the socket has closed."""
+        sock = self._socket
+        if sock is None or sock.closed:
             return
         with contextlib.suppress(zmq.ZMQError):
-            await self._socket.send_multipart((identity, response), copy=len(response) <= SMALL_REQUEST_BYTES)
+            sock.send_multipart((identity, response), zmq.NOBLOCK, copy=len(response) <= SMALL_REQUEST_BYTES)
+        try:
+            arrived = cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN  # a send may take the signal of an arrival
+        except zmq.ZMQError:  # closed meanwhile
+            return
+        if arrived:
+            self._look_again()
 
     async def _sweep(self) -> None:
         while True:
@@ -253,6 +286,7 @@ class DataPlane:
         """Stop receiving, let the messages in flight finish and be answered (``timeout_s`` at most; server.py has
         already waited for them as open calls), then close the socket (answers still queued get FLUSH_MS) and the
         context, and remove the ipc socket (and its folder when auto made it)."""
+        self._stop_reading()
         for task in self._loops:
             task.cancel()
         for task in self._loops:
@@ -272,12 +306,18 @@ class DataPlane:
 
     def _close_now(self) -> None:
         """Undo a start that failed."""
+        self._stop_reading()
         if self._socket is not None:
             self._socket.close(linger=0)
         if self._context is not None:
             self._context.term()
             self._context = None
         self._remove_ipc()
+
+    def _stop_reading(self) -> None:
+        if self._fd is not None and self._loop is not None:
+            self._loop.remove_reader(self._fd)
+        self._fd = None
 
     def _remove_ipc(self) -> None:
         for path in (self._ipc_path,):
