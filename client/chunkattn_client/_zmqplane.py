@@ -41,11 +41,11 @@ from chunkattn_client.dataplane import HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS, O
 # A request's serialized AttendRequest, built for its request id.
 Build = Callable[[int], bytes]
 
-# The socket monitor's events a call cares about: its connection lost, or a CURVE handshake refused.
+# The socket monitor's events a call cares about: a connection made or lost, or a CURVE handshake refused.
 _HANDSHAKE_FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
-_MONITORED = zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED
+_MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED
 # Requests this long or longer are sent without a copy (pyzmq's own threshold: below it a copy is cheaper).
 _COPY_BELOW = zmq.COPY_THRESHOLD
 # How long a call waits for a connection to send on (the server down, unreachable, or refusing the handshake).
@@ -232,7 +232,13 @@ class ZmqDataPlane(_Plane):
 
 
 class _Link:
-    """One thread's DEALER, connected to one endpoint, with its monitor."""
+    """One thread's DEALER, connected to one endpoint, with its monitor.
+
+    The monitor is read only when a poll finds it readable, and tells which connection a call's request went
+    over: its events come in order, and a connection's EVENT_CONNECTED comes before the socket can send on
+    it (IMMEDIATE). So an EVENT_DISCONNECTED not followed by an EVENT_CONNECTED (``lost``) is the loss of the
+    connection the socket last sent on; one followed by a reconnection (a loss between calls) is no call's.
+    """
 
     def __init__(self, context: zmq.Context[Any], offer: Offer) -> None:
         self.link, self.address = offer.link, offer.address
@@ -244,20 +250,27 @@ class _Link:
         self.poller.register(self.socket, zmq.POLLIN)
         self.poller.register(self.monitor, zmq.POLLIN)
         self.waiting = _Waiting()
+        self.lost = ""  # the disconnection the socket has not reconnected since ("": connected, or connecting)
         self.handshake = ""  # the last handshake failure, for the error of a call that cannot connect
         weakref.finalize(self, _close_sockets, self.socket, self.monitor)  # the thread ended: its socket goes
 
     def exchange(self, key: bytes, rid: int, request: bytes, deadline: float | None, timeout_s: float | None) -> bytes:
-        self._events()  # a connection lost between calls is no call's: the socket reconnects
-        self.waiting.calls[rid] = None
+        calls = self.waiting.calls
+        calls[rid] = None
         try:
-            self._send(key, request, deadline, timeout_s)
+            try:  # sent at once where a connection takes it (the first frame taken, the second is too)
+                self.socket.send(key, _SEND_MORE, copy=True)
+            except zmq.Again:
+                self._send_when_connected(key, deadline, timeout_s)
+            self.socket.send(request, zmq.NOBLOCK, copy=len(request) < _COPY_BELOW)
             return self._wait(rid, deadline, timeout_s)
         finally:
-            self.waiting.calls.pop(rid, None)
+            calls.pop(rid, None)
 
-    def _send(self, key: bytes, request: bytes, deadline: float | None, timeout_s: float | None) -> None:
-        connect_by = time.monotonic() + CONNECT_S  # IMMEDIATE: no connection, no room to send
+    def _send_when_connected(self, key: bytes, deadline: float | None, timeout_s: float | None) -> None:
+        """Send the first frame once a connection takes it (IMMEDIATE: no connection, no room to send), within
+        the deadline and CONNECT_S."""
+        connect_by = time.monotonic() + CONNECT_S
         while True:
             now = time.monotonic()
             until = connect_by if deadline is None else min(deadline, connect_by)
@@ -268,45 +281,65 @@ class _Link:
                 raise _unreachable(self.address, self.handshake)
             if self.socket.poll(int((until - now) * 1000) + 1, zmq.POLLOUT):
                 with contextlib.suppress(zmq.Again):
-                    self.socket.send_multipart((key, request), zmq.NOBLOCK, copy=len(request) < _COPY_BELOW)
+                    self.socket.send(key, _SEND_MORE, copy=True)
                     return
 
     def _wait(self, rid: int, deadline: float | None, timeout_s: float | None) -> bytes:
-        calls = self.waiting.calls
+        timeout = None if deadline is None else int(max(0.0, deadline - time.monotonic()) * 1000) + 1
         while True:
-            left = _left(deadline)
-            ready = dict(self.poller.poll(None if left is None else int(left * 1000) + 1))
-            if self.socket in ready:
-                self._drain()
-                if calls[rid] is not None:
-                    answer: bytes = calls[rid]
-                    return answer
-            if self.monitor in ready and (lost := self._events()):
-                raise LostConnection(self.address, lost)
-            if not ready and deadline is not None and time.monotonic() >= deadline:
-                raise _Plane._no_answer(timeout_s)
+            for polled, _ in self.poller.poll(timeout):
+                if polled is self.socket:
+                    answer = self._receive(rid)
+                    if answer is not None:
+                        return answer
+                elif self._events():
+                    raise LostConnection(self.address, self.lost)
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise _Plane._no_answer(timeout_s)
+                timeout = int(left * 1000) + 1
 
-    def _drain(self) -> None:
-        while self.socket.get(zmq.EVENTS) & zmq.POLLIN:  # (cheaper than a NOBLOCK read's zmq.Again)
-            frames = self.socket.recv_multipart()
-            owner = self.waiting.owner(frames[0]) if len(frames) == 1 else None
-            if owner is not None and self.waiting.calls[owner] is None:
-                self.waiting.calls[owner] = frames[0]
+    def _receive(self, rid: int) -> bytes | None:
+        """Read the answers that came (NOBLOCK) until this call's; each to the call it answers."""
+        calls = self.waiting.calls
+        socket = self.socket
+        while True:
+            try:
+                raw: bytes = socket.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return None
+            if socket.getsockopt(zmq.RCVMORE):  # not an answer: nobody's (its other frames with it)
+                while socket.getsockopt(zmq.RCVMORE):
+                    socket.recv()
+                continue
+            owner = self.waiting.owner(raw)
+            if owner == rid:
+                return raw
+            if owner is not None and calls[owner] is None:
+                calls[owner] = raw
 
-    def _events(self) -> str:
-        """Read the monitor's events; returns the name of a disconnection among them ("" for none)."""
-        lost = ""
-        while self.monitor.get(zmq.EVENTS) & zmq.POLLIN:
-            event = parse_monitor_message(self.monitor.recv_multipart())
-            name = _event_name(event["event"])
-            if event["event"] == zmq.EVENT_DISCONNECTED:
-                lost = name
+    def _events(self) -> bool:
+        """Read the monitor's events; whether the connection is lost (``lost``: a disconnection since the last
+        connection)."""
+        while True:
+            try:
+                event = parse_monitor_message(self.monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return bool(self.lost)
+            kind = event["event"]
+            if kind == zmq.EVENT_CONNECTED:
+                self.lost = ""
+            elif kind == zmq.EVENT_DISCONNECTED:
+                self.lost = _event_name(kind)
             else:
-                self.handshake = name
-        return lost
+                self.handshake = _event_name(kind)
 
     def close(self) -> None:
         _close_sockets(self.socket, self.monitor)
+
+
+_SEND_MORE = zmq.SNDMORE | zmq.NOBLOCK
 
 
 def _close_sockets(socket: zmq.Socket[Any], monitor: zmq.Socket[Any]) -> None:
@@ -420,6 +453,8 @@ class _AsyncLink:
         while True:
             event = parse_monitor_message(await self.monitor.recv_multipart())
             name = _event_name(event["event"])
+            if event["event"] == zmq.EVENT_CONNECTED:
+                continue
             if event["event"] != zmq.EVENT_DISCONNECTED:
                 self.handshake = name
                 continue

@@ -36,6 +36,7 @@ __all__ = [
     "parse_tensors",
     "read_header",
     "to_raw",
+    "to_raw_fast",
 ]
 
 # Wire dtype -> the little-endian numpy dtype its bytes decode to.
@@ -103,6 +104,27 @@ def _torch_raw(t: Any) -> RawTensor:
 
 
 _TORCH_NAMES = {f"torch.{d.torch}": d.name for d in dtypes.WIRE}
+
+
+# (the dtype argument, a native numpy array's dtype) -> wire dtype, for the arrays ``to_raw_fast`` sends as they are.
+_AS_THEY_ARE: dict[tuple[str | None, np.dtype[Any]], int] = {}
+for _d in dtypes.WIRE:
+    _native = _d.numpy.newbyteorder("=")
+    _AS_THEY_ARE[(_d.name, _native)] = _d.wire
+    if _native.kind == "f":
+        _AS_THEY_ARE[(None, _native)] = _d.wire
+
+
+def to_raw_fast(x: Any, dtype: str | None = None) -> RawTensor:
+    """``to_raw``'s result, with fewer Python steps for the common case of a per-layer call: a C-contiguous
+    numpy array whose dtype is the one it travels in (float32 / float16, or uint16 words with
+    dtype="bfloat16"), sent as a byte view of itself. Anything else (torch tensors included) goes through
+    ``to_raw``, with its errors."""
+    if type(x) is np.ndarray and x.flags.c_contiguous and x.size:  # (a view with a 0 in its shape cannot be cast)
+        wire = _AS_THEY_ARE.get((dtype, x.dtype))
+        if wire is not None:
+            return RawTensor(wire, x.shape, memoryview(x).cast("B"))  # type: ignore[arg-type]
+    return to_raw(x, dtype)
 
 
 def encode(x: Any, dtype: str | None = None) -> pb.Tensor:

@@ -74,14 +74,23 @@ _OLD_CRC32 = 3  # KVBlock's field 3, reserved: a CRC-32 in exports of older vers
 
 def _tensor(field: int, t: RawTensor) -> list[Buffer]:
     """Wire parts of a Tensor submessage in `field`: everything before the data, then the data."""
-    key = (field, t.dtype, t.shape, len(t.data))
+    return [_cached_prefix((field, t.dtype, t.shape, len(t.data))), t.data]
+
+
+def tensor_prefix(field: int, dtype: int, shape: tuple[int, ...], size: int) -> bytes:
+    """What a Tensor submessage in ``field`` (its dtype, shape and ``size`` bytes of data) is written as before
+    its data, as ``encode_*`` write it (made once per shape)."""
+    return _cached_prefix((field, dtype, shape, size))
+
+
+def _cached_prefix(key: tuple[int, int, tuple[int, ...], int]) -> bytes:
     prefix = _PREFIXES.get(key)
     if prefix is None:
         prefix = _tensor_prefix(*key)
         if len(_PREFIXES) >= _MAX_PREFIXES:
             _PREFIXES.clear()
         _PREFIXES[key] = prefix
-    return [prefix, t.data]
+    return prefix
 
 
 def _tensor_prefix(field: int, dtype: int, shape: tuple[int, ...], size: int) -> bytes:
@@ -110,6 +119,78 @@ def encode_attend_request(
     tensor's bytes are copied once."""
     small = pb.AttendRequest(layer=layer, entries=entries, request_id=request_id, blocks=blocks)
     parts: list[Buffer] = [small.SerializeToString()]
+    for field, t in ((_Q, q), (_K, k), (_V, v)):
+        if t is not None:
+            parts += _tensor(field, t)
+    return b"".join(parts)
+
+
+# One-byte varints, made once: a decode call's small numbers (a layer, a token count) are most of them.
+_BYTE_VARINTS = [bytes((n,)) for n in range(0x80)]
+_INT32, _INT64, _UINT64 = 1 << 31, 1 << 63, 1 << 64
+_LAYER_FIELD_KEY = _key(pb.AttendRequest, "layer", _VARINT)
+_ENTRY_KEY = _key(pb.AttendRequest, "entries", _LEN)
+_REQUEST_ID_KEY = _key(pb.AttendRequest, "request_id", _VARINT)
+_SEQ_ID_KEY = _key(pb.SequenceEntry, "seq_id", _LEN)
+_POSITION_KEY = _key(pb.SequenceEntry, "position", _VARINT)
+_NUM_TOKENS_KEY = _key(pb.SequenceEntry, "num_tokens", _VARINT)
+_END_OF_SEQUENCE = _key(pb.SequenceEntry, "end_of_sequence", _VARINT) + b"\x01"
+
+
+def varint(n: int) -> bytes:
+    """A non-negative integer as a protobuf varint."""
+    if n < 0x80:
+        return _BYTE_VARINTS[n]
+    if n < 0x4000:
+        return bytes((n & 0x7F | 0x80, n >> 7))
+    return _varint(n)
+
+
+_uvarint = varint
+
+
+def encode_entries(layer: int, entries: Sequence[tuple[str, int, int, bool]], request_id: int = 0) -> bytes | None:
+    """The first fields of ``encode_attend_request``'s bytes for a sequence-addressed request (layer, entries,
+    request_id), written by hand: ``entries`` are (seq_id, position, num_tokens, end_of_sequence); its tensors
+    follow (``encode_after``). Only for plain values (a layer in [0, 2**31), str ids, int positions and token
+    counts in [0, 2**63), a request id in [0, 2**64)): None for anything else, which ``encode_attend_request``
+    then encodes (or refuses) as protobuf does."""
+    if (
+        type(layer) is not int
+        or not 0 <= layer < _INT32
+        or type(request_id) is not int
+        or not 0 <= request_id < _UINT64
+    ):
+        return None
+    parts: list[bytes] = [_LAYER_FIELD_KEY, _uvarint(layer)] if layer else []
+    for seq_id, position, num_tokens, end in entries:
+        if (
+            type(seq_id) is not str
+            or type(position) is not int
+            or type(num_tokens) is not int
+            or not 0 <= position < _INT64
+            or not 0 <= num_tokens < _INT64
+        ):
+            return None
+        try:
+            name = seq_id.encode()
+        except UnicodeEncodeError:
+            return None
+        body = b"".join((
+            _SEQ_ID_KEY + _uvarint(len(name)) + name if name else b"",
+            _POSITION_KEY + _uvarint(position) if position else b"",
+            _NUM_TOKENS_KEY + _uvarint(num_tokens) if num_tokens else b"",
+            _END_OF_SEQUENCE if end else b"",
+        ))  # fmt: skip
+        parts += (_ENTRY_KEY, _uvarint(len(body)), body)
+    if request_id:
+        parts += (_REQUEST_ID_KEY, _uvarint(request_id))
+    return b"".join(parts)
+
+
+def encode_after(head: bytes, q: RawTensor, k: RawTensor | None, v: RawTensor | None) -> bytes:
+    """A serialized AttendRequest: ``head`` (``encode_entries``'s) and the tensors, each one's bytes copied once."""
+    parts: list[Buffer] = [head]
     for field, t in ((_Q, q), (_K, k), (_V, v)):
         if t is not None:
             parts += _tensor(field, t)
