@@ -109,7 +109,9 @@ _TORCH_NAMES = {f"torch.{d.torch}": d.name for d in dtypes.WIRE}
 # (the dtype argument, a native numpy array's dtype) -> wire dtype, for the arrays ``to_raw_fast`` sends as they are.
 _AS_THEY_ARE: dict[tuple[str | None, np.dtype[Any]], int] = {}
 for _d in dtypes.WIRE:
-    _native = _d.numpy.newbyteorder("=")
+    # The wire is little-endian: only arrays already in its byte order go as they are (on a big-endian host,
+    # native arrays miss this table and take to_raw's conversion).
+    _native = _d.numpy.newbyteorder("<")
     _AS_THEY_ARE[(_d.name, _native)] = _d.wire
     if _native.kind == "f":
         _AS_THEY_ARE[(None, _native)] = _d.wire

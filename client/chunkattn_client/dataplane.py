@@ -9,7 +9,7 @@ import functools
 import hashlib
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 # The session key: the first frame of every data-plane request.
@@ -62,7 +62,7 @@ class Offer:
 
     transport: str
     address: str
-    key: bytes
+    key: bytes = field(repr=False)  # a secret, like a token: never in a log line
     lifetime_s: float
     opened: float
     curve_server_key: str = ""

@@ -18,6 +18,7 @@ import concurrent.futures
 import json
 import os
 import signal
+import socket
 import stat
 import time
 from collections.abc import Iterator
@@ -469,6 +470,32 @@ def test_an_ipc_socket_in_a_folder_others_can_write_is_refused(tmp_path: Path) -
     dataplane.check(ServerConfig(data_plane_ipc=str(private / "data.sock")))
     with pytest.raises(ConfigError, match="at most 107 bytes"):
         dataplane.check(ServerConfig(data_plane_ipc=str(private / ("x" * 120))))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a folder of another user needs root (chown)")
+def test_an_ipc_socket_in_another_users_folder_is_refused(tmp_path: Path) -> None:
+    """A folder others cannot write but another user owns: its owner could replace the socket with theirs."""
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o755)
+    os.chown(theirs, 12345, 12345)
+    with pytest.raises(ConfigError, match="belongs to another user"):
+        dataplane.check(ServerConfig(data_plane_ipc=str(theirs / "data.sock")))
+
+
+def test_an_ipc_path_another_process_listens_on_is_refused(tmp_path: Path) -> None:
+    """Binding would take a live socket over (libzmq unlinks what is there); a stale one is reused."""
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    path = str(private / "data.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    try:
+        with pytest.raises(ConfigError, match="another process is listening there"):
+            dataplane.check(ServerConfig(data_plane_ipc=path))
+    finally:
+        listener.close()
+    dataplane.check(ServerConfig(data_plane_ipc=path))  # the file is left, but nobody listens: stale
 
 
 def test_many_messages_in_flight_at_once_are_each_answered(server: ServerProcess) -> None:

@@ -57,6 +57,7 @@ RPC = "Attend"  # what a data-plane message counts as
 TRANSPORT = "zmq"
 # ZMQ_MAXMSGSIZE is the server's message limit plus this: a frame's own framing never pushes a valid request past.
 MAX_MESSAGE_MARGIN = 4096
+SEND_QUEUE = 16  # answers queued per peer connection (ZMQ_SNDHWM); a model runner waits for each of its few
 FLUSH_MS = 500  # at close, answers still queued get this long to leave (a vanished peer's cannot hold it longer)
 MAX_BURST = 64  # messages taken in one wake-up of the socket before the loop's other callbacks run
 SWEEP_S = 30.0  # ended sessions are forgotten on this period (sessions.KEPT_S after their end)
@@ -107,6 +108,34 @@ def _check_ipc_path(path: str) -> None:
             f" {stat.S_IMODE(mode):o}), who could replace the socket with theirs: use a folder only the server's"
             " user can write, or --data-plane-ipc auto"
         )
+    owner = os.stat(folder).st_uid
+    if owner not in (os.geteuid(), 0):
+        raise ConfigError(
+            f"--data-plane-ipc {path[:200]!r}: its folder {folder!r} belongs to another user (uid {owner}), who"
+            " could replace the socket with theirs: use a folder of the server's user, or --data-plane-ipc auto"
+        )
+    if _in_use(path):
+        raise ConfigError(
+            f"--data-plane-ipc {path[:200]!r}: another process is listening there (a second server?); binding"
+            " would take its socket over: give each server its own path, or --data-plane-ipc auto"
+        )
+
+
+def _in_use(path: str) -> bool:
+    """Whether a Unix socket at ``path`` accepts connections (a stale one left by a killed server does not)."""
+    try:
+        if not stat.S_ISSOCK(os.stat(path).st_mode):
+            return False
+    except OSError:
+        return False
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return True
 
 
 @dataclass(frozen=True)
@@ -136,6 +165,7 @@ class DataPlane:
         self._read_pending = False  # a look at the socket is scheduled (call_soon)
         self._ipc_path: str | None = None
         self._ipc_folder: str | None = None  # made by auto: removed at close
+        self._ipc_inode: int | None = None  # the bound socket's: removed at close only while it is still ours
         self._tasks: set[asyncio.Task[None]] = set()
         self._loops: list[asyncio.Task[None]] = []
 
@@ -146,6 +176,9 @@ class DataPlane:
         sock = self._socket = self._context.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 0)  # a second peer with a taken identity does not take its answers
+        # Answers queued for one peer that does not read them: at most SEND_QUEUE (ROUTER drops the rest), so a
+        # client cannot make the server hold its answers without bound (over gRPC, flow control does this).
+        sock.setsockopt(zmq.SNDHWM, SEND_QUEUE)
         sock.setsockopt(zmq.MAXMSGSIZE, self._config.max_message_bytes + MAX_MESSAGE_MARGIN)
         sock.setsockopt(zmq.HEARTBEAT_IVL, dataplane.HEARTBEAT_IVL_MS)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, dataplane.HEARTBEAT_TIMEOUT_MS)
@@ -198,12 +231,17 @@ class DataPlane:
                 raise ConfigError(f"--data-plane-ipc auto: {path!r} is longer than a Unix socket's path may be")
         else:
             path = os.path.abspath(value)
+        # The socket is made 0600 (the umask at bind: no moment when others may connect; the server is starting,
+        # its other threads create no files now), then checked.
+        umask = os.umask(0o177)
         try:
             sock.bind(f"ipc://{path}")
         except zmq.ZMQError as e:
             raise OSError(f"cannot listen on {path} (--data-plane-ipc): {e.strerror}") from None
-        self._ipc_path = path
-        os.chmod(path, 0o600)  # the folder (0700, or one no other user can write) keeps others out meanwhile
+        finally:
+            os.umask(umask)
+        os.chmod(path, 0o600)
+        self._ipc_path, self._ipc_inode = path, os.stat(path).st_ino
         return Endpoint("ipc", f"ipc://{path}")
 
     def _readable(self) -> None:
@@ -259,7 +297,9 @@ class DataPlane:
         except Exception as e:
             code = status_code(e)
             self._rpcs.count(RPC, code, time.perf_counter() - started, tenant, TRANSPORT)
-            response = refusal(raw, code, bounded(str(e)))
+            # A large message of a peer without a session is not read at all (its answer's request_id is 0).
+            readable = raw if tenant is not None or len(raw) <= SMALL_REQUEST_BYTES else b""
+            response = refusal(readable, code, bounded(str(e)))
         self.send(identity, response)
 
     def send(self, identity: bytes, response: bytes) -> None:
@@ -320,10 +360,10 @@ class DataPlane:
         self._fd = None
 
     def _remove_ipc(self) -> None:
-        for path in (self._ipc_path,):
-            if path is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
+        path = self._ipc_path
+        with contextlib.suppress(OSError):
+            if path is not None and os.stat(path).st_ino == self._ipc_inode:  # ours still (not a later server's)
+                os.unlink(path)
         if self._ipc_folder is not None:
             with contextlib.suppress(OSError):
                 os.rmdir(self._ipc_folder)

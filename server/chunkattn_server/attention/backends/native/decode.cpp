@@ -695,6 +695,8 @@ void store_and_decode(at::Tensor q, c10::optional<at::Tensor> k, c10::optional<a
   const int64_t hkv = k_pages.size(0), blocks = k_pages.size(1), bs = k_pages.size(2);
   TORCH_CHECK(heads % hkv == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out must be contiguous, q's shape");
+  TORCH_CHECK(out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kHalf,
+              "out must be float32, bfloat16 or float16 (checked before anything is written)");
   TORCH_CHECK(chunk_size >= 0, "chunk_size must be >= 0");
   TORCH_CHECK(static_cast<int64_t>(tables.size()) == static_cast<int64_t>(spans.size()),
               "one table per span: ", tables.size(), " tables for ", spans.size(), " spans");
