@@ -57,7 +57,6 @@ RPC = "Attend"  # what a data-plane message counts as
 TRANSPORT = "zmq"
 # ZMQ_MAXMSGSIZE is the server's message limit plus this: a frame's own framing never pushes a valid request past.
 MAX_MESSAGE_MARGIN = 4096
-SEND_QUEUE = 16  # answers queued per peer connection (ZMQ_SNDHWM); a model runner waits for each of its few
 FLUSH_MS = 500  # at close, answers still queued get this long to leave (a vanished peer's cannot hold it longer)
 MAX_BURST = 64  # messages taken in one wake-up of the socket before the loop's other callbacks run
 SWEEP_S = 30.0  # ended sessions are forgotten on this period (sessions.KEPT_S after their end)
@@ -176,9 +175,8 @@ class DataPlane:
         sock = self._socket = self._context.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 0)  # a second peer with a taken identity does not take its answers
-        # Answers queued for one peer that does not read them: at most SEND_QUEUE (ROUTER drops the rest), so a
-        # client cannot make the server hold its answers without bound (over gRPC, flow control does this).
-        sock.setsockopt(zmq.SNDHWM, SEND_QUEUE)
+        # (SNDHWM stays libzmq's 1000 answers per peer: a client may pipeline many requests on one socket, and ROUTER
+        # drops what passes the mark. A peer that never reads holds that many answers: see docs/deployment.md.)
         sock.setsockopt(zmq.MAXMSGSIZE, self._config.max_message_bytes + MAX_MESSAGE_MARGIN)
         sock.setsockopt(zmq.HEARTBEAT_IVL, dataplane.HEARTBEAT_IVL_MS)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, dataplane.HEARTBEAT_TIMEOUT_MS)
