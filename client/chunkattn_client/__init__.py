@@ -3,7 +3,8 @@
 - ``ChunkAttnClient`` / ``AsyncChunkAttnClient``: the sync and asyncio gRPC clients (same methods).
 - ``ChunkAttnError``: every failure, with its gRPC status code.
 - ``BatchEntry``: one sequence's part of a call; ``BlockRows``: a block-addressed call's rows (the block API);
-  ``BlockSpace`` and ``OpenSpace``: an opened block space, and one as ListBlockSpaces reports it.
+  ``BlockSpace`` and ``OpenSpace``: an opened block space, and one as ListBlockSpaces reports it; ``Grant`` and
+  ``Copied``: what GrantBlocks parked and CopyBlocks copied (block handoff between spaces).
 - ``reference``: the float64 numpy reference of the semantics; ``codec``: tensors <-> messages.
 
 The names are imported on first use (PEP 562), so that ``import chunkattn_client`` and the modules the server's
@@ -16,7 +17,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from chunkattn_client._types import BlockSpace, OpenSpace
+    from chunkattn_client._types import BlockSpace, Copied, Grant, OpenSpace
     from chunkattn_client.aio import AsyncAttendStream, AsyncChunkAttnClient
     from chunkattn_client.batch import BatchEntry, BlockRows
     from chunkattn_client.client import AttendStream, ChunkAttnClient, ChunkAttnError, LayerInfo, ServerInfo
@@ -34,6 +35,8 @@ _WHERE = {
     "BlockSpace": "_types",
     "ChunkAttnClient": "client",
     "ChunkAttnError": "client",
+    "Copied": "_types",
+    "Grant": "_types",
     "LayerInfo": "client",
     "OpenSpace": "_types",
     "ReferenceModel": "reference",
@@ -51,6 +54,8 @@ __all__ = [
     "BlockSpace",
     "ChunkAttnClient",
     "ChunkAttnError",
+    "Copied",
+    "Grant",
     "LayerInfo",
     "OpenSpace",
     "ReferenceModel",

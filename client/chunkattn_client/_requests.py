@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2
 from chunkattn_client import codec, wire
 from chunkattn_client._errors import ChunkAttnError
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
-from chunkattn_client._types import BlockSpace, KVImport, KVTransfer, OpenSpace, ServerInfo, Truncated
+from chunkattn_client._types import BlockSpace, Copied, Grant, KVImport, KVTransfer, OpenSpace, ServerInfo, Truncated
 from chunkattn_client.batch import BatchEntry, BlockRows
 
 T = TypeVar("T")
@@ -263,6 +263,40 @@ def list_block_spaces() -> Call[list[OpenSpace]]:
 
 def _spaces(r: pb.ListBlockSpacesResponse) -> list[OpenSpace]:
     return [OpenSpace.from_pb(s) for s in r.spaces]
+
+
+def grant_blocks(
+    space_id: str, block_ids: Sequence[int], grant_id: str, num_tokens: int, ttl_s: float, to_tenant: str
+) -> Call[Grant]:
+    request = pb.GrantBlocksRequest(
+        space_id=space_id,
+        block_ids=list(block_ids),
+        grant_id=grant_id,
+        num_tokens=num_tokens,
+        ttl_s=ttl_s,
+        to_tenant=to_tenant,
+    )
+    return Call("ChunkAttn", "GrantBlocks", request, Grant.from_pb)
+
+
+def copy_blocks(
+    dest_space_id: str,
+    dest_block_ids: Sequence[int],
+    *,
+    space_id: str | None,
+    grant_id: str | None,
+    source_block_ids: Sequence[int],
+) -> Call[Copied]:
+    if (space_id is None) == (grant_id is None):
+        raise ValueError("copy_blocks takes one source: space_id= (one of your spaces) or grant_id= (a grant)")
+    request = pb.CopyBlocksRequest(
+        source_block_ids=list(source_block_ids), dest_space_id=dest_space_id, dest_block_ids=list(dest_block_ids)
+    )
+    if space_id is not None:
+        request.space_id = space_id
+    else:
+        request.grant_id = grant_id or ""
+    return Call("ChunkAttn", "CopyBlocks", request, Copied.from_pb)
 
 
 def decode_attend_response(raw: bytes, request_id: int | None = None) -> Output:

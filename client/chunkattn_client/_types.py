@@ -144,6 +144,34 @@ class OpenSpace:
 
 
 @dataclass(frozen=True)
+class Grant:
+    """What GrantBlocks parked: the blocks granted, the server's pool blocks holding them, their K/V bytes, and
+    the seconds the grant waits to be taken (CopyBlocks) before it ends."""
+
+    blocks: int
+    pool_blocks: int
+    bytes: int
+    ttl_s: float
+
+    @classmethod
+    def from_pb(cls, r: pb.GrantBlocksResponse) -> Grant:
+        return cls(r.blocks, r.pool_blocks, r.bytes, r.ttl_s)
+
+
+@dataclass(frozen=True)
+class Copied:
+    """What CopyBlocks copied: blocks, their K/V bytes, and the grant's num_tokens (0 from a space)."""
+
+    blocks: int
+    bytes: int
+    num_tokens: int
+
+    @classmethod
+    def from_pb(cls, r: pb.CopyBlocksResponse) -> Copied:
+        return cls(r.blocks, r.bytes, r.num_tokens)
+
+
+@dataclass(frozen=True)
 class KVImport:
     """What ImportKV created: the sequence, its blocks, and the blocks (records) and bytes received."""
 

@@ -20,7 +20,7 @@ from chunkattn_client._errors import ChunkAttnError, rpc_errors
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_client._requests import AttendOptions, Entries, Output, TransferOptions
 from chunkattn_client._stream import Answer, AsyncPlaneStream, StreamState, failure
-from chunkattn_client._types import BlockSpace, KVImport, KVTransfer, OpenSpace, ServerInfo, Truncated
+from chunkattn_client._types import BlockSpace, Copied, Grant, KVImport, KVTransfer, OpenSpace, ServerInfo, Truncated
 from chunkattn_client.batch import BlockRows
 
 if TYPE_CHECKING:
@@ -114,6 +114,39 @@ class AsyncChunkAttnClient(ClientBase):
 
     async def list_block_spaces(self) -> list[OpenSpace]:
         return await self._unary(calls.list_block_spaces())
+
+    async def grant_blocks(
+        self,
+        space_id: str,
+        block_ids: Sequence[int],
+        grant_id: str,
+        *,
+        num_tokens: int = 0,
+        ttl_s: float = 0.0,
+        to_tenant: str = "",
+    ) -> Grant:
+        """Hand blocks of a space over (GrantBlocks): the server parks a copy of them, every plane, under
+        ``grant_id`` (32 to 64 characters of [A-Za-z0-9_-], random: it is the capability) until CopyBlocks takes
+        it or ``ttl_s`` (0: 60 s) passes; ``to_tenant`` may take it too. ``num_tokens``: what the blocks hold."""
+        return await self._unary(calls.grant_blocks(space_id, block_ids, grant_id, num_tokens, ttl_s, to_tenant))
+
+    async def copy_blocks(
+        self,
+        dest_space_id: str,
+        dest_block_ids: Sequence[int],
+        *,
+        space_id: str | None = None,
+        grant_id: str | None = None,
+        source_block_ids: Sequence[int] = (),
+    ) -> Copied:
+        """Copy blocks into ``dest_space_id``'s ``dest_block_ids`` (CopyBlocks), every plane: from another of
+        your spaces (``space_id``, its ``source_block_ids``) or from a grant (``grant_id``, which this takes;
+        ``source_block_ids`` index its blocks, empty: all)."""
+        return await self._unary(
+            calls.copy_blocks(
+                dest_space_id, dest_block_ids, space_id=space_id, grant_id=grant_id, source_block_ids=source_block_ids
+            )
+        )
 
     async def attend_blocks(
         self, layer: int, rows: BlockRows, q: Any, k: Any = None, v: Any = None, *, dtype: str | None = None

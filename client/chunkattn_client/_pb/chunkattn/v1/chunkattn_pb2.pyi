@@ -156,6 +156,58 @@ class ListBlockSpacesResponse(_message.Message):
     spaces: _containers.RepeatedCompositeFieldContainer[BlockSpaceInfo]
     def __init__(self, spaces: _Optional[_Iterable[_Union[BlockSpaceInfo, _Mapping]]] = ...) -> None: ...
 
+class GrantBlocksRequest(_message.Message):
+    __slots__ = ("space_id", "block_ids", "grant_id", "num_tokens", "ttl_s", "to_tenant")
+    SPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    GRANT_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    TO_TENANT_FIELD_NUMBER: _ClassVar[int]
+    space_id: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    grant_id: str
+    num_tokens: int
+    ttl_s: float
+    to_tenant: str
+    def __init__(self, space_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., grant_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., ttl_s: _Optional[float] = ..., to_tenant: _Optional[str] = ...) -> None: ...
+
+class GrantBlocksResponse(_message.Message):
+    __slots__ = ("blocks", "pool_blocks", "bytes", "ttl_s")
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    POOL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    blocks: int
+    pool_blocks: int
+    bytes: int
+    ttl_s: float
+    def __init__(self, blocks: _Optional[int] = ..., pool_blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+
+class CopyBlocksRequest(_message.Message):
+    __slots__ = ("space_id", "grant_id", "source_block_ids", "dest_space_id", "dest_block_ids")
+    SPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    GRANT_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    DEST_SPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    DEST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    space_id: str
+    grant_id: str
+    source_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    dest_space_id: str
+    dest_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, space_id: _Optional[str] = ..., grant_id: _Optional[str] = ..., source_block_ids: _Optional[_Iterable[int]] = ..., dest_space_id: _Optional[str] = ..., dest_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class CopyBlocksResponse(_message.Message):
+    __slots__ = ("blocks", "bytes", "num_tokens")
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    blocks: int
+    bytes: int
+    num_tokens: int
+    def __init__(self, blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
 class OpenDataPlaneRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

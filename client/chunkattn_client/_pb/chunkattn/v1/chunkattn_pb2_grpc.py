@@ -118,6 +118,16 @@ class ChunkAttnStub:
                 request_serializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.ListBlockSpacesRequest.SerializeToString,
                 response_deserializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.ListBlockSpacesResponse.FromString,
                 _registered_method=True)
+        self.GrantBlocks = channel.unary_unary(
+                '/chunkattn.v1.ChunkAttn/GrantBlocks',
+                request_serializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.GrantBlocksRequest.SerializeToString,
+                response_deserializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.GrantBlocksResponse.FromString,
+                _registered_method=True)
+        self.CopyBlocks = channel.unary_unary(
+                '/chunkattn.v1.ChunkAttn/CopyBlocks',
+                request_serializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.CopyBlocksRequest.SerializeToString,
+                response_deserializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.CopyBlocksResponse.FromString,
+                _registered_method=True)
         self.OpenDataPlane = channel.unary_unary(
                 '/chunkattn.v1.ChunkAttn/OpenDataPlane',
                 request_serializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.OpenDataPlaneRequest.SerializeToString,
@@ -268,6 +278,38 @@ class ChunkAttnServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GrantBlocks(self, request, context):
+        """Hand blocks of a block space over (disaggregated prefill/decode: a prefill engine's request, decoded by
+        another engine's space): the server copies the listed blocks, every plane, into parked blocks of its own
+        under a grant, the caller's name for them. The grant outlives the space's use of those blocks (a serving
+        engine frees and reuses a finished request's blocks, and with prefix caching reads them again: the copy
+        keeps both sides right) and ends when CopyBlocks takes it, when its ttl_s passes, or when the server
+        stops; its parked blocks count against the grantor's max_kv_blocks until then. The grant's name is a
+        capability: whoever knows it (and is its tenant, or the to_tenant it names) may take the blocks, once.
+        INVALID_ARGUMENT for a malformed request (a name that is not 32 to 64 characters of [A-Za-z0-9_-], a block
+        id out of the space, a block listed twice, num_tokens more than the blocks hold, a ttl out of range),
+        NOT_FOUND for a space that does not exist (another tenant's included), ALREADY_EXISTS for a name in use,
+        RESOURCE_EXHAUSTED when the pool, the grantor's quota or its 4096 open grants cannot hold it. Nothing
+        changes on an error.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CopyBlocks(self, request, context):
+        """Copy blocks, every plane, into blocks of one of the caller's spaces: from another of its spaces, or from a
+        grant (GrantBlocks), which this takes (it ends, its parked blocks back to the pool, whether all or some of
+        its blocks were copied). The source and the destination must be laid out alike (the same layer_planes);
+        the destination blocks hold exactly the source's bytes afterwards, float8 pages and all (one server, one
+        set of scales). INVALID_ARGUMENT for a malformed request (counts that differ, an id out of range, a
+        destination block listed twice, spaces laid out otherwise), NOT_FOUND for a space or grant that does not
+        exist for the caller (another tenant's space, a grant taken, expired, never issued, or issued to another
+        tenant). Nothing changes on an error, and a grant a refused call names is not taken.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def OpenDataPlane(self, request, context):
         """A session on the server's data plane: Attend requests (sequence or block addressing) over ZeroMQ instead
         of gRPC, for a model runner that waits for each layer's answer (a round trip of tens of microseconds
@@ -359,6 +401,16 @@ def add_ChunkAttnServicer_to_server(servicer, server):
                     servicer.ListBlockSpaces,
                     request_deserializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.ListBlockSpacesRequest.FromString,
                     response_serializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.ListBlockSpacesResponse.SerializeToString,
+            ),
+            'GrantBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.GrantBlocks,
+                    request_deserializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.GrantBlocksRequest.FromString,
+                    response_serializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.GrantBlocksResponse.SerializeToString,
+            ),
+            'CopyBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.CopyBlocks,
+                    request_deserializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.CopyBlocksRequest.FromString,
+                    response_serializer=chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.CopyBlocksResponse.SerializeToString,
             ),
             'OpenDataPlane': grpc.unary_unary_rpc_method_handler(
                     servicer.OpenDataPlane,
@@ -736,6 +788,60 @@ class ChunkAttn:
             '/chunkattn.v1.ChunkAttn/ListBlockSpaces',
             chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.ListBlockSpacesRequest.SerializeToString,
             chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.ListBlockSpacesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GrantBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/chunkattn.v1.ChunkAttn/GrantBlocks',
+            chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.GrantBlocksRequest.SerializeToString,
+            chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.GrantBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CopyBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/chunkattn.v1.ChunkAttn/CopyBlocks',
+            chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.CopyBlocksRequest.SerializeToString,
+            chunkattn__client_dot___pb_dot_chunkattn_dot_v1_dot_chunkattn__pb2.CopyBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -123,6 +123,30 @@ class ChunkAttnStub:
     """The caller's tenant's open block spaces, oldest first: a client that lost a space's id (its engine was
     killed) finds it here and closes it. Without --auth-tokens every caller is one tenant and sees them all.
     """
+    GrantBlocks: _grpc.UnaryUnaryMultiCallable[_chunkattn_pb2.GrantBlocksRequest, _chunkattn_pb2.GrantBlocksResponse]
+    """Hand blocks of a block space over (disaggregated prefill/decode: a prefill engine's request, decoded by
+    another engine's space): the server copies the listed blocks, every plane, into parked blocks of its own
+    under a grant, the caller's name for them. The grant outlives the space's use of those blocks (a serving
+    engine frees and reuses a finished request's blocks, and with prefix caching reads them again: the copy
+    keeps both sides right) and ends when CopyBlocks takes it, when its ttl_s passes, or when the server
+    stops; its parked blocks count against the grantor's max_kv_blocks until then. The grant's name is a
+    capability: whoever knows it (and is its tenant, or the to_tenant it names) may take the blocks, once.
+    INVALID_ARGUMENT for a malformed request (a name that is not 32 to 64 characters of [A-Za-z0-9_-], a block
+    id out of the space, a block listed twice, num_tokens more than the blocks hold, a ttl out of range),
+    NOT_FOUND for a space that does not exist (another tenant's included), ALREADY_EXISTS for a name in use,
+    RESOURCE_EXHAUSTED when the pool, the grantor's quota or its 4096 open grants cannot hold it. Nothing
+    changes on an error.
+    """
+    CopyBlocks: _grpc.UnaryUnaryMultiCallable[_chunkattn_pb2.CopyBlocksRequest, _chunkattn_pb2.CopyBlocksResponse]
+    """Copy blocks, every plane, into blocks of one of the caller's spaces: from another of its spaces, or from a
+    grant (GrantBlocks), which this takes (it ends, its parked blocks back to the pool, whether all or some of
+    its blocks were copied). The source and the destination must be laid out alike (the same layer_planes);
+    the destination blocks hold exactly the source's bytes afterwards, float8 pages and all (one server, one
+    set of scales). INVALID_ARGUMENT for a malformed request (counts that differ, an id out of range, a
+    destination block listed twice, spaces laid out otherwise), NOT_FOUND for a space or grant that does not
+    exist for the caller (another tenant's space, a grant taken, expired, never issued, or issued to another
+    tenant). Nothing changes on an error, and a grant a refused call names is not taken.
+    """
     OpenDataPlane: _grpc.UnaryUnaryMultiCallable[_chunkattn_pb2.OpenDataPlaneRequest, _chunkattn_pb2.OpenDataPlaneResponse]
     """A session on the server's data plane: Attend requests (sequence or block addressing) over ZeroMQ instead
     of gRPC, for a model runner that waits for each layer's answer (a round trip of tens of microseconds
@@ -232,6 +256,30 @@ class ChunkAttnAsyncStub(ChunkAttnStub):
     ListBlockSpaces: _aio.UnaryUnaryMultiCallable[_chunkattn_pb2.ListBlockSpacesRequest, _chunkattn_pb2.ListBlockSpacesResponse]  # type: ignore[assignment]
     """The caller's tenant's open block spaces, oldest first: a client that lost a space's id (its engine was
     killed) finds it here and closes it. Without --auth-tokens every caller is one tenant and sees them all.
+    """
+    GrantBlocks: _aio.UnaryUnaryMultiCallable[_chunkattn_pb2.GrantBlocksRequest, _chunkattn_pb2.GrantBlocksResponse]  # type: ignore[assignment]
+    """Hand blocks of a block space over (disaggregated prefill/decode: a prefill engine's request, decoded by
+    another engine's space): the server copies the listed blocks, every plane, into parked blocks of its own
+    under a grant, the caller's name for them. The grant outlives the space's use of those blocks (a serving
+    engine frees and reuses a finished request's blocks, and with prefix caching reads them again: the copy
+    keeps both sides right) and ends when CopyBlocks takes it, when its ttl_s passes, or when the server
+    stops; its parked blocks count against the grantor's max_kv_blocks until then. The grant's name is a
+    capability: whoever knows it (and is its tenant, or the to_tenant it names) may take the blocks, once.
+    INVALID_ARGUMENT for a malformed request (a name that is not 32 to 64 characters of [A-Za-z0-9_-], a block
+    id out of the space, a block listed twice, num_tokens more than the blocks hold, a ttl out of range),
+    NOT_FOUND for a space that does not exist (another tenant's included), ALREADY_EXISTS for a name in use,
+    RESOURCE_EXHAUSTED when the pool, the grantor's quota or its 4096 open grants cannot hold it. Nothing
+    changes on an error.
+    """
+    CopyBlocks: _aio.UnaryUnaryMultiCallable[_chunkattn_pb2.CopyBlocksRequest, _chunkattn_pb2.CopyBlocksResponse]  # type: ignore[assignment]
+    """Copy blocks, every plane, into blocks of one of the caller's spaces: from another of its spaces, or from a
+    grant (GrantBlocks), which this takes (it ends, its parked blocks back to the pool, whether all or some of
+    its blocks were copied). The source and the destination must be laid out alike (the same layer_planes);
+    the destination blocks hold exactly the source's bytes afterwards, float8 pages and all (one server, one
+    set of scales). INVALID_ARGUMENT for a malformed request (counts that differ, an id out of range, a
+    destination block listed twice, spaces laid out otherwise), NOT_FOUND for a space or grant that does not
+    exist for the caller (another tenant's space, a grant taken, expired, never issued, or issued to another
+    tenant). Nothing changes on an error, and a grant a refused call names is not taken.
     """
     OpenDataPlane: _aio.UnaryUnaryMultiCallable[_chunkattn_pb2.OpenDataPlaneRequest, _chunkattn_pb2.OpenDataPlaneResponse]  # type: ignore[assignment]
     """A session on the server's data plane: Attend requests (sequence or block addressing) over ZeroMQ instead
@@ -417,6 +465,42 @@ class ChunkAttnServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_chunkattn_pb2.ListBlockSpacesResponse, _abc.Awaitable[_chunkattn_pb2.ListBlockSpacesResponse]]:
         """The caller's tenant's open block spaces, oldest first: a client that lost a space's id (its engine was
         killed) finds it here and closes it. Without --auth-tokens every caller is one tenant and sees them all.
+        """
+
+    @_abc_1.abstractmethod
+    def GrantBlocks(
+        self,
+        request: _chunkattn_pb2.GrantBlocksRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_chunkattn_pb2.GrantBlocksResponse, _abc.Awaitable[_chunkattn_pb2.GrantBlocksResponse]]:
+        """Hand blocks of a block space over (disaggregated prefill/decode: a prefill engine's request, decoded by
+        another engine's space): the server copies the listed blocks, every plane, into parked blocks of its own
+        under a grant, the caller's name for them. The grant outlives the space's use of those blocks (a serving
+        engine frees and reuses a finished request's blocks, and with prefix caching reads them again: the copy
+        keeps both sides right) and ends when CopyBlocks takes it, when its ttl_s passes, or when the server
+        stops; its parked blocks count against the grantor's max_kv_blocks until then. The grant's name is a
+        capability: whoever knows it (and is its tenant, or the to_tenant it names) may take the blocks, once.
+        INVALID_ARGUMENT for a malformed request (a name that is not 32 to 64 characters of [A-Za-z0-9_-], a block
+        id out of the space, a block listed twice, num_tokens more than the blocks hold, a ttl out of range),
+        NOT_FOUND for a space that does not exist (another tenant's included), ALREADY_EXISTS for a name in use,
+        RESOURCE_EXHAUSTED when the pool, the grantor's quota or its 4096 open grants cannot hold it. Nothing
+        changes on an error.
+        """
+
+    @_abc_1.abstractmethod
+    def CopyBlocks(
+        self,
+        request: _chunkattn_pb2.CopyBlocksRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_chunkattn_pb2.CopyBlocksResponse, _abc.Awaitable[_chunkattn_pb2.CopyBlocksResponse]]:
+        """Copy blocks, every plane, into blocks of one of the caller's spaces: from another of its spaces, or from a
+        grant (GrantBlocks), which this takes (it ends, its parked blocks back to the pool, whether all or some of
+        its blocks were copied). The source and the destination must be laid out alike (the same layer_planes);
+        the destination blocks hold exactly the source's bytes afterwards, float8 pages and all (one server, one
+        set of scales). INVALID_ARGUMENT for a malformed request (counts that differ, an id out of range, a
+        destination block listed twice, spaces laid out otherwise), NOT_FOUND for a space or grant that does not
+        exist for the caller (another tenant's space, a grant taken, expired, never issued, or issued to another
+        tenant). Nothing changes on an error, and a grant a refused call names is not taken.
         """
 
     @_abc_1.abstractmethod
