@@ -481,7 +481,10 @@ def engine_work(model: Model, plan: Plan) -> tuple[dict[str, float], str]:
     for pos, n, q, k, v in _kv_prompt(model, plan):
         source.attend(0, [BatchEntry("kv-src", pos, n)], *(torch.from_numpy(x) for x in (q, k, v)), tenant="")
     manifest = source.transfer.export_manifest("kv-src", None, tenant="")
-    jobs = [exporter(manifest, batch) for batch in message_batches(manifest, DEFAULT_KV_MESSAGE_BYTES)]
+    jobs = [
+        exporter(manifest, batch)
+        for batch in message_batches(manifest.expected(), manifest.model, DEFAULT_KV_MESSAGE_BYTES)
+    ]
     export_s: list[float] = []
     import_s: list[float] = []
     for _ in range(plan.repeats + 1):  # the first round warms up, untimed

@@ -266,7 +266,14 @@ def _spaces(r: pb.ListBlockSpacesResponse) -> list[OpenSpace]:
 
 
 def grant_blocks(
-    space_id: str, block_ids: Sequence[int], grant_id: str, num_tokens: int, ttl_s: float, to_tenant: str
+    space_id: str,
+    block_ids: Sequence[int],
+    grant_id: str,
+    num_tokens: int,
+    ttl_s: float,
+    to_tenant: str,
+    target: str = "",
+    target_token: str = "",
 ) -> Call[Grant]:
     request = pb.GrantBlocksRequest(
         space_id=space_id,
@@ -275,6 +282,8 @@ def grant_blocks(
         num_tokens=num_tokens,
         ttl_s=ttl_s,
         to_tenant=to_tenant,
+        target=target,
+        target_token=target_token,
     )
     return Call("ChunkAttn", "GrantBlocks", request, Grant.from_pb)
 

@@ -146,16 +146,19 @@ class OpenSpace:
 @dataclass(frozen=True)
 class Grant:
     """What GrantBlocks parked: the blocks granted, the server's pool blocks holding them, their K/V bytes, and
-    the seconds the grant waits to be taken (CopyBlocks) before it ends."""
+    the seconds the grant waits to be taken (CopyBlocks) before it ends; sent to another server (a target):
+    the records it took and their bytes on the network."""
 
     blocks: int
     pool_blocks: int
     bytes: int
     ttl_s: float
+    records: int = 0
+    network_bytes: int = 0
 
     @classmethod
     def from_pb(cls, r: pb.GrantBlocksResponse) -> Grant:
-        return cls(r.blocks, r.pool_blocks, r.bytes, r.ttl_s)
+        return cls(r.blocks, r.pool_blocks, r.bytes, r.ttl_s, r.records, r.network_bytes)
 
 
 @dataclass(frozen=True)

@@ -124,11 +124,17 @@ class AsyncChunkAttnClient(ClientBase):
         num_tokens: int = 0,
         ttl_s: float = 0.0,
         to_tenant: str = "",
+        target: str = "",
+        target_token: str = "",
     ) -> Grant:
         """Hand blocks of a space over (GrantBlocks): the server parks a copy of them, every plane, under
         ``grant_id`` (32 to 64 characters of [A-Za-z0-9_-], random: it is the capability) until CopyBlocks takes
-        it or ``ttl_s`` (0: 60 s) passes; ``to_tenant`` may take it too. ``num_tokens``: what the blocks hold."""
-        return await self._unary(calls.grant_blocks(space_id, block_ids, grant_id, num_tokens, ttl_s, to_tenant))
+        it or ``ttl_s`` (0: 60 s) passes; ``to_tenant`` may take it too. ``num_tokens``: what the blocks hold.
+        With ``target`` (host:port of another server) the grant is parked there instead, its live blocks sent
+        by this server (``target_token``: the credentials it presents there; empty: its --transfer-token)."""
+        return await self._unary(
+            calls.grant_blocks(space_id, block_ids, grant_id, num_tokens, ttl_s, to_tenant, target, target_token)
+        )
 
     async def copy_blocks(
         self,

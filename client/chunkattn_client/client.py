@@ -46,7 +46,17 @@ from chunkattn_client._requests import (
     transfer_request,
 )
 from chunkattn_client._stream import Answer, PlaneStream, StreamState, failure
-from chunkattn_client._types import BlockSpace, Copied, Grant, KVImport, KVTransfer, LayerInfo, OpenSpace, ServerInfo, Truncated
+from chunkattn_client._types import (
+    BlockSpace,
+    Copied,
+    Grant,
+    KVImport,
+    KVTransfer,
+    LayerInfo,
+    OpenSpace,
+    ServerInfo,
+    Truncated,
+)
 from chunkattn_client.batch import BlockRows
 
 if TYPE_CHECKING:
@@ -202,11 +212,17 @@ class ChunkAttnClient(ClientBase):
         num_tokens: int = 0,
         ttl_s: float = 0.0,
         to_tenant: str = "",
+        target: str = "",
+        target_token: str = "",
     ) -> Grant:
         """Hand blocks of a space over (GrantBlocks): the server parks a copy of them, every plane, under
         ``grant_id`` (32 to 64 characters of [A-Za-z0-9_-], random: it is the capability) until CopyBlocks takes
-        it or ``ttl_s`` (0: 60 s) passes; ``to_tenant`` may take it too. ``num_tokens``: what the blocks hold."""
-        return self._unary(calls.grant_blocks(space_id, block_ids, grant_id, num_tokens, ttl_s, to_tenant))
+        it or ``ttl_s`` (0: 60 s) passes; ``to_tenant`` may take it too. ``num_tokens``: what the blocks hold.
+        With ``target`` (host:port of another server) the grant is parked there instead, its live blocks sent
+        by this server (``target_token``: the credentials it presents there; empty: its --transfer-token)."""
+        return self._unary(
+            calls.grant_blocks(space_id, block_ids, grant_id, num_tokens, ttl_s, to_tenant, target, target_token)
+        )
 
     def copy_blocks(
         self,

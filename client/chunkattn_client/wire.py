@@ -60,7 +60,8 @@ _Q, _K, _V = (field_number(pb.AttendRequest, f) for f in ("q", "k", "v"))
 _OUTPUT = field_number(pb.AttendResponse, "output")
 _TENSOR_DATA = field_number(pb.Tensor, "data")
 _TENSOR_DATA_KEY = _key(pb.Tensor, "data", _LEN)
-_HEADER, _BLOCKS, _TRAILER = (field_number(pb.KVChunk, f) for f in ("header", "blocks", "trailer"))
+_HEADER, _BLOCKS, _TRAILER, _GRANT = (field_number(pb.KVChunk, f) for f in ("header", "blocks", "trailer", "grant"))
+_PARTS = {_HEADER: "header", _TRAILER: "trailer", _GRANT: "grant"}
 _BLOCKS_KEY = _key(pb.KVChunk, "blocks", _LEN)
 _BLOCK = field_number(pb.KVBlocks, "blocks")
 _BLOCK_KEY = _key(pb.KVBlocks, "blocks", _LEN)
@@ -229,13 +230,13 @@ def encode_kv_blocks(records: Sequence[KVPieces]) -> bytes:
 
 
 def decode_kv_message(data: bytes, max_records: int | None = None) -> tuple[str, memoryview | list[KVRecord]]:
-    """A serialized KVChunk: ("blocks", its records, the K/V as views of ``data``), or ("header" or
+    """A serialized KVChunk: ("blocks", its records, the K/V as views of ``data``), or ("header", "grant" or
     "trailer", the submessage's bytes), or ("", empty) for a message with none. WireError when malformed,
     or when it holds more than ``max_records`` records (found before reading more than that many)."""
     buf = memoryview(data)
     found: tuple[str, memoryview | list[KVRecord]] = ("", memoryview(b""))
     for field, kind, start, end in _fields(buf, 8):
-        if kind != _LEN or field not in (_HEADER, _BLOCKS, _TRAILER):
+        if kind != _LEN or (field != _BLOCKS and field not in _PARTS):
             continue
         body = _payload(buf, start, end)
         if field == _BLOCKS:
@@ -247,7 +248,7 @@ def decode_kv_message(data: bytes, max_records: int | None = None) -> tuple[str,
                 ) from None
             found = ("blocks", [_kv_record(_payload(body, s, e)) for f, k, s, e in fields if f == _BLOCK and k == _LEN])
         else:
-            found = ("header" if field == _HEADER else "trailer", body)
+            found = (_PARTS[field], body)
     return found
 
 

@@ -41,6 +41,14 @@ class UnknownSpace(EngineError):
     """The block space does not exist: closed, evicted idle, never opened, or another tenant's."""
 
 
+class UnknownGrant(EngineError):
+    """A grant (GrantBlocks) that does not exist for the caller: taken, expired, never issued, another tenant's."""
+
+
+class GrantExists(EngineError):
+    """A grant name already in use (GrantBlocks): each grant is named anew."""
+
+
 class IncompatibleKV(InvalidArgument):
     """Imported KV does not fit this engine: another model shape, or a manifest that contradicts itself."""
 

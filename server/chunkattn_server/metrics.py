@@ -150,6 +150,29 @@ class Metrics:
             "Block spaces closed because they went unused past their lease (or --idle-timeout-s).",
             registry=r,
         )
+        self.grants = Gauge(
+            "chunkattn_grants", "Grants open (GrantBlocks: blocks handed over, waiting to be taken).", registry=r
+        )
+        self.parked_blocks = Gauge("chunkattn_grant_parked_blocks", "KV blocks the open grants hold.", registry=r)
+        self.grants_expired = Counter(
+            "chunkattn_grants_expired_total", "Grants ended untaken because their ttl passed.", registry=r
+        )
+        self.handoffs = Counter(
+            "chunkattn_handoffs_total",
+            "Block handoffs by operation (grant: GrantBlocks; take: CopyBlocks from a grant; copy: CopyBlocks"
+            " between spaces) and gRPC status code.",
+            ["op", "code"],
+            registry=r,
+        )
+        self.handoff_blocks = Counter(
+            "chunkattn_handoff_blocks_total", "Space blocks handed off, by operation.", ["op"], registry=r
+        )
+        self.handoff_bytes = Counter(
+            "chunkattn_handoff_bytes_total",
+            "K/V bytes handed off, by operation and where they went (local: copied inside this server).",
+            ["op", "where"],
+            registry=r,
+        )
         self.calls = Counter(
             "chunkattn_attend_calls_total",
             "Attend calls served (unary or streamed), by how they address KV: sequence (entries) or blocks (a"
@@ -237,6 +260,8 @@ class Metrics:
         self.kv_blocks_used.set(stats.used_blocks)
         self.active_sequences.set(stats.num_sequences)
         self.block_spaces.set(sum(stats.spaces_by_tenant.values()))
+        self.grants.set(stats.grants)
+        self.parked_blocks.set(stats.parked_blocks)
 
 
 class _TenantGauges(Collector):

@@ -27,7 +27,7 @@ from chunkattn_server import http, reflection
 from chunkattn_server.config import EngineConfig, ServerConfig, check_together
 from chunkattn_server.engine.core import Engine
 from chunkattn_server.engine.scheduler import Scheduler
-from chunkattn_server.engine.types import EngineStats
+from chunkattn_server.engine.types import EngineStats, Swept
 from chunkattn_server.errors import ConfigError
 from chunkattn_server.metrics import Metrics
 from chunkattn_server.service import dataplane
@@ -360,8 +360,9 @@ def _quotas(auth: Authenticator) -> Callable[[Engine], None]:
 
 async def _sweep_idle(scheduler: Scheduler, metrics: Metrics, idle_timeout_s: float, opened: asyncio.Event) -> None:
     """Release sequences untouched for longer than idle_timeout_s (0: never), checking every quarter of it (at
-    most 30 s); close block spaces unused past their lease (kv/spaces.py) as soon as the earliest can expire.
-    ``opened`` is set when a space opens (a new deadline). No engine job runs while nothing can expire."""
+    most 30 s); close block spaces unused past their lease (kv/spaces.py) and end grants past their ttl
+    (kv/grants.py) as soon as the earliest can. ``opened`` is set when a space or a grant opens (a new
+    deadline). No engine job runs while nothing can expire."""
     loop = asyncio.get_running_loop()  # its clock is time.monotonic, as the spaces' and sequences' last use
     period = max(0.05, min(idle_timeout_s / 4, 30.0)) if idle_timeout_s else math.inf
     next_sequences = loop.time() + period
@@ -376,26 +377,28 @@ async def _sweep_idle(scheduler: Scheduler, metrics: Metrics, idle_timeout_s: fl
             next_sequences = loop.time() + period
         try:
             sweep = functools.partial(_sweep, idle_timeout_s, sequences)
-            evicted, closed, due, stats = await scheduler.run("evict", sweep)
+            swept, stats = await scheduler.run("evict", sweep)
         except Exception:  # a failed sweep must not end eviction (or later the shutdown)
             log.exception("idle eviction failed; trying again in 1 s")
             next_space = loop.time() + 1.0
             continue
-        next_space = math.inf if due is None else due
-        if evicted or closed:
-            metrics.evicted.inc(evicted)
-            metrics.spaces_evicted.inc(closed)
+        next_space = math.inf if swept.due is None else swept.due
+        if swept.evicted or swept.closed or swept.grants_ended:
+            metrics.evicted.inc(swept.evicted)
+            metrics.spaces_evicted.inc(swept.closed)
+            metrics.grants_expired.inc(swept.grants_ended)
             metrics.observe_pool(stats)
             log.info(
-                "released %d sequences idle > %.1f s and closed %d block spaces unused past their lease",
-                evicted,
+                "released %d sequences idle > %.1f s, closed %d block spaces unused past their lease and ended %d"
+                " grants past their ttl",
+                swept.evicted,
                 idle_timeout_s,
-                closed,
+                swept.closed,
+                swept.grants_ended,
             )
 
 
-def _sweep(idle_timeout_s: float, sequences: bool, e: Engine) -> tuple[int, int, float | None, EngineStats]:
-    """The evictor's engine job: sequences released (when ``sequences``), spaces closed, the next space's
+def _sweep(idle_timeout_s: float, sequences: bool, e: Engine) -> tuple[Swept, EngineStats]:
+    """The evictor's engine job: what it released (sequences when ``sequences``), closed and ended, the next
     deadline, and the pool after."""
-    evicted, closed, due = e.sweep(idle_timeout_s, sequences=sequences)
-    return evicted, closed, due, e.stats()
+    return e.sweep(idle_timeout_s, sequences=sequences), e.stats()

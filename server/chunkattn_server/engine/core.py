@@ -34,9 +34,11 @@ from chunkattn_server.config import EngineConfig, LayerSpec, default_call_work
 from chunkattn_server.engine import blocks, checks
 from chunkattn_server.engine.device import make_backend, resolve_device
 from chunkattn_server.engine.entries import Entries
-from chunkattn_server.engine.types import AttendCall, BlockCall, EngineStats, Planned, Retry
-from chunkattn_server.errors import InvalidBatch, InvalidTensor, OutOfBlocks, PositionMismatch
+from chunkattn_server.engine.types import AttendCall, BlockCall, EngineStats, Handoff, Planned, Retry, Swept
+from chunkattn_server.errors import InvalidArgument, InvalidBatch, InvalidTensor, OutOfBlocks, PositionMismatch
 from chunkattn_server.kv.cache import KVCache, token_slots
+from chunkattn_server.kv.grant_transfer import GrantExchange, GrantImport, GrantManifest
+from chunkattn_server.kv.grants import GrantState, block_ids, same_layout
 from chunkattn_server.kv.manager import KVManager
 from chunkattn_server.kv.manifest import BlockRecord, BlockView, KVManifest, ModelFingerprint
 from chunkattn_server.kv.records import Quota, Reservation, Truncation, Write
@@ -100,6 +102,7 @@ class Engine:
         ]
         held = torchtypes.storable(self.cache_dtype, self.dtype)
         self.transfer = KVExchange(self.kv, self.cache, self._plane_of, self.fingerprint(), self.scales, held)
+        self.grant_transfer = GrantExchange(self.kv, self.cache, self.transfer)
         self._on_cpu = self.device.type == "cpu"
         # The most work one call may ask for (chunkattn_client.work; 0: any): what it may hold the device for.
         limit = config.max_call_work
@@ -483,6 +486,8 @@ class Engine:
             sequences_by_tenant=self.kv.sequences_by_tenant(),
             blocks_by_tenant=self.pool.usage(),
             spaces_by_tenant=self.kv.spaces.by_tenant(),
+            grants=len(self.kv.grants),
+            parked_blocks=self.kv.grants.parked_blocks(),
         )
 
     def scale(self, layer: int) -> float:
@@ -522,13 +527,87 @@ class Engine:
         """``tenant``'s open block spaces."""
         return self.kv.spaces.of(tenant)
 
-    def sweep(self, idle_timeout_s: float, *, sequences: bool) -> tuple[int, int, float | None]:
-        """Idle eviction: (sequences released, untouched for more than ``idle_timeout_s``, only when
-        ``sequences``; block spaces closed, unused past their lease; when the next open space's lease ends, in
-        time.monotonic()'s seconds, None for no open space)."""
+    def grant_blocks(
+        self,
+        space_id: str,
+        ids: Sequence[int],
+        grant_id: str,
+        *,
+        num_tokens: int,
+        ttl_s: float,
+        to_tenant: str,
+        tenant: str,
+    ) -> Handoff:
+        """Park a copy of ``tenant``'s space blocks ``ids``, every plane, under a new grant (kv/grants.py); a
+        block no call has touched yet parks as zeros. UnknownSpace, InvalidArgument, GrantExists, OutOfBlocks /
+        QuotaExceeded: nothing changed then."""
+        space = self.kv.spaces.get(space_id, tenant=tenant)
+        grant, checked = self.kv.grants.add(
+            space, ids, grant_id, num_tokens=num_tokens, ttl_s=ttl_s, to_tenant=to_tenant
+        )
+        self.cache.zero_blocks(space.take_stale(checked))  # no previous owner's bytes in the copy
+        parked = grant.blocks.reshape(-1).tolist()
+        self.cache.copy_blocks(space.blocks[checked].reshape(-1).tolist(), parked)
+        space.last_used = time.monotonic()
+        return Handoff(len(checked), len(parked), len(parked) * self.bytes_per_block, num_tokens)
+
+    def copy_blocks(
+        self,
+        dest_space_id: str,
+        dest_ids: Sequence[int],
+        source_ids: Sequence[int],
+        *,
+        space_id: str = "",
+        grant_id: str | None = None,
+        tenant: str,
+    ) -> Handoff:
+        """Copy blocks, every plane, into ``tenant``'s space ``dest_space_id``'s ``dest_ids``: from its space
+        ``space_id``'s ``source_ids``, or, ``grant_id`` not None (an empty name too: no grant has it), from that
+        grant (``source_ids`` index its blocks; empty: all), which this takes. The destination blocks hold exactly
+        the source's bytes afterwards. UnknownSpace, UnknownGrant, InvalidArgument: nothing changed then (a grant
+        is not taken)."""
+        dest = self.kv.spaces.get(dest_space_id, tenant=tenant)
+        grant = self.kv.grants.get(grant_id, tenant=tenant) if grant_id is not None else None
+        source = None if grant is not None else self.kv.spaces.get(space_id, tenant=tenant)
+        if grant is not None:
+            rows, planes, num_planes, what = grant.blocks, grant.layer_planes, grant.num_planes, "the grant"
+            if not len(source_ids):
+                source_ids = range(grant.num_blocks)
+        else:
+            assert source is not None
+            rows, planes, num_planes, what = source.blocks, source.layer_planes, source.num_planes, "the source space"
+        src = block_ids("source_block_ids", source_ids, len(rows), unique=False)
+        dst = block_ids("dest_block_ids", dest_ids, dest.num_blocks, unique=True)
+        if len(src) != len(dst):
+            raise InvalidArgument(
+                f"source_block_ids lists {len(src)} blocks and dest_block_ids {len(dst)}; expected one destination"
+                " block per source block"
+            )
+        same_layout(planes, num_planes, dest, what)
+        if source is not None:
+            self.cache.zero_blocks(source.take_stale(src))  # no previous owner's bytes in the copy
+        pool = rows[src].reshape(-1).tolist()
+        self.cache.copy_blocks(pool, dest.blocks[dst].reshape(-1).tolist())
+        dest.stale[dst] = False  # every byte of their pool blocks written now
+        now = time.monotonic()
+        dest.last_used = now
+        if source is not None:
+            source.last_used = now
+        num_tokens = 0
+        if grant is not None:
+            num_tokens = grant.num_tokens
+            self.kv.grants.release(grant)
+        return Handoff(len(src), len(pool), len(pool) * self.bytes_per_block, num_tokens)
+
+    def sweep(self, idle_timeout_s: float, *, sequences: bool) -> Swept:
+        """Idle eviction: sequences released (untouched for more than ``idle_timeout_s``, only when
+        ``sequences``), block spaces closed (unused past their lease), grants ended (past their ttl), and when
+        the next space's lease or grant's ttl ends, in time.monotonic()'s seconds (None for none)."""
         evicted = len(self.kv.evict_idle(idle_timeout_s)) if sequences else 0
         closed = len(self.kv.spaces.expire(idle_timeout_s))
-        return evicted, closed, self.kv.spaces.next_expiry(idle_timeout_s)
+        ended = self.kv.grants.expire()
+        due = [t for t in (self.kv.spaces.next_expiry(idle_timeout_s), self.kv.grants.next_expiry()) if t is not None]
+        return Swept(evicted, closed, ended, min(due, default=None))
 
     def max_held_blocks(self) -> int:
         """A bound on the blocks one sequence's tables list, over all its KV groups (each group's table at most
@@ -553,21 +632,60 @@ class Engine:
         """Release the exported sequence, unless a call changed it since the export (KVExchange)."""
         self.transfer.release_exported(manifest)
 
-    def begin_import(self, manifest: KVManifest, *, tenant: str) -> ImportSession:
-        """An import of ``manifest`` into ``tenant``'s sequences: its blocks reserved now (KVExchange)."""
+    def begin_import(self, manifest: KVManifest | GrantManifest, *, tenant: str) -> ImportSession | GrantImport:
+        """An import of ``manifest`` into ``tenant``'s sequences, or of a grant (GrantManifest) as ``tenant``'s:
+        its blocks reserved now (KVExchange, GrantExchange)."""
+        if isinstance(manifest, GrantManifest):
+            return self.grant_transfer.begin_import(manifest, tenant=tenant)
         return self.transfer.begin_import(manifest, tenant=tenant)
 
-    def import_records(self, session: ImportSession, records: Sequence[BlockRecord]) -> None:
+    def import_records(self, session: ImportSession | GrantImport, records: Sequence[BlockRecord]) -> None:
         """Write an import's records into its reserved blocks (KVExchange.import_records)."""
-        self.transfer.import_records(session, records)
+        if isinstance(session, GrantImport):
+            self.grant_transfer.import_records(session, records)
+        else:
+            self.transfer.import_records(session, records)
 
-    def commit_import(self, session: ImportSession) -> int:
-        """The import's sequence, created from its blocks; how many blocks it holds (KVExchange)."""
+    def commit_import(self, session: ImportSession | GrantImport) -> int:
+        """The import's sequence (grant), made from its blocks; how many blocks it holds (KVExchange)."""
+        if isinstance(session, GrantImport):
+            return self.grant_transfer.commit_import(session)
         return self.transfer.commit_import(session)
 
-    def abort_import(self, session: ImportSession) -> None:
+    def abort_import(self, session: ImportSession | GrantImport) -> None:
         """Return an import's reserved blocks (nothing to do after its commit)."""
-        self.transfer.abort_import(session)
+        if isinstance(session, GrantImport):
+            self.grant_transfer.abort_import(session)
+        else:
+            self.transfer.abort_import(session)
+
+    def grant_leaving(
+        self,
+        space_id: str,
+        ids: Sequence[int],
+        grant_id: str,
+        *,
+        num_tokens: int,
+        ttl_s: float,
+        to_tenant: str,
+        tenant: str,
+    ) -> tuple[GrantState, GrantManifest, Handoff]:
+        """A grant parked (``grant_blocks``) for another server: detached at once (no one here takes it, it
+        does not expire), with its stream's manifest; ``release_grant`` it once sent (GrantExchange)."""
+        done = self.grant_blocks(
+            space_id, ids, grant_id, num_tokens=num_tokens, ttl_s=ttl_s, to_tenant=to_tenant, tenant=tenant
+        )
+        grant = self.kv.grants.get(grant_id, tenant=tenant)
+        return grant, self.grant_transfer.detach(grant, ttl_s), done
+
+    def grant_views(self, grant: GrantState, items: Sequence[tuple[int, int]]) -> list[BlockView]:
+        """A leaving grant's records (plane, block) (GrantExchange.views)."""
+        return self.grant_transfer.views(grant, items)
+
+    def release_grant(self, grant: GrantState) -> EngineStats:
+        """Give back a leaving grant's name and blocks; the pool after."""
+        self.kv.grants.release(grant)
+        return self.stats()
 
 
 C = TypeVar("C")

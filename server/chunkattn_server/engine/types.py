@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -26,6 +27,28 @@ class EngineStats:
     sequences_by_tenant: Mapping[str, int] = field(default_factory=dict)  # tenants holding none left out
     blocks_by_tenant: Mapping[str, int] = field(default_factory=dict)
     spaces_by_tenant: Mapping[str, int] = field(default_factory=dict)  # open block spaces
+    grants: int = 0  # open grants (GrantBlocks), and the pool blocks they hold
+    parked_blocks: int = 0
+
+
+class Handoff(NamedTuple):
+    """What GrantBlocks parked or CopyBlocks copied: space blocks, the pool blocks behind them, their K/V
+    bytes, and the grant's num_tokens (0 for a copy between spaces)."""
+
+    blocks: int
+    pool_blocks: int
+    bytes: int
+    num_tokens: int
+
+
+class Swept(NamedTuple):
+    """An idle sweep's work (Engine.sweep): sequences released, spaces closed, grants ended, and the next
+    deadline of a space or grant (time.monotonic; None for none)."""
+
+    evicted: int
+    closed: int
+    grants_ended: int
+    due: float | None
 
 
 @dataclass(frozen=True)

@@ -79,8 +79,19 @@ class KVCache:
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy block ``src`` into ``dst`` in every plane (a copy-on-write of a shared block)."""
+        self.copy_blocks([src], [dst])
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Copy blocks ``src[i]`` into ``dst[i]`` in every plane, as if all at once (a block both read and
+        written reads its old bytes); ``dst`` holds each block once."""
+        if not src:
+            return
+        device = self.k[0].device
+        s = torch.tensor(src, dtype=torch.int64, device=device)
+        d = torch.tensor(dst, dtype=torch.int64, device=device)
         for pages in (*self.k, *self.v):
-            pages[:, dst].copy_(pages[:, src])
+            raw = pages.view(torch.uint8)  # as bytes: index_copy_ has no float8 kernel
+            raw.index_copy_(1, d, raw.index_select(1, s))
 
     def zero_blocks(self, blocks: list[int]) -> None:
         """Zero ``blocks`` in every plane (blocks granted to a block space: no previous owner's K/V shows)."""

@@ -33,6 +33,7 @@ from chunkattn_server.errors import (
     UnknownSequence,
 )
 from chunkattn_server.kv.block_pool import BlockPool
+from chunkattn_server.kv.grants import Grants
 from chunkattn_server.kv.records import Quota, Reservation, SequenceInfo, Truncation, Write
 from chunkattn_server.kv.sequences import Refusal, Retention, SequenceState
 from chunkattn_server.kv.spaces import BlockSpaces
@@ -55,6 +56,8 @@ class KVManager:
         self.quotas: dict[str, Quota] = {}  # tenant -> its quota (none: no limit)
         # The block API's spaces: their blocks come from the same pool, under the same quotas.
         self.spaces = BlockSpaces(self.pool, config.model, config.group_size, self.check_quota)
+        # Their handoffs: blocks of a space parked under a grant until another space takes them.
+        self.grants = Grants(self.pool, self.check_quota, self.block_size, config.group_size)
         self.group_of: list[KVGroup] = []  # per layer; a KV-sharing layer's is its source's
         for i, spec in enumerate(config.model.layers):
             owner = i if spec.kv_source is None else spec.kv_source

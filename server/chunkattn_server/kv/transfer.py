@@ -130,21 +130,24 @@ class KVExchange:
         return tuple(self._scales.of(x) or (0.0, 0.0) for x in range(self._model.num_layers))
 
     def _check_scales(self, manifest: KVManifest) -> list[int]:
-        """IncompatibleKV unless every layer the stream carries KV of has the scales this engine holds its
-        cache over; returns the layers that take the stream's (calibrating ones with none yet)."""
+        """``check_scales`` for the layers a manifest carries KV of (its sharers read no more than it holds)."""
+        return self.check_scales(manifest.scales, [x for x in manifest.layers if manifest.lengths[x]])
+
+    def check_scales(self, scales: Sequence[tuple[float, float]], layers: Sequence[int]) -> list[int]:
+        """IncompatibleKV unless each of ``layers`` (the layers a stream carries KV of) has in ``scales`` (the
+        stream's, per layer) the scales this engine holds its cache over; returns the layers that take the
+        stream's (calibrating ones with none yet)."""
         scale_range = self._scales.range
         if scale_range is None:
             return []  # not a float8 cache: the fingerprint's cache dtype has said all
-        if len(manifest.scales) != self._model.num_layers:
+        if len(scales) != self._model.num_layers:
             raise IncompatibleKV(
-                f"the KV stream carries {len(manifest.scales)} layers' float8 scales; this model has"
+                f"the KV stream carries {len(scales)} layers' float8 scales; this model has"
                 f" {self._model.num_layers} layers"
             )
         adopt = []
-        for x in manifest.layers:
-            theirs, ours = manifest.scales[x], self._scales.of(x)
-            if manifest.lengths[x] == 0:
-                continue  # no KV of it in the stream (its sharers read no more than it holds)
+        for x in layers:
+            theirs, ours = scales[x], self._scales.of(x)
             for name, scale in zip(("k_scale", "v_scale"), theirs, strict=True):
                 problem = scale_range.problem(scale, f"its {name}")
                 if problem:
@@ -157,6 +160,15 @@ class KVExchange:
                     " give both servers the same --kv-scales"
                 )
         return adopt
+
+    def adopt_scales(self, layers: Sequence[int], scales: Sequence[tuple[float, float]]) -> None:
+        """Calibrating ``layers`` take the stream's ``scales`` (per layer), as their first write would give them."""
+        for x in layers:
+            self._scales.adopt(x, scales[x])
+
+    def scales_now(self) -> tuple[tuple[float, float], ...]:
+        """Per layer, the scales a KV stream from here carries (``_scales_now``)."""
+        return self._scales_now()
 
     def export_views(self, manifest: KVManifest, items: Sequence[tuple[int, int]]) -> list[BlockView]:
         """The records (layer, logical block) of an export with their checksums. A record carries only the
@@ -272,41 +284,51 @@ class KVExchange:
     def import_records(self, session: ImportSession, records: Sequence[BlockRecord]) -> None:
         """Check and write records of an import. Raises IncompatibleKV (unexpected, repeated or misshapen
         record, or one holding a NaN or an infinity) or DataLoss (checksum); the caller then aborts the session."""
-        cache_dtype = dtypes.BY_NAME[self.fingerprint.cache_dtype]
         for r in records:
             key = (r.layer, r.logical)
             if key not in session.expected or key in session.received:
                 raise IncompatibleKV(f"record (layer {r.layer}, block {r.logical}) is not expected or came twice")
-            if len(r.k) + len(r.v) != record_bytes(session.manifest.model) or len(r.k) != len(r.v):
-                raise IncompatibleKV(f"record (layer {r.layer}, block {r.logical}) has the wrong size")
-            if not r.intact():
-                raise DataLoss(f"record (layer {r.layer}, block {r.logical}) fails its checksum: the data is damaged")
-            if not (dtypes.all_finite(r.k, cache_dtype) and dtypes.all_finite(r.v, cache_dtype)):
-                raise IncompatibleKV(
-                    f"record (layer {r.layer}, block {r.logical}) holds a NaN or an infinity: this server's KV is"
-                    " finite (as Attend refuses such q/k/v, an import does)"
-                )
-            self._check_bounds(r, session.manifest, cache_dtype)
+            self.check_record(r, f"record (layer {r.layer}, block {r.logical})", [r.layer], session.manifest.scales)
             block = session.tables[self._kv.group_of[r.layer].index][r.logical]
             self._cache.write_block(self._plane_of[r.layer], block, r.k, r.v)
             session.received.add(key)
 
-    def _check_bounds(self, r: BlockRecord, manifest: KVManifest, cache_dtype: dtypes.DType) -> None:
-        """IncompatibleKV when a record's K or V is past the bounds Attend holds k and v to (ModelShape.
-        value_limits): larger finite values could overflow a later call's scores or sums."""
-        scales = manifest.scales[r.layer] if cache_dtype.fp8 else (1.0, 1.0)
+    def check_record(
+        self, r: BlockRecord, what: str, layers: Sequence[int], scales: Sequence[tuple[float, float]]
+    ) -> None:
+        """IncompatibleKV unless record ``r`` (named ``what`` in messages) is whole (one K and one V page of this
+        model's size) and holds only finite values Attend would take for each of ``layers`` over their float8
+        ``scales`` (per layer; unread in a cache of another dtype); DataLoss when it fails its checksum."""
+        cache_dtype = dtypes.BY_NAME[self.fingerprint.cache_dtype]
+        if len(r.k) + len(r.v) != record_bytes(self.fingerprint) or len(r.k) != len(r.v):
+            raise IncompatibleKV(f"{what} has the wrong size")
+        if not r.intact():
+            raise DataLoss(f"{what} fails its checksum: the data is damaged")
+        if not (dtypes.all_finite(r.k, cache_dtype) and dtypes.all_finite(r.v, cache_dtype)):
+            raise IncompatibleKV(
+                f"{what} holds a NaN or an infinity: this server's KV is finite (as Attend refuses such q/k/v, an"
+                " import does)"
+            )
+        for layer in layers:
+            self._check_bounds(r, what, layer, scales[layer] if cache_dtype.fp8 else (1.0, 1.0), cache_dtype)
+
+    def _check_bounds(
+        self, r: BlockRecord, what: str, layer: int, scales: tuple[float, float], cache_dtype: dtypes.DType
+    ) -> None:
+        """IncompatibleKV when a record's K or V, over ``scales``, is past the bounds Attend holds ``layer``'s k
+        and v to (ModelShape.value_limits): larger finite values could overflow a later call's scores or sums."""
         # A float8 cache rounds what Attend wrote (at most the bound) to nearest: up by half a step at most.
         slack = 1.0 + 2.0**-cache_dtype.mantissa_bits if cache_dtype.fp8 else 1.0
-        bounds = [min(x, self._held) for x in self._model.value_limits(r.layer)]
+        bounds = [min(x, self._held) for x in self._model.value_limits(layer)]
         for name, raw, scale, limit in zip(("K", "V"), (r.k, r.v), scales, bounds, strict=True):
             top = dtypes.max_abs(raw, cache_dtype) * scale
             if top > limit * slack:
                 power = math.log2(limit)
                 shown = f"{limit:g} (2^{int(power)})" if power == int(power) else f"{limit:g}"
                 raise IncompatibleKV(
-                    f"record (layer {r.layer}, block {r.logical}) holds a {name} of {top:g}, past {shown}, the"
-                    f" largest |{name.lower()}| Attend takes for this layer, cache and compute dtype: larger values"
-                    " could overflow attention (server.md, limits)"
+                    f"{what} holds a {name} of {top:g}, past {shown}, the largest |{name.lower()}| Attend takes for"
+                    f" layer {layer}, its cache and compute dtype: larger values could overflow attention"
+                    " (server.md, limits)"
                 )
 
     def commit_import(self, session: ImportSession) -> int:
@@ -322,8 +344,7 @@ class KVExchange:
         m = session.manifest
         kept_from = list(m.kept_from)
         self._kv.add(SequenceState(seq_id, list(m.lengths), session.tables, tenant=session.tenant, kept_from=kept_from))
-        for x in adopt:
-            self._scales.adopt(x, session.manifest.scales[x])
+        self.adopt_scales(adopt, session.manifest.scales)
         session.committed = True
         self._kv.expect(session.tenant, -1)  # it is held now, no longer to come
         return sum(len(t) for t in session.tables)

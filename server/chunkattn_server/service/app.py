@@ -45,7 +45,7 @@ class ChunkAttnService:
         self._rpcs = Rpcs(self._count, Admission(config.max_concurrent_rpcs, config.inflight_bytes), auth)
         edge = Edge(scheduler, self._rpcs, metrics, config)
         self._kv = KVService(edge)
-        self._blocks = BlockService(edge)
+        self._blocks = BlockService(edge, self._kv.push_grant)
         attend = AttendService(edge)
         self.sessions = Sessions(config.data_plane_session_s)
         self.data_plane = (

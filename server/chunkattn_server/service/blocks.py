@@ -1,11 +1,13 @@
 """The block API at the service edge: OpenBlockSpace, CloseBlockSpace, RenewBlockSpace and ListBlockSpaces,
-and an AttendRequest's BlockBatch read into the engine's BlockCall (the integer arrays as they came;
-engine/blocks.py checks them against the space)."""
+GrantBlocks and CopyBlocks (block handoff between spaces: kv/grants.py), and an AttendRequest's BlockBatch
+read into the engine's BlockCall (the integer arrays as they came; engine/blocks.py checks them against the
+space)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple
 
 import grpc
@@ -16,12 +18,15 @@ from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_server.config import ModelShape
 from chunkattn_server.engine.core import Engine
 from chunkattn_server.engine.scheduler import Scheduler
-from chunkattn_server.engine.types import BlockCall, EngineStats
+from chunkattn_server.engine.types import BlockCall, EngineStats, Handoff
 from chunkattn_server.errors import InvalidArgument, InvalidBatch
+from chunkattn_server.kv.grants import DEFAULT_TTL_S
 from chunkattn_server.kv.spaces import SPACE_ID_CHARS, SpaceState, lease
 from chunkattn_server.service.auth import Tenant
 from chunkattn_server.service.edge import Edge
 from chunkattn_server.service.rpc import SMALL_REQUEST_BYTES, Context, message
+from chunkattn_server.service.status import status_code
+from chunkattn_server.service.transfer import DEFAULT_TRANSFER_TIMEOUT_S, Pushed
 
 
 class BlockArgs(NamedTuple):
@@ -75,16 +80,23 @@ def _ints(field: str, data: bytes, dtype: str) -> np.ndarray:
     return np.frombuffer(data, dtype=dtype).astype(np.int64)
 
 
-class BlockService:
-    """The block-space RPCs, over ``edge``. A space's lease is never longer than the server's
-    --idle-timeout-s. ``opened`` is set whenever a space opens, so that whoever closes spaces past their lease
-    (server.py's sweep) learns of a new deadline."""
+PushGrant = Callable[[pb.GrantBlocksRequest, float, Tenant], Awaitable[Pushed]]
 
-    def __init__(self, edge: Edge) -> None:
+
+class BlockService:
+    """The block-space RPCs, over ``edge``; ``push_grant`` sends a grant to another server (KVService's). A
+    space's lease is never longer than the server's --idle-timeout-s. ``opened`` is set whenever a space or a
+    grant opens, so that whoever closes spaces past their lease and ends grants past their ttl (server.py's
+    sweep) learns of a new deadline."""
+
+    def __init__(self, edge: Edge, push_grant: PushGrant) -> None:
+        self._push_grant = push_grant
         self._run = edge.run
         self._observe_pool = edge.observe_pool
         self._edge = edge
         self._idle_timeout_s = edge.config.idle_timeout_s
+        # The longest list of block ids a request may carry: the pool's, at most 10 bytes each (varints).
+        self._ids_bytes = SMALL_REQUEST_BYTES + 10 * edge.scheduler.stats.num_blocks
         self.opened = asyncio.Event()
 
     def handlers(self) -> dict[str, grpc.RpcMethodHandler[Any, Any]]:
@@ -100,6 +112,8 @@ class BlockService:
             "ListBlockSpaces": r.unary(
                 "ListBlockSpaces", self.ListBlockSpaces, message(pb.ListBlockSpacesRequest, small)
             ),
+            "GrantBlocks": r.unary("GrantBlocks", self.GrantBlocks, message(pb.GrantBlocksRequest, self._ids_bytes)),
+            "CopyBlocks": r.unary("CopyBlocks", self.CopyBlocks, message(pb.CopyBlocksRequest, 2 * self._ids_bytes)),
         }
 
     def _lease(self, space: SpaceState) -> float:
@@ -167,3 +181,89 @@ class BlockService:
 
         response: pb.ListBlockSpacesResponse = await self._run("ListBlockSpaces", listed)
         return response
+
+    async def GrantBlocks(  # noqa: N802
+        self, request: pb.GrantBlocksRequest, context: Context, tenant: Tenant
+    ) -> pb.GrantBlocksResponse:
+        r, name = request, tenant.name
+        if r.target:
+            return await self._push(r, context, tenant)
+
+        def grant(e: Engine) -> tuple[Handoff, EngineStats]:
+            done = e.grant_blocks(
+                r.space_id,
+                r.block_ids,
+                r.grant_id,
+                num_tokens=r.num_tokens,
+                ttl_s=r.ttl_s,
+                to_tenant=r.to_tenant,
+                tenant=name,
+            )
+            return done, e.stats()
+
+        done = await self._handoff("grant", grant)
+        self.opened.set()  # a new deadline: the grant's ttl
+        return pb.GrantBlocksResponse(
+            blocks=done.blocks, pool_blocks=done.pool_blocks, bytes=done.bytes, ttl_s=r.ttl_s or DEFAULT_TTL_S
+        )
+
+    async def _push(
+        self, request: pb.GrantBlocksRequest, context: Context, tenant: Tenant
+    ) -> pb.GrantBlocksResponse:
+        """GrantBlocks with a target (KVService.push_grant), counted as a grant whose bytes went over the
+        network."""
+        m = self._edge.metrics
+        remaining = context.time_remaining()
+        try:
+            pushed = await self._push_grant(request, remaining or DEFAULT_TRANSFER_TIMEOUT_S, tenant)
+        except BaseException as e:
+            m.handoffs.labels("grant", status_code(e).name).inc()
+            raise
+        m.handoffs.labels("grant", "OK").inc()
+        m.handoff_blocks.labels("grant").inc(pushed.parked.blocks)
+        m.handoff_bytes.labels("grant", "network").inc(pushed.network_bytes)
+        return pb.GrantBlocksResponse(
+            blocks=pushed.parked.blocks,
+            pool_blocks=pushed.parked.pool_blocks,
+            bytes=pushed.parked.bytes,
+            ttl_s=request.ttl_s or DEFAULT_TTL_S,
+            records=pushed.records,
+            network_bytes=pushed.network_bytes,
+        )
+
+    async def CopyBlocks(  # noqa: N802
+        self, request: pb.CopyBlocksRequest, context: Context, tenant: Tenant
+    ) -> pb.CopyBlocksResponse:
+        r, name = request, tenant.name
+        source = r.WhichOneof("source")
+        if source is None:
+            raise InvalidArgument("CopyBlocks needs a source: space_id (one of your spaces) or grant_id (a grant)")
+
+        def copy(e: Engine) -> tuple[Handoff, EngineStats]:
+            done = e.copy_blocks(
+                r.dest_space_id,
+                r.dest_block_ids,
+                r.source_block_ids,
+                space_id=r.space_id,
+                grant_id=r.grant_id if source == "grant_id" else None,  # an empty name is still a grant's
+                tenant=name,
+            )
+            return done, e.stats()
+
+        done = await self._handoff("take" if source == "grant_id" else "copy", copy)
+        return pb.CopyBlocksResponse(blocks=done.blocks, bytes=done.bytes, num_tokens=done.num_tokens)
+
+    async def _handoff(self, op: str, job: Callable[[Engine], tuple[Handoff, EngineStats]]) -> Handoff:
+        """Run a handoff's engine job, counted (chunkattn_handoffs_total and its blocks and bytes) and the
+        pool gauges set after."""
+        m = self._edge.metrics
+        try:
+            done, stats = await self._run("GrantBlocks" if op == "grant" else "CopyBlocks", job)
+        except BaseException as e:
+            m.handoffs.labels(op, status_code(e).name).inc()
+            raise
+        m.handoffs.labels(op, "OK").inc()
+        m.handoff_blocks.labels(op).inc(done.blocks)
+        m.handoff_bytes.labels(op, "local").inc(done.bytes)
+        self._observe_pool(stats)
+        return done

@@ -13,24 +13,84 @@ from google.protobuf.message import DecodeError
 from chunkattn_client import dtypes, wire
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_server.errors import IncompatibleKV
+from chunkattn_server.kv.grant_transfer import GrantManifest
 from chunkattn_server.kv.manifest import BlockRecord, BlockView, KVManifest, ModelFingerprint, record_bytes
 
 
+def model_to_pb(f: ModelFingerprint, scales: Sequence[tuple[float, float]]) -> pb.KVModel:
+    return pb.KVModel(
+        num_heads=f.num_heads,
+        num_kv_heads=f.num_kv_heads,
+        head_size=f.head_size,
+        block_size=f.block_size,
+        chunk_sizes=f.chunk_sizes,
+        kv_sources=[-1 if s is None else s for s in f.kv_sources],
+        cache_dtype=dtypes.BY_NAME[f.cache_dtype].wire,  # type: ignore[arg-type]
+        k_scales=[k for k, _ in scales],
+        v_scales=[v for _, v in scales],
+    )
+
+
+def model_from_pb(m: pb.KVModel) -> tuple[ModelFingerprint, tuple[tuple[float, float], ...]]:
+    """A stream's model and scales; IncompatibleKV when they cannot be read (a dtype this server does not
+    know, scales that do not pair up)."""
+    try:
+        dtype = dtypes.of_wire(m.cache_dtype, dtypes.CACHE, "cache dtype").name
+    except dtypes.DTypeError as e:
+        raise IncompatibleKV(f"the KV stream's {e}") from None
+    if len(m.k_scales) != len(m.v_scales):
+        raise IncompatibleKV(
+            f"the KV stream has {len(m.k_scales)} k scales and {len(m.v_scales)} v scales;"
+            " expected one of each per layer"
+        )
+    model = ModelFingerprint(
+        num_heads=m.num_heads,
+        num_kv_heads=m.num_kv_heads,
+        head_size=m.head_size,
+        block_size=m.block_size,
+        chunk_sizes=tuple(m.chunk_sizes),
+        kv_sources=tuple(None if s < 0 else s for s in m.kv_sources),
+        cache_dtype=dtype,
+    )
+    return model, tuple(zip(m.k_scales, m.v_scales, strict=True))
+
+
+def grant_to_pb(m: GrantManifest) -> bytes:
+    """A serialized KVChunk holding a grant's header."""
+    header = pb.GrantHeader(
+        grant_id=m.grant_id,
+        model=model_to_pb(m.model, m.scales),
+        layer_planes=m.layer_planes,
+        num_planes=m.num_planes,
+        num_blocks=m.num_blocks,
+        num_tokens=m.num_tokens,
+        ttl_s=m.ttl_s,
+        to_tenant=m.to_tenant,
+        num_records=m.num_records,
+    )
+    return bytes(pb.KVChunk(grant=header).SerializeToString())
+
+
+def grant_from_pb(h: pb.GrantHeader) -> GrantManifest:
+    model, scales = model_from_pb(h.model)
+    return GrantManifest(
+        grant_id=h.grant_id,
+        model=model,
+        layer_planes=tuple(h.layer_planes),
+        num_planes=h.num_planes,
+        num_blocks=h.num_blocks,
+        num_tokens=h.num_tokens,
+        ttl_s=h.ttl_s,
+        to_tenant=h.to_tenant,
+        scales=scales,
+        num_records=h.num_records,
+    )
+
+
 def manifest_to_pb(m: KVManifest) -> pb.KVHeader:
-    f = m.model
     return pb.KVHeader(
         seq_id=m.seq_id,
-        model=pb.KVModel(
-            num_heads=f.num_heads,
-            num_kv_heads=f.num_kv_heads,
-            head_size=f.head_size,
-            block_size=f.block_size,
-            chunk_sizes=f.chunk_sizes,
-            kv_sources=[-1 if s is None else s for s in f.kv_sources],
-            cache_dtype=dtypes.BY_NAME[f.cache_dtype].wire,  # type: ignore[arg-type]
-            k_scales=[k for k, _ in m.scales],
-            v_scales=[v for _, v in m.scales],
-        ),
+        model=model_to_pb(m.model, m.scales),
         lengths=m.lengths,
         layers=m.layers,
         groups=[pb.KVGroupBlocks(logical=b) for b in m.blocks],
@@ -57,24 +117,7 @@ def fingerprint_of_info(info: pb.InfoResponse) -> ModelFingerprint:
 def manifest_from_pb(h: pb.KVHeader, tenant: str) -> KVManifest:
     """The manifest of a header sent by ``tenant``; IncompatibleKV when it cannot be read (a dtype this server
     does not know)."""
-    try:
-        dtype = dtypes.of_wire(h.model.cache_dtype, dtypes.CACHE, "cache dtype").name
-    except dtypes.DTypeError as e:
-        raise IncompatibleKV(f"the KV stream's {e}") from None
-    if len(h.model.k_scales) != len(h.model.v_scales):
-        raise IncompatibleKV(
-            f"the KV stream has {len(h.model.k_scales)} k scales and {len(h.model.v_scales)} v scales;"
-            " expected one of each per layer"
-        )
-    model = ModelFingerprint(
-        num_heads=h.model.num_heads,
-        num_kv_heads=h.model.num_kv_heads,
-        head_size=h.model.head_size,
-        block_size=h.model.block_size,
-        chunk_sizes=tuple(h.model.chunk_sizes),
-        kv_sources=tuple(None if s < 0 else s for s in h.model.kv_sources),
-        cache_dtype=dtype,
-    )
+    model, scales = model_from_pb(h.model)
     manifest = KVManifest(
         seq_id=h.seq_id,
         model=model,
@@ -84,7 +127,7 @@ def manifest_from_pb(h: pb.KVHeader, tenant: str) -> KVManifest:
         group_of=tuple(h.group_of),
         tenant=tenant,
         kept_from=tuple(h.kept_from),
-        scales=tuple(zip(h.model.k_scales, h.model.v_scales, strict=True)),
+        scales=scales,
     )
     if any(not 0 <= g < len(manifest.blocks) for g in manifest.group_of) or any(
         not 0 <= x < len(manifest.group_of) for x in manifest.layers
@@ -116,11 +159,11 @@ def encode_blocks(views: Sequence[BlockView]) -> bytes:
 
 def decode(
     data: bytes, model: ModelFingerprint | None = None
-) -> tuple[str, pb.KVHeader | list[BlockRecord] | int | None]:
-    """A serialized KVChunk: ("header", its header: ``manifest_from_pb`` reads it), ("blocks", records viewing
-    ``data``), ("trailer", count) or ("", None). IncompatibleKV when it does not parse, or (given the stream's
-    ``model``) when a block has the wrong size: found before reading more blocks than the message's size can
-    hold."""
+) -> tuple[str, pb.KVHeader | pb.GrantHeader | list[BlockRecord] | int | None]:
+    """A serialized KVChunk: ("header", its header: ``manifest_from_pb`` reads it), ("grant", a grant's
+    header: ``grant_from_pb``), ("blocks", records viewing ``data``), ("trailer", count) or ("", None).
+    IncompatibleKV when it does not parse, or (given the stream's ``model``) when a block has the wrong size:
+    found before reading more blocks than the message's size can hold."""
     size = None if model is None else record_bytes(model) // 2
     try:
         part, body = wire.decode_kv_message(data, None if size is None else len(data) // (2 * size))
@@ -134,6 +177,8 @@ def decode(
         assert isinstance(body, memoryview)
         if part == "header":
             return part, pb.KVHeader.FromString(bytes(body))
+        if part == "grant":
+            return part, pb.GrantHeader.FromString(bytes(body))
         if part == "trailer":
             return part, int(pb.KVTrailer.FromString(bytes(body)).num_records)
     except (wire.WireError, DecodeError) as e:

@@ -7,6 +7,7 @@ import torch
 
 from chunkattn_server.errors import (
     DataLoss,
+    GrantExists,
     InvalidArgument,
     NotOffered,
     OutOfBlocks,
@@ -17,6 +18,7 @@ from chunkattn_server.errors import (
     ShuttingDown,
     StreamStalled,
     Unauthenticated,
+    UnknownGrant,
     UnknownSequence,
     UnknownSpace,
 )
@@ -44,6 +46,8 @@ _STATUS: dict[type[BaseException], grpc.StatusCode] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     UnknownSequence: grpc.StatusCode.NOT_FOUND,
     UnknownSpace: grpc.StatusCode.NOT_FOUND,
+    UnknownGrant: grpc.StatusCode.NOT_FOUND,
+    GrantExists: grpc.StatusCode.ALREADY_EXISTS,
     SequenceExists: grpc.StatusCode.ALREADY_EXISTS,
     DataLoss: grpc.StatusCode.DATA_LOSS,
     SequenceChanged: grpc.StatusCode.ABORTED,

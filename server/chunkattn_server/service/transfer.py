@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 
@@ -23,9 +23,11 @@ from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2_grpc as pb_grpc
 from chunkattn_client.limits import MAX_ID_BYTES, id_problem, target_problem, token_problem
 from chunkattn_server.engine.core import Engine
-from chunkattn_server.engine.types import EngineStats
+from chunkattn_server.engine.types import EngineStats, Handoff
 from chunkattn_server.errors import DataLoss, IncompatibleKV, InvalidArgument, InvalidBatch
-from chunkattn_server.kv.manifest import KVManifest, batches, record_bytes
+from chunkattn_server.kv.grant_transfer import GrantImport, GrantManifest
+from chunkattn_server.kv.grants import GrantState
+from chunkattn_server.kv.manifest import KVManifest, ModelFingerprint, batches, record_bytes
 from chunkattn_server.kv.transfer import ImportSession
 from chunkattn_server.service import kvwire
 from chunkattn_server.service.auth import Tenant
@@ -138,14 +140,27 @@ class KVService:
     async def _chunks(
         self, manifest: KVManifest, limit: int, *, as_id: str = "", failure: list[BaseException] | None = None
     ) -> AsyncGenerator[bytes, None]:
-        """Serialized KVChunks: header, blocks in messages of at most ``limit`` bytes (at least one block
-        each), trailer. The next message's engine job runs while this one is on the wire.
+        """A sequence's serialized KVChunks (``_stream``), header first, blocks in messages of at most
+        ``limit`` bytes (at least one block each)."""
+        todo = message_batches(manifest.expected(), manifest.model, limit)
+        jobs = [exporter(manifest, batch) for batch in todo]
+        async for chunk in self._stream(kvwire.encode_header(manifest, as_id), jobs, failure):
+            yield chunk
+
+    async def _stream(
+        self,
+        header: bytes,
+        jobs: Sequence[Callable[[Engine], tuple[bytes, int, int]]],
+        failure: list[BaseException] | None = None,
+    ) -> AsyncGenerator[bytes, None]:
+        """Serialized KVChunks: ``header``, the messages of blocks ``jobs`` read and encode (each: serialized
+        KVChunk, blocks, K/V bytes), a trailer. The next message's engine job runs while this one is on the wire.
 
         With ``failure``, an error ends the stream early (no trailer: the importer sees it cut short) and is
         kept there for the caller, instead of being raised into the consumer (gRPC's request stream)."""
-        yield kvwire.encode_header(manifest, as_id)
-        todo = message_batches(manifest, limit)
-        pending = asyncio.ensure_future(self._run("ExportKV", exporter(manifest, todo[0]))) if todo else None
+        yield header
+        todo, sent = jobs, 0
+        pending = asyncio.ensure_future(self._run("ExportKV", todo[0])) if todo else None
         try:
             for i in range(len(todo)):
                 assert pending is not None
@@ -156,18 +171,15 @@ class KVService:
                         raise
                     failure.append(e)
                     return
-                pending = (
-                    asyncio.ensure_future(self._run("ExportKV", exporter(manifest, todo[i + 1])))
-                    if i + 1 < len(todo)
-                    else None
-                )
+                pending = asyncio.ensure_future(self._run("ExportKV", todo[i + 1])) if i + 1 < len(todo) else None
                 self._metrics.kv_transfer_blocks.labels("out").inc(blocks)
                 self._metrics.kv_transfer_bytes.labels("out").inc(nbytes)
+                sent += blocks
                 yield message
         finally:
             if pending is not None:
                 pending.cancel()
-        yield kvwire.encode_trailer(sum(len(batch) for batch in todo))
+        yield kvwire.encode_trailer(sent)
 
     async def _import(self, stream: Stream, tenant: Tenant) -> pb.ImportKVResponse:
         """The header is decoded, checked and its blocks reserved in one engine job; each later message is
@@ -183,14 +195,16 @@ class KVService:
                 f"a KV stream's first message must be its header, and a header for this server is at most"
                 f" {self._max_header_bytes} bytes; this one has {len(first)}"
             )
-        holder: list[ImportSession] = []  # set on the engine thread, so that no cancellation can lose the session
+        holder: list[ImportSession | GrantImport] = []  # set on the engine thread: no cancellation loses it
 
-        def begin(e: Engine) -> ImportSession:
+        def begin(e: Engine) -> ImportSession | GrantImport:
             part, header = kvwire.decode(first)
-            if part != "header" or not isinstance(header, pb.KVHeader):
-                raise IncompatibleKV("a KV stream must start with its header")
-            manifest = kvwire.manifest_from_pb(header, tenant.name)
-            holder.append(e.begin_import(manifest, tenant=tenant.name))
+            if part == "grant" and isinstance(header, pb.GrantHeader):
+                holder.append(e.begin_import(kvwire.grant_from_pb(header), tenant=tenant.name))
+            elif part == "header" and isinstance(header, pb.KVHeader):
+                holder.append(e.begin_import(kvwire.manifest_from_pb(header, tenant.name), tenant=tenant.name))
+            else:
+                raise IncompatibleKV("a KV stream must start with its header (or a grant's)")
             return holder[0]
 
         def abort(e: Engine) -> None:
@@ -218,7 +232,7 @@ class KVService:
 
         try:
             with admission.admit(len(first), tenant=tenant):
-                session: ImportSession = await self._run("ImportKV", begin)
+                session: ImportSession | GrantImport = await self._run("ImportKV", begin)
             while (data := await stream.read()) is not None:
                 ticket = await admission.admit_when_room(len(data), tenant)
                 try:
@@ -248,9 +262,10 @@ class KVService:
             # Queued behind the begin job and any running write (one engine thread, in order) and shielded: a
             # cancelled RPC still returns every reserved block, even when cancelled while the begin job ran.
             await asyncio.shield(self._run("ImportKV", abort))
-        return pb.ImportKVResponse(seq_id=session.manifest.seq_id, blocks=blocks, records=records, bytes=nbytes)
+        seq_id = session.manifest.seq_id if isinstance(session, ImportSession) else ""
+        return pb.ImportKVResponse(seq_id=seq_id, blocks=blocks, records=records, bytes=nbytes)
 
-    def _importer(self, session: ImportSession, data: bytes) -> Callable[[Engine], tuple[int, int, bool]]:
+    def _importer(self, session: ImportSession | GrantImport, data: bytes) -> Callable[[Engine], tuple[int, int, bool]]:
         """The engine job that decodes one message after the header and writes its blocks: (blocks, bytes,
         whether it was the trailer)."""
         model = self._model
@@ -279,21 +294,7 @@ class KVService:
         manifest = await self._manifest(request.seq_id, list(request.layers), tenant)  # NOT_FOUND before connecting
         failure: list[BaseException] = []
         chunks = self._chunks(manifest, DEFAULT_KV_MESSAGE_BYTES, as_id=request.new_seq_id, failure=failure)
-        try:
-            async with self._targets.use(request.target) as channel:
-                method: grpc.aio.StreamUnaryMultiCallable[bytes, pb.ImportKVResponse] = channel.stream_unary(
-                    IMPORT_KV, request_serializer=wire.identity, response_deserializer=pb.ImportKVResponse.FromString
-                )
-                imported: pb.ImportKVResponse = await method(chunks, timeout=timeout, metadata=metadata)
-        except grpc.RpcError as e:
-            if failure:  # our export failed first; the target only saw the stream stop
-                raise failure[0] from None
-            error = TargetError.from_rpc(e, request.target)
-            if error.code == grpc.StatusCode.INTERNAL and "Internal error from Core" in str(error):
-                raise await self._lost_refusal(request.target, metadata) from None
-            raise error from None
-        if failure:
-            raise failure[0]
+        imported = await self._send(request.target, metadata, chunks, failure, timeout)
         released = False
         if request.release_after:  # only if no call changed it since the export (else ABORTED)
             stats = await self._run("TransferKV", _releaser(manifest))
@@ -303,6 +304,73 @@ class KVService:
         return pb.TransferKVResponse(
             blocks=imported.blocks, records=imported.records, bytes=imported.bytes, released=released
         )
+
+    async def _send(
+        self,
+        target: str,
+        metadata: Any,
+        chunks: AsyncIterator[bytes],
+        failure: list[BaseException],
+        timeout: float | None,
+    ) -> pb.ImportKVResponse:
+        """``chunks`` (a ``_stream`` that keeps its own error in ``failure``) into ``target``'s ImportKV; its
+        answer, or its refusal (TargetError), or our stream's own error."""
+        try:
+            async with self._targets.use(target) as channel:
+                method: grpc.aio.StreamUnaryMultiCallable[bytes, pb.ImportKVResponse] = channel.stream_unary(
+                    IMPORT_KV, request_serializer=wire.identity, response_deserializer=pb.ImportKVResponse.FromString
+                )
+                imported: pb.ImportKVResponse = await method(chunks, timeout=timeout, metadata=metadata)
+        except grpc.RpcError as e:
+            if failure:  # our export failed first; the target only saw the stream stop
+                raise failure[0] from None
+            error = TargetError.from_rpc(e, target)
+            if error.code == grpc.StatusCode.INTERNAL and "Internal error from Core" in str(error):
+                raise await self._lost_refusal(target, metadata) from None
+            raise error from None
+        if failure:
+            raise failure[0]
+        return imported
+
+    async def push_grant(self, request: pb.GrantBlocksRequest, timeout: float | None, tenant: Tenant) -> Pushed:
+        """GrantBlocks with a target: the blocks parked here and detached (a snapshot no one takes), their live
+        records sent to the target's ImportKV as a grant's stream, the grant released here whatever happens.
+        InvalidArgument for a bad target or token before anything is parked; the target's refusal passed on."""
+        started = time.perf_counter()
+        problem = target_problem(request.target) or (
+            request.target_token and token_problem(request.target_token, "target_token")
+        )
+        if problem:
+            raise InvalidArgument(problem)
+        metadata = bearer(request.target_token or self._config.transfer_token_for(request.target))
+        r, name = request, tenant.name
+
+        def leave(e: Engine) -> tuple[GrantState, GrantManifest, Handoff]:
+            return e.grant_leaving(
+                r.space_id,
+                r.block_ids,
+                r.grant_id,
+                num_tokens=r.num_tokens,
+                ttl_s=r.ttl_s,
+                to_tenant=r.to_tenant,
+                tenant=name,
+            )
+
+        grant, manifest, parked = await self._run("GrantBlocks", leave)
+        try:
+            failure: list[BaseException] = []
+            todo = message_batches(manifest.records(), manifest.model, DEFAULT_KV_MESSAGE_BYTES)
+            jobs = [_grant_reader(grant, batch) for batch in todo]
+            chunks = self._stream(kvwire.grant_to_pb(manifest), jobs, failure)
+            imported = await self._send(request.target, metadata, chunks, failure, timeout)
+        except BaseException as e:
+            self._transferred("out", _code(e), started)
+            raise
+        finally:  # queued after any read of its pages, and shielded: a cancelled call still returns its blocks
+            stats = await asyncio.shield(self._run("GrantBlocks", lambda e: e.release_grant(grant)))
+            self._observe_pool(stats)
+        self._transferred("out", grpc.StatusCode.OK, started)
+        return Pushed(parked, imported.records, imported.bytes)
 
     async def _lost_refusal(self, target: str, metadata: Any) -> TargetError:
         """What to say when a target refused an import and gRPC lost its reason. A target that refuses an
@@ -364,10 +432,12 @@ def _releaser(manifest: KVManifest) -> Callable[[Engine], EngineStats]:
     return job
 
 
-def message_batches(manifest: KVManifest, limit: int) -> list[Sequence[tuple[int, int]]]:
-    """The export's records (layer, logical block) cut into messages of at most ``limit`` bytes (at least
-    one record each)."""
-    return batches(manifest.expected(), max(1, limit // (record_bytes(manifest.model) + 64)))
+def message_batches(
+    records: Sequence[tuple[int, int]], model: ModelFingerprint, limit: int
+) -> list[Sequence[tuple[int, int]]]:
+    """An export's records ((layer, logical block), or a grant's (plane, block)) cut into messages of at most
+    ``limit`` bytes (at least one record each)."""
+    return batches(records, max(1, limit // (record_bytes(model) + 64)))
 
 
 def exporter(manifest: KVManifest, batch: Sequence[tuple[int, int]]) -> Callable[[Engine], tuple[bytes, int, int]]:
@@ -380,3 +450,23 @@ def exporter(manifest: KVManifest, batch: Sequence[tuple[int, int]]) -> Callable
         return kvwire.encode_blocks(views), len(views), len(views) * record_bytes(manifest.model)
 
     return job
+
+
+def _grant_reader(grant: GrantState, batch: Sequence[tuple[int, int]]) -> Callable[[Engine], tuple[bytes, int, int]]:
+    """The engine job that reads a leaving grant's records (plane, block) and encodes them: (serialized
+    KVChunk, records, K/V bytes)."""
+
+    def job(e: Engine) -> tuple[bytes, int, int]:
+        views = e.grant_views(grant, batch)
+        return kvwire.encode_blocks(views), len(views), sum(v.nbytes for v in views)
+
+    return job
+
+
+class Pushed(NamedTuple):
+    """A grant sent to another server: what was parked here (and released), and the records and their bytes
+    the target took."""
+
+    parked: Handoff
+    records: int
+    network_bytes: int

@@ -157,32 +157,62 @@ class ListBlockSpacesResponse(_message.Message):
     def __init__(self, spaces: _Optional[_Iterable[_Union[BlockSpaceInfo, _Mapping]]] = ...) -> None: ...
 
 class GrantBlocksRequest(_message.Message):
-    __slots__ = ("space_id", "block_ids", "grant_id", "num_tokens", "ttl_s", "to_tenant")
+    __slots__ = ("space_id", "block_ids", "grant_id", "num_tokens", "ttl_s", "to_tenant", "target", "target_token")
     SPACE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     GRANT_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
     TO_TENANT_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    TARGET_TOKEN_FIELD_NUMBER: _ClassVar[int]
     space_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     grant_id: str
     num_tokens: int
     ttl_s: float
     to_tenant: str
-    def __init__(self, space_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., grant_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., ttl_s: _Optional[float] = ..., to_tenant: _Optional[str] = ...) -> None: ...
+    target: str
+    target_token: str
+    def __init__(self, space_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., grant_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., ttl_s: _Optional[float] = ..., to_tenant: _Optional[str] = ..., target: _Optional[str] = ..., target_token: _Optional[str] = ...) -> None: ...
 
 class GrantBlocksResponse(_message.Message):
-    __slots__ = ("blocks", "pool_blocks", "bytes", "ttl_s")
+    __slots__ = ("blocks", "pool_blocks", "bytes", "ttl_s", "records", "network_bytes")
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     POOL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    NETWORK_BYTES_FIELD_NUMBER: _ClassVar[int]
     blocks: int
     pool_blocks: int
     bytes: int
     ttl_s: float
-    def __init__(self, blocks: _Optional[int] = ..., pool_blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+    records: int
+    network_bytes: int
+    def __init__(self, blocks: _Optional[int] = ..., pool_blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., ttl_s: _Optional[float] = ..., records: _Optional[int] = ..., network_bytes: _Optional[int] = ...) -> None: ...
+
+class GrantHeader(_message.Message):
+    __slots__ = ("grant_id", "model", "layer_planes", "num_planes", "num_blocks", "num_tokens", "ttl_s", "to_tenant", "num_records")
+    GRANT_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    LAYER_PLANES_FIELD_NUMBER: _ClassVar[int]
+    NUM_PLANES_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    TO_TENANT_FIELD_NUMBER: _ClassVar[int]
+    NUM_RECORDS_FIELD_NUMBER: _ClassVar[int]
+    grant_id: str
+    model: KVModel
+    layer_planes: _containers.RepeatedScalarFieldContainer[int]
+    num_planes: int
+    num_blocks: int
+    num_tokens: int
+    ttl_s: float
+    to_tenant: str
+    num_records: int
+    def __init__(self, grant_id: _Optional[str] = ..., model: _Optional[_Union[KVModel, _Mapping]] = ..., layer_planes: _Optional[_Iterable[int]] = ..., num_planes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_tokens: _Optional[int] = ..., ttl_s: _Optional[float] = ..., to_tenant: _Optional[str] = ..., num_records: _Optional[int] = ...) -> None: ...
 
 class CopyBlocksRequest(_message.Message):
     __slots__ = ("space_id", "grant_id", "source_block_ids", "dest_space_id", "dest_block_ids")
@@ -451,14 +481,16 @@ class KVTrailer(_message.Message):
     def __init__(self, num_records: _Optional[int] = ...) -> None: ...
 
 class KVChunk(_message.Message):
-    __slots__ = ("header", "blocks", "trailer")
+    __slots__ = ("header", "blocks", "trailer", "grant")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TRAILER_FIELD_NUMBER: _ClassVar[int]
+    GRANT_FIELD_NUMBER: _ClassVar[int]
     header: KVHeader
     blocks: KVBlocks
     trailer: KVTrailer
-    def __init__(self, header: _Optional[_Union[KVHeader, _Mapping]] = ..., blocks: _Optional[_Union[KVBlocks, _Mapping]] = ..., trailer: _Optional[_Union[KVTrailer, _Mapping]] = ...) -> None: ...
+    grant: GrantHeader
+    def __init__(self, header: _Optional[_Union[KVHeader, _Mapping]] = ..., blocks: _Optional[_Union[KVBlocks, _Mapping]] = ..., trailer: _Optional[_Union[KVTrailer, _Mapping]] = ..., grant: _Optional[_Union[GrantHeader, _Mapping]] = ...) -> None: ...
 
 class ImportKVResponse(_message.Message):
     __slots__ = ("seq_id", "blocks", "records", "bytes")

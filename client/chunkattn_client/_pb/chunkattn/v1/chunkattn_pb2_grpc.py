@@ -205,7 +205,8 @@ class ChunkAttnServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ImportKV(self, request_iterator, context):
-        """Such a stream in, as a new sequence on a server of the same model shape. All or nothing: a damaged or
+        """Such a stream in, as a new sequence on a server of the same model shape (or, after a GrantHeader, as a
+        grant: GrantBlocks with a target). All or nothing: a damaged or
         cut-short stream (DATA_LOSS), another shape or a header whose blocks are not exactly those its lengths
         need (INVALID_ARGUMENT), an id in use (ALREADY_EXISTS) or too few free blocks (RESOURCE_EXHAUSTED)
         leave nothing behind.

@@ -79,7 +79,8 @@ class ChunkAttnStub:
     block carries only the positions its layer wrote and keeps; the rest of it is zeros.
     """
     ImportKV: _grpc.StreamUnaryMultiCallable[_chunkattn_pb2.KVChunk, _chunkattn_pb2.ImportKVResponse]
-    """Such a stream in, as a new sequence on a server of the same model shape. All or nothing: a damaged or
+    """Such a stream in, as a new sequence on a server of the same model shape (or, after a GrantHeader, as a
+    grant: GrantBlocks with a target). All or nothing: a damaged or
     cut-short stream (DATA_LOSS), another shape or a header whose blocks are not exactly those its lengths
     need (INVALID_ARGUMENT), an id in use (ALREADY_EXISTS) or too few free blocks (RESOURCE_EXHAUSTED)
     leave nothing behind.
@@ -213,7 +214,8 @@ class ChunkAttnAsyncStub(ChunkAttnStub):
     block carries only the positions its layer wrote and keeps; the rest of it is zeros.
     """
     ImportKV: _aio.StreamUnaryMultiCallable[_chunkattn_pb2.KVChunk, _chunkattn_pb2.ImportKVResponse]  # type: ignore[assignment]
-    """Such a stream in, as a new sequence on a server of the same model shape. All or nothing: a damaged or
+    """Such a stream in, as a new sequence on a server of the same model shape (or, after a GrantHeader, as a
+    grant: GrantBlocks with a target). All or nothing: a damaged or
     cut-short stream (DATA_LOSS), another shape or a header whose blocks are not exactly those its lengths
     need (INVALID_ARGUMENT), an id in use (ALREADY_EXISTS) or too few free blocks (RESOURCE_EXHAUSTED)
     leave nothing behind.
@@ -386,7 +388,8 @@ class ChunkAttnServicer(metaclass=_abc_1.ABCMeta):
         request_iterator: _MaybeAsyncIterator[_chunkattn_pb2.KVChunk],
         context: _ServicerContext,
     ) -> _typing.Union[_chunkattn_pb2.ImportKVResponse, _abc.Awaitable[_chunkattn_pb2.ImportKVResponse]]:
-        """Such a stream in, as a new sequence on a server of the same model shape. All or nothing: a damaged or
+        """Such a stream in, as a new sequence on a server of the same model shape (or, after a GrantHeader, as a
+        grant: GrantBlocks with a target). All or nothing: a damaged or
         cut-short stream (DATA_LOSS), another shape or a header whose blocks are not exactly those its lengths
         need (INVALID_ARGUMENT), an id in use (ALREADY_EXISTS) or too few free blocks (RESOURCE_EXHAUSTED)
         leave nothing behind.
