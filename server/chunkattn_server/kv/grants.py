@@ -113,15 +113,15 @@ class Grants:
         self.planes_per_block = planes_per_block
         self._check_quota = check_quota
         self._grants: dict[str, GrantState] = {}
-        self._reserved: set[str] = set()  # names held by grants not open: arriving, or leaving for another server
+        self._reserved: dict[str, GrantState] = {}  # grants not open: arriving, or leaving for another server
         self._count: dict[str, int] = {}  # tenant -> grants held, open or not
 
     def __len__(self) -> int:
         return len(self._grants)
 
     def parked_blocks(self) -> int:
-        """Pool blocks the open grants hold."""
-        return sum(int(g.blocks.size) for g in self._grants.values())
+        """Pool blocks the grants hold (open, arriving or leaving)."""
+        return sum(int(g.blocks.size) for g in (*self._grants.values(), *self._reserved.values()))
 
     def add(
         self,
@@ -194,9 +194,7 @@ class Grants:
                 f" free of {self.pool.num_blocks}: grant fewer at once, or let open grants be taken first"
             )
         taken = self.pool.allocate(needed, account=tenant)
-        self._reserved.add(grant_id)
-        self._count[tenant] = self._count.get(tenant, 0) + 1
-        return GrantState(
+        grant = GrantState(
             grant_id,
             tenant,
             to_tenant,
@@ -206,16 +204,19 @@ class Grants:
             num_tokens,
             now + (ttl_s or DEFAULT_TTL_S),
         )
+        self._reserved[grant_id] = grant
+        self._count[tenant] = self._count.get(tenant, 0) + 1
+        return grant
 
     def insert(self, grant: GrantState) -> None:
         """Open a reserved grant: from now on it can be taken (``get``), and ends at its expiry."""
-        self._reserved.discard(grant.grant_id)
+        del self._reserved[grant.grant_id]
         self._grants[grant.grant_id] = grant
 
     def release(self, grant: GrantState) -> int:
         """Give back what a grant holds, open or only reserved: its name and its pool blocks; how many."""
         self._grants.pop(grant.grant_id, None)
-        self._reserved.discard(grant.grant_id)
+        self._reserved.pop(grant.grant_id, None)
         self._count[grant.tenant] -= 1
         if not self._count[grant.tenant]:
             del self._count[grant.tenant]
@@ -227,7 +228,7 @@ class Grants:
         """Close an open grant to takers and to expiry (a grant on its way to another server), holding its
         name and blocks until ``release``."""
         del self._grants[grant.grant_id]
-        self._reserved.add(grant.grant_id)
+        self._reserved[grant.grant_id] = grant
 
     def get(self, grant_id: str, *, tenant: str, now: float | None = None) -> GrantState:
         """The open grant ``tenant`` may take; UnknownGrant for any other name (taken, expired, never issued,
@@ -254,7 +255,7 @@ class Grants:
         return min((g.expires for g in self._grants.values()), default=None)
 
     def by_tenant(self) -> dict[str, int]:
-        """Open grants per tenant (tenants with none left out)."""
+        """Grants per tenant, open, arriving or leaving (tenants with none left out)."""
         return dict(self._count)
 
 

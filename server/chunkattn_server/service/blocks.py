@@ -207,9 +207,7 @@ class BlockService:
             blocks=done.blocks, pool_blocks=done.pool_blocks, bytes=done.bytes, ttl_s=r.ttl_s or DEFAULT_TTL_S
         )
 
-    async def _push(
-        self, request: pb.GrantBlocksRequest, context: Context, tenant: Tenant
-    ) -> pb.GrantBlocksResponse:
+    async def _push(self, request: pb.GrantBlocksRequest, context: Context, tenant: Tenant) -> pb.GrantBlocksResponse:
         """GrantBlocks with a target (KVService.push_grant), counted as a grant whose bytes went over the
         network."""
         m = self._edge.metrics
