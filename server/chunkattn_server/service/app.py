@@ -43,7 +43,7 @@ class ChunkAttnService:
         self._metrics = metrics
         self._auth = auth
         self._rpcs = Rpcs(self._count, Admission(config.max_concurrent_rpcs, config.inflight_bytes), auth)
-        edge = Edge(scheduler, self._rpcs, metrics, config)
+        edge = self._edge = Edge(scheduler, self._rpcs, metrics, config)
         self._kv = KVService(edge)
         self._blocks = BlockService(edge, self._kv.push_grant)
         attend = AttendService(edge)
@@ -73,8 +73,8 @@ class ChunkAttnService:
 
     @property
     def spaces_opened(self) -> asyncio.Event:
-        """Set whenever a block space opens (BlockService.opened)."""
-        return self._blocks.opened
+        """Set whenever a block space or a grant opens (a new deadline for the idle sweep: Edge.deadline)."""
+        return self._edge.deadline
 
     def drain(self) -> None:
         """From now on, new calls are refused, open streams end before their next request and data-plane messages

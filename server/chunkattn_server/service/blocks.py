@@ -5,7 +5,6 @@ space)."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple
@@ -85,9 +84,9 @@ PushGrant = Callable[[pb.GrantBlocksRequest, float, Tenant], Awaitable[Pushed]]
 
 class BlockService:
     """The block-space RPCs, over ``edge``; ``push_grant`` sends a grant to another server (KVService's). A
-    space's lease is never longer than the server's --idle-timeout-s. ``opened`` is set whenever a space or a
-    grant opens, so that whoever closes spaces past their lease and ends grants past their ttl (server.py's
-    sweep) learns of a new deadline."""
+    space's lease is never longer than the server's --idle-timeout-s. Opening a space or a grant sets the edge's
+    ``deadline``, so that whoever closes spaces past their lease and ends grants past their ttl (server.py's
+    sweep) learns of it."""
 
     def __init__(self, edge: Edge, push_grant: PushGrant) -> None:
         self._push_grant = push_grant
@@ -97,7 +96,6 @@ class BlockService:
         self._idle_timeout_s = edge.config.idle_timeout_s
         # The longest list of block ids a request may carry: the pool's, at most 10 bytes each (varints).
         self._ids_bytes = SMALL_REQUEST_BYTES + 10 * edge.scheduler.stats.num_blocks
-        self.opened = asyncio.Event()
 
     def handlers(self) -> dict[str, grpc.RpcMethodHandler[Any, Any]]:
         r, small = self._edge.rpcs, SMALL_REQUEST_BYTES
@@ -139,7 +137,7 @@ class BlockService:
         response, stats = await self._run("OpenBlockSpace", open_space)
         self._edge.metrics.spaces_opened.inc()
         self._observe_pool(stats)
-        self.opened.set()
+        self._edge.deadline.set()  # its lease: a new deadline
         return response
 
     async def CloseBlockSpace(  # noqa: N802
@@ -202,7 +200,7 @@ class BlockService:
             return done, e.stats()
 
         done = await self._handoff("grant", grant)
-        self.opened.set()  # a new deadline: the grant's ttl
+        self._edge.deadline.set()  # the grant's ttl: a new deadline
         return pb.GrantBlocksResponse(
             blocks=done.blocks, pool_blocks=done.pool_blocks, bytes=done.bytes, ttl_s=r.ttl_s or DEFAULT_TTL_S
         )

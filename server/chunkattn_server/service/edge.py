@@ -1,10 +1,12 @@
 """What every API's handlers share: the scheduler (their one way to the engine: each engine job runs through
-it, on the engine's thread), the RPC scaffolding, the metrics and the server's configuration."""
+it, on the engine's thread), the RPC scaffolding, the metrics, the server's configuration, and the event that
+tells the idle sweep (server.py) of a new deadline."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from chunkattn_server.config import ServerConfig
@@ -19,12 +21,14 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class Edge:
-    """The service's parts that every handler module takes (service/app.py builds it once)."""
+    """The service's parts that every handler module takes (service/app.py builds it once). ``deadline`` is set
+    whenever something opens that the sweep must end in time: a block space with a lease, a grant (its ttl)."""
 
     scheduler: Scheduler
     rpcs: Rpcs
     metrics: Metrics
     config: ServerConfig
+    deadline: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def run(self, rpc: str, fn: Callable[[Engine], T]) -> T:
         """``fn(engine)`` as a control job (Scheduler.run), counted in flight; what it returns or raises."""

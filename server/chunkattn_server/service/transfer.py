@@ -57,6 +57,7 @@ class KVService:
         self._observe_pool = edge.observe_pool  # the KV-in-use and active-sequence gauges
         self._metrics = edge.metrics
         self._config = config
+        self._deadline = edge.deadline
         self._model = engine.fingerprint()
         # A header lists each held block once, and four entries per layer (its length, kept_from, group and index).
         self._max_header_bytes = (
@@ -253,6 +254,8 @@ class KVService:
                 raise DataLoss(f"the KV stream ended before its trailer, after {records} blocks: it was cut short")
             blocks, stats = await self._run("ImportKV", lambda e: (e.commit_import(session), e.stats()))
             self._observe_pool(stats)
+            if isinstance(session, GrantImport):
+                self._deadline.set()  # the grant's ttl: a new deadline for the sweep
         finally:
             if writing is not None:  # the stream failed while a write was queued or running: drop it
                 dropped, ticket = writing
