@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from chunkattn_server import CacheConfig, Engine, EngineConfig, LayerSpec, ModelShape
+from chunkattn_server.engine.types import GrantAsk
 from chunkattn_server.errors import (
     GrantExists,
     InvalidArgument,
@@ -296,7 +297,7 @@ def test_the_engine_parks_and_copies_every_byte(dtype: str) -> None:
     source.stale[:] = False  # written by calls
     scribble(e, source.blocks, seed=1)
     original = pages_of(e, source.blocks[[6, 2, 3]])
-    done = e.grant_blocks(source.space_id, [6, 2, 3], "g" * 32, num_tokens=12, ttl_s=0, to_tenant="", tenant="a")
+    done = e.grant_blocks(GrantAsk(source.space_id, [6, 2, 3], "g" * 32, 12, 0, ""), tenant="a")
     assert (done.blocks, done.pool_blocks, done.num_tokens) == (3, 6, 12)
     assert done.bytes == 6 * e.bytes_per_block
     scribble(e, source.blocks, seed=2)  # the grantor reuses its blocks: the grant is a copy
@@ -326,7 +327,7 @@ def test_a_stale_block_parks_as_zeros_and_a_refused_copy_changes_nothing() -> No
     scribble(e, first.blocks, seed=3)
     e.close_space(first.space_id, tenant="a")
     source = e.open_space(4, [], tenant="b")  # over the first's bytes, every block stale
-    e.grant_blocks(source.space_id, [0, 1], "z" * 32, num_tokens=0, ttl_s=0, to_tenant="", tenant="b")
+    e.grant_blocks(GrantAsk(source.space_id, [0, 1], "z" * 32, 0, 0, ""), tenant="b")
     assert source.stale.tolist() == [False, False, True, True]
     dest = e.open_space(4, [0, 0, 1, 1], tenant="b")
     same = e.open_space(4, [], tenant="b")
@@ -357,7 +358,7 @@ def test_a_stale_block_parks_as_zeros_and_a_refused_copy_changes_nothing() -> No
 def test_the_sweep_ends_grants_past_their_ttl_and_reports_the_next() -> None:
     e = Engine(config())
     space = e.open_space(2, [], tenant="a")
-    e.grant_blocks(space.space_id, [0], "s" * 32, num_tokens=0, ttl_s=1, to_tenant="", tenant="a")
+    e.grant_blocks(GrantAsk(space.space_id, [0], "s" * 32, 0, 1, ""), tenant="a")
     swept = e.sweep(0, sequences=False)
     assert swept.grants_ended == 0
     assert swept.due is not None

@@ -34,7 +34,7 @@ from chunkattn_server.config import EngineConfig, LayerSpec, default_call_work
 from chunkattn_server.engine import blocks, checks
 from chunkattn_server.engine.device import make_backend, resolve_device
 from chunkattn_server.engine.entries import Entries
-from chunkattn_server.engine.types import AttendCall, BlockCall, EngineStats, Handoff, Planned, Retry, Swept
+from chunkattn_server.engine.types import AttendCall, BlockCall, EngineStats, GrantAsk, Handoff, Planned, Retry, Swept
 from chunkattn_server.errors import InvalidArgument, InvalidBatch, InvalidTensor, OutOfBlocks, PositionMismatch
 from chunkattn_server.kv.cache import KVCache, token_slots
 from chunkattn_server.kv.grant_transfer import GrantExchange, GrantImport, GrantManifest
@@ -527,29 +527,19 @@ class Engine:
         """``tenant``'s open block spaces."""
         return self.kv.spaces.of(tenant)
 
-    def grant_blocks(
-        self,
-        space_id: str,
-        ids: Sequence[int],
-        grant_id: str,
-        *,
-        num_tokens: int,
-        ttl_s: float,
-        to_tenant: str,
-        tenant: str,
-    ) -> Handoff:
-        """Park a copy of ``tenant``'s space blocks ``ids``, every plane, under a new grant (kv/grants.py); a
-        block no call has touched yet parks as zeros. UnknownSpace, InvalidArgument, GrantExists, OutOfBlocks /
-        QuotaExceeded: nothing changed then."""
-        space = self.kv.spaces.get(space_id, tenant=tenant)
+    def grant_blocks(self, ask: GrantAsk, *, tenant: str) -> Handoff:
+        """Park a copy of ``tenant``'s space blocks ``ask.block_ids``, every plane, under a new grant
+        (kv/grants.py); a block no call has touched yet parks as zeros. UnknownSpace, InvalidArgument,
+        GrantExists, OutOfBlocks / QuotaExceeded: nothing changed then."""
+        space = self.kv.spaces.get(ask.space_id, tenant=tenant)
         grant, checked = self.kv.grants.add(
-            space, ids, grant_id, num_tokens=num_tokens, ttl_s=ttl_s, to_tenant=to_tenant
+            space, ask.block_ids, ask.grant_id, num_tokens=ask.num_tokens, ttl_s=ask.ttl_s, to_tenant=ask.to_tenant
         )
         self.cache.zero_blocks(space.take_stale(checked))  # no previous owner's bytes in the copy
         parked = grant.blocks.reshape(-1).tolist()
         self.cache.copy_blocks(space.blocks[checked].reshape(-1).tolist(), parked)
         space.last_used = time.monotonic()
-        return Handoff(len(checked), len(parked), len(parked) * self.bytes_per_block, num_tokens)
+        return Handoff(len(checked), len(parked), len(parked) * self.bytes_per_block, ask.num_tokens)
 
     def copy_blocks(
         self,
@@ -659,24 +649,12 @@ class Engine:
         else:
             self.transfer.abort_import(session)
 
-    def grant_leaving(
-        self,
-        space_id: str,
-        ids: Sequence[int],
-        grant_id: str,
-        *,
-        num_tokens: int,
-        ttl_s: float,
-        to_tenant: str,
-        tenant: str,
-    ) -> tuple[GrantState, GrantManifest, Handoff]:
+    def grant_leaving(self, ask: GrantAsk, *, tenant: str) -> tuple[GrantState, GrantManifest, Handoff]:
         """A grant parked (``grant_blocks``) for another server: detached at once (no one here takes it, it
         does not expire), with its stream's manifest; ``release_grant`` it once sent (GrantExchange)."""
-        done = self.grant_blocks(
-            space_id, ids, grant_id, num_tokens=num_tokens, ttl_s=ttl_s, to_tenant=to_tenant, tenant=tenant
-        )
-        grant = self.kv.grants.get(grant_id, tenant=tenant)
-        return grant, self.grant_transfer.detach(grant, ttl_s), done
+        done = self.grant_blocks(ask, tenant=tenant)
+        grant = self.kv.grants.get(ask.grant_id, tenant=tenant)
+        return grant, self.grant_transfer.detach(grant, ask.ttl_s), done
 
     def grant_views(self, grant: GrantState, items: Sequence[tuple[int, int]]) -> list[BlockView]:
         """A leaving grant's records (plane, block) (GrantExchange.views)."""

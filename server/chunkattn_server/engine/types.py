@@ -31,6 +31,19 @@ class EngineStats:
     parked_blocks: int = 0
 
 
+@dataclass(frozen=True)
+class GrantAsk:
+    """A GrantBlocks request as the engine takes it: the space and its blocks (in order), the grant's name, the
+    tokens the blocks hold, its ttl (0: the default) and the tenant that may take it besides the grantor's."""
+
+    space_id: str
+    block_ids: Sequence[int]
+    grant_id: str
+    num_tokens: int
+    ttl_s: float
+    to_tenant: str
+
+
 class Handoff(NamedTuple):
     """What GrantBlocks parked or CopyBlocks copied: space blocks, the pool blocks behind them, their K/V
     bytes, and the grant's num_tokens (0 for a copy between spaces)."""

@@ -17,7 +17,7 @@ from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_server.config import ModelShape
 from chunkattn_server.engine.core import Engine
 from chunkattn_server.engine.scheduler import Scheduler
-from chunkattn_server.engine.types import BlockCall, EngineStats, Handoff
+from chunkattn_server.engine.types import BlockCall, EngineStats, GrantAsk, Handoff
 from chunkattn_server.errors import InvalidArgument, InvalidBatch
 from chunkattn_server.kv.grants import DEFAULT_TTL_S
 from chunkattn_server.kv.spaces import SPACE_ID_CHARS, SpaceState, lease
@@ -71,6 +71,11 @@ def block_args(
     return BlockArgs(request.layer, BlockCall(b.space_id, q, k, v, slots, starts, seq_lens, tables, tenant))
 
 
+def grant_ask(r: pb.GrantBlocksRequest) -> GrantAsk:
+    """A GrantBlocks request's fields as the engine takes them (the engine checks them)."""
+    return GrantAsk(r.space_id, list(r.block_ids), r.grant_id, r.num_tokens, r.ttl_s, r.to_tenant)
+
+
 def _ints(field: str, data: bytes, dtype: str) -> np.ndarray:
     """A little-endian integer field's values, int64."""
     size = np.dtype(dtype).itemsize
@@ -79,7 +84,7 @@ def _ints(field: str, data: bytes, dtype: str) -> np.ndarray:
     return np.frombuffer(data, dtype=dtype).astype(np.int64)
 
 
-PushGrant = Callable[[pb.GrantBlocksRequest, float, Tenant], Awaitable[Pushed]]
+PushGrant = Callable[[str, str, GrantAsk, float, Tenant], Awaitable[Pushed]]
 
 
 class BlockService:
@@ -183,35 +188,26 @@ class BlockService:
     async def GrantBlocks(  # noqa: N802
         self, request: pb.GrantBlocksRequest, context: Context, tenant: Tenant
     ) -> pb.GrantBlocksResponse:
-        r, name = request, tenant.name
-        if r.target:
-            return await self._push(r, context, tenant)
+        if request.target:
+            return await self._push(request, context, tenant)
+        ask, name = grant_ask(request), tenant.name
 
         def grant(e: Engine) -> tuple[Handoff, EngineStats]:
-            done = e.grant_blocks(
-                r.space_id,
-                r.block_ids,
-                r.grant_id,
-                num_tokens=r.num_tokens,
-                ttl_s=r.ttl_s,
-                to_tenant=r.to_tenant,
-                tenant=name,
-            )
-            return done, e.stats()
+            return e.grant_blocks(ask, tenant=name), e.stats()
 
         done = await self._handoff("grant", grant)
         self._edge.deadline.set()  # the grant's ttl: a new deadline
         return pb.GrantBlocksResponse(
-            blocks=done.blocks, pool_blocks=done.pool_blocks, bytes=done.bytes, ttl_s=r.ttl_s or DEFAULT_TTL_S
+            blocks=done.blocks, pool_blocks=done.pool_blocks, bytes=done.bytes, ttl_s=ask.ttl_s or DEFAULT_TTL_S
         )
 
     async def _push(self, request: pb.GrantBlocksRequest, context: Context, tenant: Tenant) -> pb.GrantBlocksResponse:
         """GrantBlocks with a target (KVService.push_grant), counted as a grant whose bytes went over the
         network."""
         m = self._edge.metrics
-        remaining = context.time_remaining()
+        r, timeout = request, context.time_remaining() or DEFAULT_TRANSFER_TIMEOUT_S
         try:
-            pushed = await self._push_grant(request, remaining or DEFAULT_TRANSFER_TIMEOUT_S, tenant)
+            pushed = await self._push_grant(r.target, r.target_token, grant_ask(r), timeout, tenant)
         except BaseException as e:
             m.handoffs.labels("grant", status_code(e).name).inc()
             raise

@@ -23,7 +23,7 @@ from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2_grpc as pb_grpc
 from chunkattn_client.limits import MAX_ID_BYTES, id_problem, target_problem, token_problem
 from chunkattn_server.engine.core import Engine
-from chunkattn_server.engine.types import EngineStats, Handoff
+from chunkattn_server.engine.types import EngineStats, GrantAsk, Handoff
 from chunkattn_server.errors import DataLoss, IncompatibleKV, InvalidArgument, InvalidBatch
 from chunkattn_server.kv.grant_transfer import GrantImport, GrantManifest
 from chunkattn_server.kv.grants import GrantState
@@ -335,29 +335,22 @@ class KVService:
             raise failure[0]
         return imported
 
-    async def push_grant(self, request: pb.GrantBlocksRequest, timeout: float | None, tenant: Tenant) -> Pushed:
+    async def push_grant(
+        self, target: str, target_token: str, ask: GrantAsk, timeout: float | None, tenant: Tenant
+    ) -> Pushed:
         """GrantBlocks with a target: the blocks parked here and detached (a snapshot no one takes), their live
-        records sent to the target's ImportKV as a grant's stream, the grant released here whatever happens.
-        InvalidArgument for a bad target or token before anything is parked; the target's refusal passed on."""
+        records sent to ``target``'s ImportKV as a grant's stream (presenting ``target_token``, or the server's
+        --transfer-token), the grant released here whatever happens. InvalidArgument for a bad target or token
+        before anything is parked; the target's refusal passed on."""
         started = time.perf_counter()
-        problem = target_problem(request.target) or (
-            request.target_token and token_problem(request.target_token, "target_token")
-        )
+        problem = target_problem(target) or (target_token and token_problem(target_token, "target_token"))
         if problem:
             raise InvalidArgument(problem)
-        metadata = bearer(request.target_token or self._config.transfer_token_for(request.target))
-        r, name = request, tenant.name
+        metadata = bearer(target_token or self._config.transfer_token_for(target))
+        name = tenant.name
 
         def leave(e: Engine) -> tuple[GrantState, GrantManifest, Handoff]:
-            return e.grant_leaving(
-                r.space_id,
-                r.block_ids,
-                r.grant_id,
-                num_tokens=r.num_tokens,
-                ttl_s=r.ttl_s,
-                to_tenant=r.to_tenant,
-                tenant=name,
-            )
+            return e.grant_leaving(ask, tenant=name)
 
         grant, manifest, parked = await self._run("GrantBlocks", leave)
         try:
@@ -365,7 +358,7 @@ class KVService:
             todo = message_batches(manifest.records(), manifest.model, DEFAULT_KV_MESSAGE_BYTES)
             jobs = [_grant_reader(grant, batch) for batch in todo]
             chunks = self._stream(kvwire.grant_to_pb(manifest), jobs, failure)
-            imported = await self._send(request.target, metadata, chunks, failure, timeout)
+            imported = await self._send(target, metadata, chunks, failure, timeout)
         except BaseException as e:
             self._transferred("out", _code(e), started)
             raise
