@@ -39,6 +39,14 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def alone(checkpoint: Path) -> dict[str, Any]:
+    """vLLM alone on test_parity.py's scenario (``_scenario``), run once for every test that compares with it."""
+    from tests.vllm.test_parity import alone_run
+
+    return alone_run(checkpoint)
+
+
 def generate(
     args: dict[str, Any], *, target: str | None, env: dict[str, str] | None = None, timeout_s: float = 600
 ) -> dict[str, Any]:

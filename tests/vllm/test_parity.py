@@ -136,9 +136,9 @@ def _empty(server: ServerProcess, wait_s: float = 15.0) -> None:
     assert (info.free_blocks, info.block_spaces) == (info.num_blocks, 0), "the server still holds vLLM's space"
 
 
-@pytest.fixture(scope="module")
-def alone(checkpoint: Path) -> dict[str, Any]:
-    """vLLM alone on the scenario (one run for both planes' tests)."""
+def alone_run(checkpoint: Path) -> dict[str, Any]:
+    """vLLM alone on the scenario: conftest's session fixture ``alone``, one run for both planes' tests and the
+    P/D test (test_pd.py)."""
     result = generate(_scenario(checkpoint), target=None)
     assert result["counters"].get("vllm:num_preemptions", 0) > 0, "the pool was meant to make vLLM preempt"
     assert result["kv"]["num_blocks"] == POOL_BLOCKS  # what its kv_cache_memory_bytes gives
