@@ -34,6 +34,9 @@ def identity(b: bytes) -> bytes:
 
 
 def _varint(n: int) -> bytes:
+    """``n`` (0 <= n < 2^64) as a protobuf varint; ValueError otherwise (a negative n would never end)."""
+    if not 0 <= n < 1 << 64:
+        raise ValueError(f"a varint holds 0 .. 2^64 - 1, not {n}")
     out = bytearray()
     while True:
         byte, n = n & 0x7F, n >> 7
