@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install browser prometheus test test-fast test-vllm lint format serve cluster bench bench-calls bench-neighbours bench-gpu bench-vllm bench-vllm-offload demo proto clean fuzz soak
+.PHONY: install browser prometheus test test-fast test-vllm lint format serve cluster bench bench-calls bench-neighbours bench-gpu bench-vllm bench-vllm-offload bench-pd pd-demo demo proto clean fuzz soak
 
 $(STAMP): requirements/dev.txt requirements/constraints.txt client/pyproject.toml server/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -49,8 +49,14 @@ test-vllm: install $(VLLM_STAMP)  ## vLLM with the chunkattn plugin against vLLM
 bench-vllm: $(VLLM_STAMP)  ## benchmarks/vllm_kernel.py: vLLM's CPU attention kernel against the engine (torch, native), same data
 	PYTHONPATH=server $(VLLM_VENV)/bin/python benchmarks/vllm_kernel.py --json benchmarks/results/bench-vllm-kernel-$$(date +%F).json $(ARGS)
 
+pd-demo: install $(VLLM_STAMP)  ## examples/pd_vllm.py: prefill and decode vLLM servers, their KV handed over inside chunkattn (ARGS=--two-servers: between two)
+	$(VLLM_VENV)/bin/python examples/pd_vllm.py $(ARGS)
+
 bench-vllm-offload: install $(VLLM_STAMP)  ## benchmarks/vllm_offload.py: vLLM alone against vLLM offloading to a local server
 	$(VLLM_VENV)/bin/python -m benchmarks.vllm_offload --json benchmarks/results/bench-vllm-offload-$$(date +%F).json $(ARGS)
+
+bench-pd: install $(VLLM_STAMP)  ## benchmarks/pd_vllm.py: P/D handoff through one and two chunkattn servers against vLLM's ExampleConnector, 1K to 16K tokens
+	$(VLLM_VENV)/bin/python -m benchmarks.pd_vllm --json benchmarks/results/bench-pd-$$(date +%F).json $(ARGS)
 
 lint: install  ## ruff and mypy
 	$(BIN)/ruff check .
