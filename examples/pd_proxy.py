@@ -11,7 +11,8 @@ through the proxy or, on one chunkattn server, over the network.
 
 Standard library only. /v1/completions and /v1/chat/completions are proxied; /health answers 200 when both
 instances do. A prefill instance that fails or gives no params is not fatal: the decode instance then computes
-the prompt itself (the answer is the same, only slower), and the proxy logs why.
+the prompt itself (the answer is the same, only slower), and the proxy logs why. A client's own
+``kv_transfer_params`` are dropped: only the prefill instance's reach the decode instance.
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ class Proxy(BaseHTTPRequestHandler):
         except ValueError as e:
             self._answer(400, {"error": f"the request body is not JSON: {e}"})
             return
+        body.pop("kv_transfer_params", None)  # a client's own never reach an instance: only the prefill side's
         params = prefill_params(self.prefill, self.path, body)
         second = {**body, "kv_transfer_params": params} if params else body
         try:

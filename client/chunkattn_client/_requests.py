@@ -274,6 +274,8 @@ def grant_blocks(
     to_tenant: str,
     target: str = "",
     target_token: str = "",
+    whole: bool = False,
+    tag: str = "",
 ) -> Call[Grant]:
     request = pb.GrantBlocksRequest(
         space_id=space_id,
@@ -284,6 +286,8 @@ def grant_blocks(
         to_tenant=to_tenant,
         target=target,
         target_token=target_token,
+        whole=whole,
+        tag=tag,
     )
     return Call("ChunkAttn", "GrantBlocks", request, Grant.from_pb)
 
@@ -295,11 +299,15 @@ def copy_blocks(
     space_id: str | None,
     grant_id: str | None,
     source_block_ids: Sequence[int],
+    expect_tag: str = "",
 ) -> Call[Copied]:
     if (space_id is None) == (grant_id is None):
         raise ValueError("copy_blocks takes one source: space_id= (one of your spaces) or grant_id= (a grant)")
     request = pb.CopyBlocksRequest(
-        source_block_ids=list(source_block_ids), dest_space_id=dest_space_id, dest_block_ids=list(dest_block_ids)
+        source_block_ids=list(source_block_ids),
+        dest_space_id=dest_space_id,
+        dest_block_ids=list(dest_block_ids),
+        expect_tag=expect_tag,
     )
     if space_id is not None:
         request.space_id = space_id

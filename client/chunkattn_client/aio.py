@@ -126,14 +126,19 @@ class AsyncChunkAttnClient(ClientBase):
         to_tenant: str = "",
         target: str = "",
         target_token: str = "",
+        whole: bool = False,
+        tag: str = "",
     ) -> Grant:
         """Hand blocks of a space over (GrantBlocks): the server parks a copy of them, every plane, under
         ``grant_id`` (32 to 64 characters of [A-Za-z0-9_-], random: it is the capability) until CopyBlocks takes
         it or ``ttl_s`` (0: 60 s) passes; ``to_tenant`` may take it too. ``num_tokens``: what the blocks hold.
         With ``target`` (host:port of another server) the grant is parked there instead, its live blocks sent
-        by this server (``target_token``: the credentials it presents there; empty: its --transfer-token)."""
+        by this server (``target_token``: the credentials it presents there; empty: its --transfer-token), or
+        every block's every plane with ``whole``. ``tag``: what the blocks hold, in your words (``expect_tag``)."""
         return await self._unary(
-            calls.grant_blocks(space_id, block_ids, grant_id, num_tokens, ttl_s, to_tenant, target, target_token)
+            calls.grant_blocks(
+                space_id, block_ids, grant_id, num_tokens, ttl_s, to_tenant, target, target_token, whole, tag
+            )
         )
 
     async def copy_blocks(
@@ -144,13 +149,19 @@ class AsyncChunkAttnClient(ClientBase):
         space_id: str | None = None,
         grant_id: str | None = None,
         source_block_ids: Sequence[int] = (),
+        expect_tag: str = "",
     ) -> Copied:
         """Copy blocks into ``dest_space_id``'s ``dest_block_ids`` (CopyBlocks), every plane: from another of
         your spaces (``space_id``, its ``source_block_ids``) or from a grant (``grant_id``, which this takes;
-        ``source_block_ids`` index its blocks, empty: all)."""
+        ``source_block_ids`` index its blocks, empty: all; with ``expect_tag``, only a grant of that tag)."""
         return await self._unary(
             calls.copy_blocks(
-                dest_space_id, dest_block_ids, space_id=space_id, grant_id=grant_id, source_block_ids=source_block_ids
+                dest_space_id,
+                dest_block_ids,
+                space_id=space_id,
+                grant_id=grant_id,
+                source_block_ids=source_block_ids,
+                expect_tag=expect_tag,
             )
         )
 

@@ -45,6 +45,10 @@ class UnknownGrant(EngineError):
     """A grant (GrantBlocks) that does not exist for the caller: taken, expired, never issued, another tenant's."""
 
 
+class GrantMismatch(EngineError):
+    """A grant whose tag is not the one its taker expects (CopyBlocks' expect_tag): it holds other KV."""
+
+
 class GrantExists(EngineError):
     """A grant name already in use (GrantBlocks): each grant is named anew."""
 

@@ -125,8 +125,8 @@ def test_without_prefill_params_the_decode_instance_gets_the_request_as_sent(
     asked = {"model": "m", "prompt": [1], "max_tokens": 2}
     prefill.answer = {"choices": []}  # a prefill instance without the connector: no params
     assert post(proxy + "/v1/completions", asked)[0] == 200
-    prefill.status = 500  # a failing prefill instance
-    assert post(proxy + "/v1/completions", asked)[0] == 200
+    prefill.status = 500  # a failing prefill instance, and a client sending params of its own: dropped
+    assert post(proxy + "/v1/completions", {**asked, "kv_transfer_params": PARAMS})[0] == 200
     assert decode.bodies == [asked, asked]
 
 

@@ -27,6 +27,7 @@ from chunkattn_server.kv import grants as grants_module
 from chunkattn_server.kv.grants import (
     DEFAULT_TTL_S,
     GRANT_ID,
+    LEAVING_GRACE_S,
     MAX_TTL_S,
     GrantState,
     block_ids,
@@ -365,3 +366,51 @@ def test_the_sweep_ends_grants_past_their_ttl_and_reports_the_next() -> None:
     e.kv.grants.expire(now=swept.due)
     assert len(e.kv.grants) == 0
     assert e.sweep(0, sequences=False).due is None
+
+
+def test_a_park_that_fails_leaves_no_grant_and_the_source_still_stale(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy that fails (out of memory, on a device) must not leave an open grant over pool blocks that still
+    hold a previous owner's bytes, nor a source block counted as zeroed that was not."""
+    e = Engine(config())
+    source = e.open_space(8, [], tenant="a")
+    free, stale = e.pool.num_free, source.stale.copy()
+
+    def fail(*args: object) -> None:
+        raise torch.OutOfMemoryError("injected")
+
+    monkeypatch.setattr(e.cache, "zero_blocks", fail)
+    with pytest.raises(torch.OutOfMemoryError):
+        e.grant_blocks(GrantAsk(source.space_id, [0, 1], "f" * 32, 8, 0, "b"), tenant="a")
+    assert (len(e.kv.grants), e.kv.grants.parked_blocks(), e.pool.num_free) == (0, 0, free)
+    assert source.stale.tolist() == stale.tolist()
+    monkeypatch.undo()
+    monkeypatch.setattr(e.cache, "copy_blocks", fail)
+    with pytest.raises(torch.OutOfMemoryError):
+        e.grant_blocks(GrantAsk(source.space_id, [0, 1], "f" * 32, 8, 0, "b"), tenant="a")
+    assert (len(e.kv.grants), e.pool.num_free) == (0, free)
+    with pytest.raises(UnknownGrant):
+        e.kv.grants.get("f" * 32, tenant="b")
+
+
+def test_grants_and_copies_spend_the_tenants_allowance_of_blocks(kv: KVManager) -> None:
+    """Taking and zeroing pool blocks costs the engine per block: grants spend the same allowance as opening
+    spaces (the pool's size, at least OPEN_FLOOR, per OPEN_WINDOW_S), and past it are refused saying when to
+    retry, nothing taken."""
+    space = kv.spaces.open(4, [], tenant="a", now=NOW)
+    kv.spaces.charge("a", kv.spaces.open_allowance - 4 * space.blocks.shape[1] - 1, now=NOW)  # nearly spent
+    free = kv.pool.num_free
+    with pytest.raises(QuotaExceeded, match=r"grants, copies\) and has used that many lately.*retry in"):
+        kv.grants.add(space, [0, 1], name(), num_tokens=0, ttl_s=0, to_tenant="", now=NOW)
+    assert (kv.pool.num_free, len(kv.grants)) == (free, 0)
+    kv.spaces.charge("b", 1, now=NOW)  # another tenant's allowance is its own: not refused
+
+
+def test_a_leaving_grant_nobody_releases_ends_after_its_push_deadline(kv: KVManager) -> None:
+    space = kv.spaces.open(4, [], tenant="a", now=NOW)
+    grant, _ = kv.grants.add(space, [0], name(), num_tokens=0, ttl_s=3600, to_tenant="", now=NOW)
+    kv.grants.detach(grant, within_s=10, now=NOW)
+    assert kv.grants.next_expiry() == NOW + 10 + LEAVING_GRACE_S
+    assert kv.grants.expire(now=NOW + 10) == 0
+    assert kv.grants.expire(now=NOW + 10 + LEAVING_GRACE_S) == 1
+    assert (len(kv.grants), kv.grants.parked_blocks()) == (0, 0)
+    assert kv.grants.release(grant) == 0  # released once: a late release by its push changes nothing

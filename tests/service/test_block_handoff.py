@@ -738,3 +738,23 @@ def test_a_float8_grant_and_copy_decode_bitwise_as_the_source(fp8_server: Server
         for s in (space, dest, copy_space):
             c.close_block_space(s.space_id)
         assert c.info().free_blocks == free
+
+
+def test_a_grant_is_taken_only_for_the_tag_its_taker_expects(server: ServerProcess, a_space: Held) -> None:
+    """expect_tag: a grant whose tag is another (it holds another prompt's KV than the taker was told) is
+    FAILED_PRECONDITION and not taken; the right tag takes it."""
+    c = a_space.c
+    name = grant_name()
+    c.grant_blocks(a_space.space_id, a_space.table, name, num_tokens=PREFILL, tag="prompt-1")
+    dest = c.open_block_space(DEST)
+    ids = shuffled(len(a_space.table), DEST, seed=5)
+    with pytest.raises(ChunkAttnError) as e:
+        c.copy_blocks(dest.space_id, ids, grant_id=name, expect_tag="prompt-2")
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "expect_tag" in e.value.message
+    assert grant_metrics(server)[0] == 1  # not taken
+    assert c.copy_blocks(dest.space_id, ids, grant_id=name, expect_tag="prompt-1").blocks == len(ids)
+    with pytest.raises(ChunkAttnError) as e:
+        c.grant_blocks(a_space.space_id, a_space.table, grant_name(), tag="t" * 129)
+    assert e.value.code == INVALID
+    c.close_block_space(dest.space_id)

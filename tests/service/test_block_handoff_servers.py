@@ -627,3 +627,69 @@ def test_a_float8_grant_between_servers_of_the_same_scales_decodes_bitwise_and_o
         c2.close_block_space(dest.space_id)
         c1.close_block_space(space.space_id)
     assert [grant_metrics(s) for s in fp8] == [(0, 0)] * 3
+
+
+# -- review of #38: a push cut short leaves nothing; whole grants -------------------------------------------------
+
+
+@contextlib.contextmanager
+def black_hole() -> Iterator[str]:
+    """A target that accepts connections and never answers (a host that froze): a push to it runs into the
+    caller's deadline, mid-connection."""
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    try:
+        yield f"127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        listener.close()
+
+
+def test_pushes_cut_short_by_their_deadline_leave_nothing_parked(server: ServerProcess, a_space: Held) -> None:
+    """A client that gives up on a push (its deadline, at any moment of it) leaves no grant, no name and no block
+    on the grantor: the grant is released as the call ends, whether it ended normally or was cancelled."""
+    with at(server) as c:
+        free = c.info().free_blocks
+    names = []
+    with black_hole() as nowhere:
+        for i, deadline in enumerate([0.005, 0.02, 0.05, 0.1, 0.2, 0.3]):
+            with ChunkAttnClient(server.target, token=TOKENS["a"], timeout_s=deadline) as hurried:
+                names.append(grant_name())
+                with pytest.raises(ChunkAttnError) as e:
+                    hurried.grant_blocks(a_space.space_id, a_space.table, names[-1], num_tokens=PREFILL, target=nowhere)
+                assert e.value.code in (grpc.StatusCode.DEADLINE_EXCEEDED, UNAVAILABLE), (i, e.value)
+
+    def clean() -> bool:
+        with at(server) as c:
+            return c.info().free_blocks == free and grant_metrics(server) == (0, 0)
+
+    wait_for(clean, message="a push cut short left blocks parked on the grantor")
+    for name in names:  # every name free again: a grant of it goes through
+        with at(server) as c:
+            c.grant_blocks(a_space.space_id, a_space.table[:1], name, ttl_s=1)
+    assert counter(server.metrics(), "chunkattn_handoffs_total", op="grant", code="INTERNAL") == 0
+
+
+def test_a_whole_grant_sends_every_plane_of_every_block(server: ServerProcess, s2: ServerProcess) -> None:
+    """whole: every (plane, block) record, so that a taker may read past the window of the last token (a prefix
+    cache serving the blocks to another prompt): a position of an earlier chunk decodes as at home."""
+    with at(server) as c1, at(s2) as c2:
+        space = c1.open_block_space(SPACE)
+        held = Held(c1, space.space_id, KVCacheManager(SPACE, BS, seed=11))
+        held.prefill(PREFILL, seed=12)
+        blocks = len(held.table)
+        name = grant_name()
+        sent = c1.grant_blocks(
+            space.space_id, held.table, name, num_tokens=PREFILL, target=s2.target, target_token=TOKENS["a"], whole=True
+        )
+        assert (sent.records, sent.network_bytes) == (blocks * LAYERS, blocks * LAYERS * RECORD)
+        dest = c2.open_block_space(DEST)
+        ids = shuffled(blocks, DEST, seed=13)
+        c2.copy_blocks(dest.space_id, ids, grant_id=name)
+        there = held.moved(c2, dest.space_id, ids, DEST)
+        # Position 20 is in the chunk [16, 32): a live-only grant of 40 tokens carries no chunked plane of it.
+        same(held.decode(20, seed=14), there.decode(20, seed=14))
+        c1.close_block_space(space.space_id)
+        c2.close_block_space(dest.space_id)

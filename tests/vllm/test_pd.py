@@ -178,7 +178,7 @@ def test_prefill_and_decode_through_two_servers_generate_vllm_alones_tokens(
     checkpoint: Path, alone: dict[str, Any]
 ) -> None:
     """The prefill instance on one server, the decode instance on another: the prefill side's grants go to the
-    decode side's server (CHUNKATTN_VLLM_GRANT_TARGET), only their live blocks on the network."""
+    decode side's server (CHUNKATTN_VLLM_GRANT_TARGET), their blocks whole on the network."""
     scenario = _scenario(checkpoint)
     batches: list[list[list[int]]] = scenario["batches"]
     flags, plane = _plane()
@@ -211,9 +211,10 @@ def test_prefill_and_decode_through_two_servers_generate_vllm_alones_tokens(
     assert "claim_failures" not in decode["profile"]
     network = counter(sent, "chunkattn_handoff_bytes_total", op="grant", where="network")
     assert network == prefill["profile"]["grant_network_bytes"] > 0
-    # Only live blocks travel: a chunked layer's chunk of the last prompt token, the global layer's all.
-    whole = sum(len(p) for batch in batches for p in batch) * 2 * info.num_kv_heads * info.head_size * 4
-    assert network < whole * len(info.layers)
+    # Every block's every plane travels (the decode instance's prefix cache may serve the blocks' earlier chunks to
+    # other prompts: CHUNKATTN_VLLM_GRANT_LIVE_ONLY is off): the prompts' blocks, one page per layer, float32.
+    blocks = sum(math.ceil(len(p) / BLOCK_SIZE) for batch in batches for p in batch)
+    assert network == blocks * len(info.layers) * 2 * BLOCK_SIZE * info.num_kv_heads * info.head_size * 4
     assert counter(sent, "chunkattn_grants_expired_total") == counter(took, "chunkattn_grants_expired_total") == 0
     assert counter(took, "chunkattn_handoffs_total", op="take", code="OK") == handed
     assert counter(took, "chunkattn_kv_transfers_total", direction="in", code="OK") == handed
@@ -288,6 +289,12 @@ def test_the_connector_starts_only_with_the_plugin_and_without_the_hybrid_kv_cac
     monkeypatch.setenv("CHUNKATTN_VLLM_GRANT_TARGET", "decode-server:50051")
     monkeypatch.setenv("CHUNKATTN_VLLM_GRANT_TARGET_TOKEN", "t" * 40)
     assert grant_settings() == GrantSettings(120.0, "decode", "decode-server:50051", "t" * 40)
+    monkeypatch.setenv("CHUNKATTN_VLLM_GRANT_LIVE_ONLY", "1")
+    assert grant_settings().live_only
+    monkeypatch.setenv("CHUNKATTN_VLLM_GRANT_LIVE_ONLY", "yes")
+    with pytest.raises(OffloadError, match="CHUNKATTN_VLLM_GRANT_LIVE_ONLY must be 0 or 1"):
+        grant_settings()
+    monkeypatch.delenv("CHUNKATTN_VLLM_GRANT_LIVE_ONLY")
     monkeypatch.setenv("CHUNKATTN_VLLM_GRANT_TARGET", "no port")
     with pytest.raises(OffloadError, match="CHUNKATTN_VLLM_GRANT_TARGET"):
         grant_settings()
@@ -314,12 +321,13 @@ def test_a_handoff_is_claimed_once_for_its_prompt_past_the_local_hit(monkeypatch
         connector.update_state_after_alloc(other, _blocks([1, 2, 3, 4], cached=0), 0)
     meta = connector.build_connector_meta(SimpleNamespace(num_scheduled_tokens={}))
     (claim,) = meta.claims
-    assert (claim.req_id, claim.grant_id, claim.source, claim.dest, claim.reason) == (
+    assert (claim.req_id, claim.grant_id, claim.source, claim.dest, claim.reason, claim.tag) == (
         "a",
         "g" * 32,
         (2, 3),
         (9, 10),
         "",
+        prompt_hash(prompt),
     )
     assert len(meta.declined) == 2
     assert "another prompt" in meta.declined[0]
@@ -344,7 +352,7 @@ def test_a_prefill_request_is_parked_once_in_the_step_its_prompt_completes(monke
     assert step({"p": 64, "q": 64}).grants == []  # chunked prefill: 64 of 70 tokens
     request.num_computed_tokens = aborted.num_computed_tokens = 64
     (grant,) = step({"p": 6}).grants
-    assert (grant.req_id, grant.block_ids, grant.num_tokens) == ("p", (4, 5, 6), 70)
+    assert (grant.req_id, grant.block_ids, grant.num_tokens, grant.tag) == ("p", (4, 5, 6), 70, prompt_hash(prompt))
     request.num_computed_tokens = 70
     assert step({"p": 1}).grants == []  # parked once
     delay, params = connector.request_finished(request, [4, 5, 6])

@@ -37,6 +37,9 @@ without ``SupportsHMA``. Environment, besides the plugin's (offload.PluginConfig
                                        server reaches it, when it is another server; default: the same server
     CHUNKATTN_VLLM_GRANT_TARGET_TOKEN  the token this instance's server presents there (its tenant there owns
                                        the grants); default: that server's --transfer-token
+    CHUNKATTN_VLLM_GRANT_LIVE_ONLY     1: send that server only the live blocks (a chunked layer's last chunk),
+                                       for decode instances without prefix caching; default 0: every block (a
+                                       prefix cache may serve a block's earlier chunks to another prompt)
 
 Counters in the worker's Offload ``profile`` (written with CHUNKATTN_VLLM_PROFILE): grants, granted_blocks,
 grant_s, grant_network_bytes, grant_failures on the prefill side; claims, claimed_blocks, claim_s,
@@ -82,6 +85,7 @@ GRANT_TTL_ENV = "CHUNKATTN_VLLM_GRANT_TTL_S"
 GRANT_TO_TENANT_ENV = "CHUNKATTN_VLLM_GRANT_TO_TENANT"
 GRANT_TARGET_ENV = "CHUNKATTN_VLLM_GRANT_TARGET"
 GRANT_TARGET_TOKEN_ENV = "CHUNKATTN_VLLM_GRANT_TARGET_TOKEN"
+GRANT_LIVE_ONLY_ENV = "CHUNKATTN_VLLM_GRANT_LIVE_ONLY"
 DEFAULT_GRANT_TTL_S = 60.0
 MAX_GRANT_TTL_S = 3600.0  # the server's bound (GrantBlocksRequest.ttl_s)
 GRANT_KEY = "chunkattn_grant"
@@ -96,6 +100,7 @@ class GrantSettings:
     to_tenant: str = ""
     target: str = ""
     target_token: str = ""
+    live_only: bool = False
 
 
 def grant_settings(env: Mapping[str, str] = os.environ) -> GrantSettings:
@@ -103,7 +108,9 @@ def grant_settings(env: Mapping[str, str] = os.environ) -> GrantSettings:
     own tenant alone), CHUNKATTN_VLLM_GRANT_TARGET (host:port of the decode instances' chunkattn server, as this
     instance's server reaches it; default empty: the grants stay on this instance's server) and
     CHUNKATTN_VLLM_GRANT_TARGET_TOKEN (the token its server presents there; default: the server's own
-    --transfer-token). OffloadError naming the variable for a value the server would refuse."""
+    --transfer-token), CHUNKATTN_VLLM_GRANT_LIVE_ONLY (1: send another server only the live blocks; default 0:
+    every block, as a decode instance with prefix caching needs). OffloadError naming the variable for a value
+    the server would refuse."""
     raw = env.get(GRANT_TTL_ENV, "").strip()
     try:
         ttl_s = float(raw) if raw else DEFAULT_GRANT_TTL_S
@@ -122,7 +129,10 @@ def grant_settings(env: Mapping[str, str] = os.environ) -> GrantSettings:
     problem = token and token_problem(token, GRANT_TARGET_TOKEN_ENV)
     if problem:
         raise OffloadError(problem)
-    return GrantSettings(ttl_s, to_tenant, target, token)
+    live_only = env.get(GRANT_LIVE_ONLY_ENV, "").strip()
+    if live_only not in ("", "0", "1"):
+        raise OffloadError(f"{GRANT_LIVE_ONLY_ENV} must be 0 or 1, got {live_only!r}")
+    return GrantSettings(ttl_s, to_tenant, target, token, live_only == "1")
 
 
 def prompt_hash(token_ids: Sequence[int]) -> str:
@@ -189,12 +199,14 @@ class Handoff:
 
 @dataclass(frozen=True)
 class GrantItem:
-    """Prefill side, one request: park ``block_ids`` (the prompt's blocks, in order) under ``grant_id``."""
+    """Prefill side, one request: park ``block_ids`` (the prompt's blocks, in order) under ``grant_id``, tagged
+    with the prompt's hash."""
 
     req_id: str
     block_ids: tuple[int, ...]
     num_tokens: int
     grant_id: str
+    tag: str = ""
 
 
 @dataclass(frozen=True)
@@ -208,6 +220,7 @@ class ClaimItem:
     source: tuple[int, ...]
     dest: tuple[int, ...]
     reason: str = ""
+    tag: str = ""  # the prompt's hash: the server gives the grant only if it was parked for this prompt
 
 
 @dataclass
@@ -307,7 +320,7 @@ class ChunkAttnConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM's cl
         if start + num_external > handoff.num_tokens or len(dest) != end - first:
             reason = f"vLLM asks for tokens {start}..{start + num_external} of a grant of {handoff.num_tokens}"
             return ClaimItem(req_id, handoff.grant_id, (), tuple(ids[first:]), reason)
-        return ClaimItem(req_id, handoff.grant_id, tuple(range(first, end)), dest)
+        return ClaimItem(req_id, handoff.grant_id, tuple(range(first, end)), dest, tag=handoff.prompt_hash)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ChunkAttnConnectorMetadata:
         """This step's work: grants for the prefill requests whose prompt completes in it (computed before the
@@ -333,7 +346,8 @@ class ChunkAttnConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM's cl
                 prompt_hash=prompt_hash(request.prompt_token_ids),
             )
             self._granted[req_id] = handoff
-            meta.grants.append(GrantItem(req_id, tuple(block_ids[:needed]), prompt, handoff.grant_id))
+            item = GrantItem(req_id, tuple(block_ids[:needed]), prompt, handoff.grant_id, handoff.prompt_hash)
+            meta.grants.append(item)
         return meta
 
     def _block_ids(self, scheduler_output: SchedulerOutput, req_id: str) -> list[int]:
@@ -387,7 +401,11 @@ class ChunkAttnConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM's cl
             assert offload is not None
             try:
                 offload.client.copy_blocks(
-                    offload.space_id, claim.dest, grant_id=claim.grant_id, source_block_ids=claim.source
+                    offload.space_id,
+                    claim.dest,
+                    grant_id=claim.grant_id,
+                    source_block_ids=claim.source,
+                    expect_tag=claim.tag,
                 )
             except ChunkAttnError as e:
                 problem = f"the server refused the copy: {e}"
@@ -426,6 +444,8 @@ class ChunkAttnConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM's cl
                     to_tenant=g.to_tenant,
                     target=g.target,
                     target_token=g.target_token,
+                    whole=bool(g.target) and not g.live_only,
+                    tag=grant.tag,
                 )
             except (ChunkAttnError, OffloadError) as e:
                 log.error("chunkattn: could not park request %s's blocks (its decode recomputes): %s", grant.req_id, e)

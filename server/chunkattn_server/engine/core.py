@@ -34,8 +34,25 @@ from chunkattn_server.config import EngineConfig, LayerSpec, default_call_work
 from chunkattn_server.engine import blocks, checks
 from chunkattn_server.engine.device import make_backend, resolve_device
 from chunkattn_server.engine.entries import Entries
-from chunkattn_server.engine.types import AttendCall, BlockCall, EngineStats, GrantAsk, Handoff, Planned, Retry, Swept
-from chunkattn_server.errors import InvalidArgument, InvalidBatch, InvalidTensor, OutOfBlocks, PositionMismatch
+from chunkattn_server.engine.types import (
+    AttendCall,
+    BlockCall,
+    EngineStats,
+    GrantAsk,
+    Handoff,
+    Leaving,
+    Planned,
+    Retry,
+    Swept,
+)
+from chunkattn_server.errors import (
+    GrantMismatch,
+    InvalidArgument,
+    InvalidBatch,
+    InvalidTensor,
+    OutOfBlocks,
+    PositionMismatch,
+)
 from chunkattn_server.kv.cache import KVCache, token_slots
 from chunkattn_server.kv.grant_transfer import GrantExchange, GrantImport, GrantManifest
 from chunkattn_server.kv.grants import GrantState, block_ids, same_layout
@@ -292,7 +309,7 @@ class Engine:
                 f"layer {layer} reads layer {source}'s KV cache (KV sharing), which has had no write yet:"
                 f" call layer {source} first"
             )
-        self.cache.zero_blocks(space.take_stale(touched))  # first touch: no previous owner's bytes show
+        space.zero_stale(touched, self.cache.zero_blocks)  # first touch: no previous owner's bytes show
         return planned, space
 
     def _check_tensors(
@@ -532,12 +549,23 @@ class Engine:
         (kv/grants.py); a block no call has touched yet parks as zeros. UnknownSpace, InvalidArgument,
         GrantExists, OutOfBlocks / QuotaExceeded: nothing changed then."""
         space = self.kv.spaces.get(ask.space_id, tenant=tenant)
-        grant, checked = self.kv.grants.add(
-            space, ask.block_ids, ask.grant_id, num_tokens=ask.num_tokens, ttl_s=ask.ttl_s, to_tenant=ask.to_tenant
+        grant, checked = self.kv.grants.reserve_from(
+            space,
+            ask.block_ids,
+            ask.grant_id,
+            num_tokens=ask.num_tokens,
+            ttl_s=ask.ttl_s,
+            to_tenant=ask.to_tenant,
+            tag=ask.tag,
         )
-        self.cache.zero_blocks(space.take_stale(checked))  # no previous owner's bytes in the copy
         parked = grant.blocks.reshape(-1).tolist()
-        self.cache.copy_blocks(space.blocks[checked].reshape(-1).tolist(), parked)
+        try:  # opened only once it holds the copy: a copy that fails (out of memory) leaves no grant
+            space.zero_stale(checked, self.cache.zero_blocks)  # no previous owner's bytes in the copy
+            self.cache.copy_blocks(space.blocks[checked].reshape(-1).tolist(), parked)
+        except BaseException:
+            self.kv.grants.release(grant)
+            raise
+        self.kv.grants.insert(grant)
         space.last_used = time.monotonic()
         return Handoff(len(checked), len(parked), len(parked) * self.bytes_per_block, ask.num_tokens)
 
@@ -549,13 +577,15 @@ class Engine:
         *,
         space_id: str = "",
         grant_id: str | None = None,
+        expect_tag: str = "",
         tenant: str,
     ) -> Handoff:
         """Copy blocks, every plane, into ``tenant``'s space ``dest_space_id``'s ``dest_ids``: from its space
         ``space_id``'s ``source_ids``, or, ``grant_id`` not None (an empty name too: no grant has it), from that
-        grant (``source_ids`` index its blocks; empty: all), which this takes. The destination blocks hold exactly
-        the source's bytes afterwards. UnknownSpace, UnknownGrant, InvalidArgument: nothing changed then (a grant
-        is not taken)."""
+        grant (``source_ids`` index its blocks; empty: all), which this takes, if its tag is ``expect_tag`` (when
+        given). The destination blocks hold exactly the source's bytes afterwards. UnknownSpace, UnknownGrant,
+        InvalidArgument, GrantMismatch, QuotaExceeded (the tenant's allowance of blocks to copy): nothing changed
+        then (a grant is not taken)."""
         dest = self.kv.spaces.get(dest_space_id, tenant=tenant)
         grant = self.kv.grants.get(grant_id, tenant=tenant) if grant_id is not None else None
         source = None if grant is not None else self.kv.spaces.get(space_id, tenant=tenant)
@@ -574,9 +604,15 @@ class Engine:
                 " block per source block"
             )
         same_layout(planes, num_planes, dest, what)
-        if source is not None:
-            self.cache.zero_blocks(source.take_stale(src))  # no previous owner's bytes in the copy
+        if grant is not None and expect_tag and grant.tag != expect_tag:
+            raise GrantMismatch(
+                "the grant holds other KV than the one expected (its tag is not expect_tag): not taken; the"
+                " prompt it was handed for is not the one it holds"
+            )
         pool = rows[src].reshape(-1).tolist()
+        self.kv.spaces.charge(tenant, len(pool), what="this copy")
+        if source is not None:
+            source.zero_stale(src, self.cache.zero_blocks)  # no previous owner's bytes in the copy
         self.cache.copy_blocks(pool, dest.blocks[dst].reshape(-1).tolist())
         dest.stale[dst] = False  # every byte of their pool blocks written now
         now = time.monotonic()
@@ -649,12 +685,14 @@ class Engine:
         else:
             self.transfer.abort_import(session)
 
-    def grant_leaving(self, ask: GrantAsk, *, tenant: str) -> tuple[GrantState, GrantManifest, Handoff]:
-        """A grant parked (``grant_blocks``) for another server: detached at once (no one here takes it, it
-        does not expire), with its stream's manifest; ``release_grant`` it once sent (GrantExchange)."""
+    def grant_leaving(self, ask: GrantAsk, *, tenant: str, whole: bool, within_s: float) -> Leaving:
+        """A grant parked (``grant_blocks``) for another server: detached at once (no one here takes it; it
+        ends ``within_s`` and a grace later if nobody releases it), with its stream's manifest and records
+        (every block's every plane when ``whole``); ``release_grant`` it once sent (GrantExchange)."""
         done = self.grant_blocks(ask, tenant=tenant)
         grant = self.kv.grants.get(ask.grant_id, tenant=tenant)
-        return grant, self.grant_transfer.detach(grant, ask.ttl_s), done
+        manifest, records = self.grant_transfer.detach(grant, ask.ttl_s, whole=whole, within_s=within_s)
+        return Leaving(grant, manifest, records, done)
 
     def grant_views(self, grant: GrantState, items: Sequence[tuple[int, int]]) -> list[BlockView]:
         """A leaving grant's records (plane, block) (GrantExchange.views)."""

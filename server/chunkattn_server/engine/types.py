@@ -5,13 +5,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
 
 from chunkattn_client.batch import BatchEntry
 from chunkattn_server.attention.backends.base import Table
+
+if TYPE_CHECKING:
+    from chunkattn_server.kv.grant_transfer import GrantManifest
+    from chunkattn_server.kv.grants import GrantState
 
 
 @dataclass(frozen=True)
@@ -34,7 +38,8 @@ class EngineStats:
 @dataclass(frozen=True)
 class GrantAsk:
     """A GrantBlocks request as the engine takes it: the space and its blocks (in order), the grant's name, the
-    tokens the blocks hold, its ttl (0: the default) and the tenant that may take it besides the grantor's."""
+    tokens the blocks hold, its ttl (0: the default), the tenant that may take it besides the grantor's, and its
+    tag."""
 
     space_id: str
     block_ids: Sequence[int]
@@ -42,6 +47,7 @@ class GrantAsk:
     num_tokens: int
     ttl_s: float
     to_tenant: str
+    tag: str = ""
 
 
 class Handoff(NamedTuple):
@@ -52,6 +58,16 @@ class Handoff(NamedTuple):
     pool_blocks: int
     bytes: int
     num_tokens: int
+
+
+class Leaving(NamedTuple):
+    """A grant on its way to another server (Engine.grant_leaving): the grant, its stream's manifest, its
+    records (plane, block) in order, and what was parked here."""
+
+    grant: GrantState
+    manifest: GrantManifest
+    records: list[tuple[int, int]]
+    parked: Handoff
 
 
 class Swept(NamedTuple):

@@ -2,8 +2,9 @@
 protobuf here (service/kvwire.py reads and writes the header).
 
 The sender parks the blocks first (a snapshot: the prefill engine may reuse them at once), detaches the grant
-(no one takes it, it does not expire while it leaves), sends its live records (``live_records``: a chunked
-layer's current chunk, not the whole prompt) as a KV stream whose header is a GrantHeader, and releases it.
+(no one takes it; it ends at the push's deadline if the push never comes back), sends its live records
+(``live_spans``: a chunked layer's current chunk, not the whole prompt; every record when sent ``whole``) as a
+KV stream whose header is a GrantHeader, and releases it.
 The receiver checks the stream as it checks a sequence's import (kv/transfer.py: the model's shape, the float8
 scales, each record's size, checksum, finiteness and bounds; every record expected exactly once; all or
 nothing), into pool blocks it zeroed first, laid out by its own planes per block, and opens the grant when the
@@ -13,11 +14,11 @@ trailer comes.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from chunkattn_server.errors import DataLoss, IncompatibleKV, InvalidArgument
-from chunkattn_server.kv.grants import GrantState, live_records
+from chunkattn_server.kv.grants import GrantState, live_spans, span_count, span_records, whole_spans
 from chunkattn_server.kv.manifest import BlockRecord, BlockView, ModelFingerprint
 from chunkattn_server.kv.spaces import layer_planes
 
@@ -31,7 +32,8 @@ if TYPE_CHECKING:
 class GrantManifest:
     """What a grant's stream says of it: its name, the model it was computed for and (float8) the scales of
     its pages per layer, its space's layout (per layer its plane, and the plane count), its blocks and tokens,
-    its ttl and second tenant, and how many records follow."""
+    its ttl, second tenant and tag, how many records follow, and whether they are every block's every plane
+    (``whole``) or the live ones."""
 
     grant_id: str
     model: ModelFingerprint
@@ -43,22 +45,27 @@ class GrantManifest:
     to_tenant: str
     scales: tuple[tuple[float, float], ...]
     num_records: int
+    tag: str = ""
+    whole: bool = False
 
-    def records(self) -> list[tuple[int, int]]:
-        """The (plane, block) records its stream carries, in order (``live_records``)."""
-        return live_records(
-            self.layer_planes, self.model.chunk_sizes, self.num_tokens, self.num_blocks, self.model.block_size
-        )
+    def spans(self) -> dict[int, tuple[int, int]]:
+        """Per plane, the blocks [first, end) its stream carries (arithmetic: no list of records is made)."""
+        if self.whole:
+            return whole_spans(self.num_planes, self.num_blocks)
+        m = self.model
+        return live_spans(self.layer_planes, m.chunk_sizes, self.num_tokens, self.num_blocks, m.block_size)
 
 
 @dataclass
 class GrantImport:
-    """A grant arriving: its manifest, the grant reserved for it (name and zeroed pool blocks), the records
-    expected and received, and the calibrating layers that take its scales."""
+    """A grant arriving: its manifest, the grant reserved for it (name and zeroed pool blocks), per plane the
+    blocks expected ([first, end)) and how many, the records received, and the calibrating layers that take its
+    scales."""
 
     manifest: GrantManifest
     grant: GrantState
-    expected: set[tuple[int, int]]
+    spans: dict[int, tuple[int, int]]
+    expected: int
     adopt: list[int]
     received: set[tuple[int, int]] = field(default_factory=set)
     committed: bool = False
@@ -78,12 +85,13 @@ class GrantExchange:
 
     # -- leaving -------------------------------------------------------------------------------------------
 
-    def detach(self, grant: GrantState, ttl_s: float) -> GrantManifest:
-        """Close an open grant to takers (it is leaving) and describe it for its stream; ``release`` it after."""
-        self._kv.grants.detach(grant)
-        chunks = [x.chunk_size for x in self._model.layers]
-        live = live_records(grant.layer_planes, chunks, grant.num_tokens, grant.num_blocks, self._kv.block_size)
-        return GrantManifest(
+    def detach(
+        self, grant: GrantState, ttl_s: float, *, whole: bool, within_s: float
+    ) -> tuple[GrantManifest, list[tuple[int, int]]]:
+        """Close an open grant to takers (it is leaving: ``release`` it after, or it ends ``within_s`` and a
+        grace later) and describe it for its stream: its manifest, and its records (plane, block) in order."""
+        self._kv.grants.detach(grant, within_s)
+        manifest = GrantManifest(
             grant_id=grant.grant_id,
             model=self._exchange.fingerprint,
             layer_planes=grant.layer_planes,
@@ -93,8 +101,12 @@ class GrantExchange:
             ttl_s=ttl_s,
             to_tenant=grant.to_tenant,
             scales=self._exchange.scales_now(),
-            num_records=len(live),
+            num_records=0,
+            tag=grant.tag,
+            whole=whole,
         )
+        records = span_records(manifest.spans())
+        return replace(manifest, num_records=len(records)), records
 
     def views(self, grant: GrantState, items: Sequence[tuple[int, int]]) -> list[BlockView]:
         """The records (plane, block) of a detached grant with their checksums: views of its pages (on the CPU;
@@ -111,7 +123,8 @@ class GrantExchange:
     def begin_import(self, manifest: GrantManifest, *, tenant: str) -> GrantImport:
         """Check a grant's header against this engine and reserve its grant (name, pool blocks, zeroed), as
         ``tenant``'s. IncompatibleKV (another model shape, scales, a layout or counts that do not fit),
-        InvalidArgument, GrantExists, OutOfBlocks / QuotaExceeded: nothing reserved then."""
+        InvalidArgument, GrantExists, OutOfBlocks / QuotaExceeded: nothing reserved then. Every check before the
+        reservation takes time in proportion to the model's layers, whatever the header claims."""
         diffs = self._exchange.fingerprint.differences(manifest.model)
         if diffs:
             raise IncompatibleKV("the KV comes from another model shape: " + "; ".join(diffs))
@@ -132,10 +145,11 @@ class GrantExchange:
             raise IncompatibleKV(
                 f"the grant holds {manifest.num_tokens} tokens in {manifest.num_blocks} blocks of {self._kv.block_size}"
             )
-        expected = manifest.records()
-        if manifest.num_records != len(expected):
+        spans = manifest.spans()
+        expected = span_count(spans)
+        if manifest.num_records != expected:
             raise IncompatibleKV(
-                f"the grant's header announces {manifest.num_records} records; its lengths need {len(expected)}"
+                f"the grant's header announces {manifest.num_records} records; its lengths need {expected}"
             )
         adopt = self._exchange.check_scales(manifest.scales, self._writers) if manifest.num_tokens else []
         grant = self._kv.grants.reserve(
@@ -147,9 +161,14 @@ class GrantExchange:
             num_tokens=manifest.num_tokens,
             ttl_s=manifest.ttl_s,
             to_tenant=manifest.to_tenant,
+            tag=manifest.tag,
         )
-        self._cache.zero_blocks(grant.blocks.reshape(-1).tolist())  # the planes no record fills read as zeros
-        return GrantImport(manifest, grant, set(expected), adopt)
+        try:
+            self._cache.zero_blocks(grant.blocks.reshape(-1).tolist())  # the planes no record fills read as zeros
+        except BaseException:
+            self._kv.grants.release(grant)
+            raise
+        return GrantImport(manifest, grant, spans, expected, adopt)
 
     def import_records(self, session: GrantImport, records: Sequence[BlockRecord]) -> None:
         """Check and write records of a grant's stream (a record's ``layer`` is its plane, ``logical`` its
@@ -159,7 +178,8 @@ class GrantExchange:
         for r in records:
             key = (r.layer, r.logical)
             what = f"record (plane {r.layer}, block {r.logical})"
-            if key not in session.expected or key in session.received:
+            first, end = session.spans.get(r.layer, (0, 0))
+            if not first <= r.logical < end or key in session.received:
                 raise IncompatibleKV(f"{what} is not expected or came twice")
             writers = [x for x, p in enumerate(m.layer_planes) if p == r.layer and x in self._writers]
             self._exchange.check_record(r, what, writers, m.scales)
@@ -169,10 +189,10 @@ class GrantExchange:
     def commit_import(self, session: GrantImport) -> int:
         """Open the arrived grant; returns its pool blocks. DataLoss when records are missing; the caller then
         aborts the session."""
-        missing = len(session.expected) - len(session.received)
+        missing = session.expected - len(session.received)
         if missing:
             raise DataLoss(
-                f"the grant's stream ended with {missing} of {len(session.expected)} records missing: it was cut short"
+                f"the grant's stream ended with {missing} of {session.expected} records missing: it was cut short"
             )
         m = session.manifest
         adopt = self._exchange.check_scales(m.scales, self._writers) if m.num_tokens else []  # calibrated meanwhile?

@@ -34,13 +34,15 @@ MAX_GRANTS_PER_TENANT = 4096  # open grants one tenant may hold (a prefill engin
 DEFAULT_TTL_S = 60.0
 MAX_TTL_S = 3600.0
 MAX_TENANT_BYTES = 256
+MAX_TAG_BYTES = 128
+LEAVING_GRACE_S = 60.0  # a grant on its way to another server is ended this long after its push's deadline
 
 
 @dataclass
 class GrantState:
-    """One open grant: its parked pool blocks [n, pool blocks per space block] int64, the layout of the space
-    they came from (per layer its plane, and the plane count), the tokens they hold (the grantor's word), who
-    may take it, and when it ends (time.monotonic)."""
+    """One grant: its parked pool blocks [n, pool blocks per space block] int64, the layout of the space they
+    came from (per layer its plane, and the plane count), the tokens they hold and what they are (the grantor's
+    words: num_tokens, tag), who may take it, and when it ends (time.monotonic)."""
 
     grant_id: str
     tenant: str
@@ -50,6 +52,7 @@ class GrantState:
     num_planes: int
     num_tokens: int
     expires: float
+    tag: str = ""
 
     @property
     def num_blocks(self) -> int:
@@ -107,23 +110,28 @@ class Grants:
         check_quota: Callable[[str, int, int], None],
         block_size: int,
         planes_per_block: int,
+        charge: Callable[[str, int, float], None] = lambda tenant, blocks, now: None,
     ) -> None:
         self.pool = pool
         self.block_size = block_size
         self.planes_per_block = planes_per_block
         self._check_quota = check_quota
+        self._charge = charge
         self._grants: dict[str, GrantState] = {}
-        self._reserved: dict[str, GrantState] = {}  # grants not open: arriving, or leaving for another server
-        self._count: dict[str, int] = {}  # tenant -> grants held, open or not
+        self._reserved: dict[str, GrantState] = {}  # being parked here or arriving from another server
+        self._leaving: dict[str, GrantState] = {}  # on their way to another server (expires: the push's end)
+        self._count: dict[str, int] = {}  # tenant -> grants held, in any state
+        self._parked = 0  # pool blocks they hold
 
     def __len__(self) -> int:
-        return len(self._grants)
+        """Grants held, in any state (open, being parked, arriving, leaving)."""
+        return len(self._grants) + len(self._reserved) + len(self._leaving)
 
     def parked_blocks(self) -> int:
-        """Pool blocks the grants hold (open, arriving or leaving)."""
-        return sum(int(g.blocks.size) for g in (*self._grants.values(), *self._reserved.values()))
+        """Pool blocks the grants hold, in any state."""
+        return self._parked
 
-    def add(
+    def reserve_from(
         self,
         space: SpaceState,
         ids: Sequence[int],
@@ -132,11 +140,13 @@ class Grants:
         num_tokens: int,
         ttl_s: float,
         to_tenant: str,
+        tag: str = "",
         now: float | None = None,
     ) -> tuple[GrantState, np.ndarray]:
-        """A new grant of ``space``'s blocks ``ids`` (its tenant's), its pool blocks taken; and the space
-        blocks' ids checked [n] int64 (the caller copies their pages into the grant's, having zeroed any still
-        stale). InvalidArgument, GrantExists, OutOfBlocks / QuotaExceeded; nothing is taken then."""
+        """A new grant of ``space``'s blocks ``ids`` (its tenant's), reserved (``reserve``: not open yet); and
+        the space blocks' ids checked [n] int64. The caller copies their pages into the grant's, having zeroed
+        any still stale, then opens it (``insert``), or ``release``s it if that fails. InvalidArgument,
+        GrantExists, OutOfBlocks / QuotaExceeded; nothing is taken then."""
         checked = block_ids("block_ids", ids, space.num_blocks, unique=True)
         grant = self.reserve(
             grant_id,
@@ -147,7 +157,26 @@ class Grants:
             num_tokens=num_tokens,
             ttl_s=ttl_s,
             to_tenant=to_tenant,
+            tag=tag,
             now=now,
+        )
+        return grant, checked
+
+    def add(
+        self,
+        space: SpaceState,
+        ids: Sequence[int],
+        grant_id: str,
+        *,
+        num_tokens: int,
+        ttl_s: float,
+        to_tenant: str,
+        tag: str = "",
+        now: float | None = None,
+    ) -> tuple[GrantState, np.ndarray]:
+        """``reserve_from`` and open the grant at once (for a caller with nothing to copy in between)."""
+        grant, checked = self.reserve_from(
+            space, ids, grant_id, num_tokens=num_tokens, ttl_s=ttl_s, to_tenant=to_tenant, tag=tag, now=now
         )
         self.insert(grant)
         return grant, checked
@@ -163,6 +192,7 @@ class Grants:
         num_tokens: int,
         ttl_s: float,
         to_tenant: str,
+        tag: str = "",
         now: float | None = None,
     ) -> GrantState:
         """A grant checked and its pool blocks taken (``num_blocks`` rows of this pool's pool blocks per space
@@ -179,7 +209,9 @@ class Grants:
             raise InvalidArgument(f"ttl_s is {ttl_s}; expected 0 ({DEFAULT_TTL_S:g} s) or 1 .. {MAX_TTL_S:g} seconds")
         if len(to_tenant.encode("utf-8", "surrogatepass")) > MAX_TENANT_BYTES:
             raise InvalidArgument(f"to_tenant is longer than {MAX_TENANT_BYTES} bytes")
-        if grant_id in self._grants or grant_id in self._reserved:
+        if len(tag.encode("utf-8", "surrogatepass")) > MAX_TAG_BYTES:
+            raise InvalidArgument(f"tag is longer than {MAX_TAG_BYTES} bytes")
+        if grant_id in self._grants or grant_id in self._reserved or grant_id in self._leaving:
             raise GrantExists("a grant of that name exists; name each grant anew, at random")
         if self._count.get(tenant, 0) >= MAX_GRANTS_PER_TENANT:
             raise OutOfBlocks(
@@ -193,7 +225,9 @@ class Grants:
                 f"a grant of {num_blocks} blocks parks {needed} pool blocks and the pool has {self.pool.num_free}"
                 f" free of {self.pool.num_blocks}: grant fewer at once, or let open grants be taken first"
             )
+        self._charge(tenant, needed, now)  # the tenant's allowance of blocks to take and zero (kv/spaces.py)
         taken = self.pool.allocate(needed, account=tenant)
+        self._parked += needed
         grant = GrantState(
             grant_id,
             tenant,
@@ -203,6 +237,7 @@ class Grants:
             num_planes,
             num_tokens,
             now + (ttl_s or DEFAULT_TTL_S),
+            tag,
         )
         self._reserved[grant_id] = grant
         self._count[tenant] = self._count.get(tenant, 0) + 1
@@ -214,9 +249,13 @@ class Grants:
         self._grants[grant.grant_id] = grant
 
     def release(self, grant: GrantState) -> int:
-        """Give back what a grant holds, open or only reserved: its name and its pool blocks; how many."""
-        self._grants.pop(grant.grant_id, None)
-        self._reserved.pop(grant.grant_id, None)
+        """Give back what a grant holds, in any state: its name and its pool blocks; how many (0 when it was
+        given back before)."""
+        held = [d for d in (self._grants, self._reserved, self._leaving) if d.get(grant.grant_id) is grant]
+        if not held:
+            return 0
+        del held[0][grant.grant_id]
+        self._parked -= int(grant.blocks.size)
         self._count[grant.tenant] -= 1
         if not self._count[grant.tenant]:
             del self._count[grant.tenant]
@@ -224,11 +263,13 @@ class Grants:
         self.pool.free(blocks)
         return len(blocks)
 
-    def detach(self, grant: GrantState) -> None:
-        """Close an open grant to takers and to expiry (a grant on its way to another server), holding its
-        name and blocks until ``release``."""
+    def detach(self, grant: GrantState, within_s: float, now: float | None = None) -> None:
+        """Close an open grant to takers (a grant on its way to another server), holding its name and blocks
+        until ``release``, or until ``within_s`` (the push's deadline) and LEAVING_GRACE_S have passed."""
+        now = time.monotonic() if now is None else now
         del self._grants[grant.grant_id]
-        self._reserved[grant.grant_id] = grant
+        grant.expires = now + within_s + LEAVING_GRACE_S
+        self._leaving[grant.grant_id] = grant
 
     def get(self, grant_id: str, *, tenant: str, now: float | None = None) -> GrantState:
         """The open grant ``tenant`` may take; UnknownGrant for any other name (taken, expired, never issued,
@@ -243,32 +284,48 @@ class Grants:
         return grant
 
     def expire(self, now: float | None = None) -> int:
-        """End every grant past its ttl; how many."""
+        """End every open grant past its ttl, and every leaving one past its push's deadline (a push that never
+        came back); how many."""
         now = time.monotonic() if now is None else now
-        ended = [g for g in self._grants.values() if now >= g.expires]
+        ended = [g for g in (*self._grants.values(), *self._leaving.values()) if now >= g.expires]
         for grant in ended:
             self.release(grant)
         return len(ended)
 
     def next_expiry(self) -> float | None:
-        """When the earliest open grant ends (time.monotonic), None for none."""
-        return min((g.expires for g in self._grants.values()), default=None)
+        """When the earliest open or leaving grant ends (time.monotonic), None for none."""
+        return min((g.expires for g in (*self._grants.values(), *self._leaving.values())), default=None)
 
     def by_tenant(self) -> dict[str, int]:
         """Grants per tenant, open, arriving or leaving (tenants with none left out)."""
         return dict(self._count)
 
 
-def live_records(
+def live_spans(
     layer_planes: Sequence[int], chunk_sizes: Sequence[int], num_tokens: int, num_blocks: int, block_size: int
-) -> list[tuple[int, int]]:
-    """The (plane, block) pairs a grant of ``num_blocks`` blocks holding ``num_tokens`` tokens sends to another
-    server, sorted: per layer (``layer_planes``: its plane, a KV-sharing layer's being its source's), the blocks
-    a query at position num_tokens - 1 or later reads: a chunked layer's from that position's chunk on, a
-    global layer's all, up to the last block holding a token."""
+) -> dict[int, tuple[int, int]]:
+    """Per plane, the blocks [first, end) a grant of ``num_blocks`` blocks holding ``num_tokens`` tokens sends to
+    another server: for each layer using it (``layer_planes``: its plane, a KV-sharing layer's being its
+    source's), the blocks a query at position num_tokens - 1 or later reads (a chunked layer's from that
+    position's chunk on, a global layer's all), up to the last block holding a token. Planes with none left out.
+    Arithmetic: the work is per layer, whatever the counts."""
     end = min(num_blocks, -(-num_tokens // block_size))
-    live: set[tuple[int, int]] = set()
+    spans: dict[int, int] = {}
     for plane, chunk in zip(layer_planes, chunk_sizes, strict=True):
         first = (max(num_tokens, 1) - 1) // chunk * chunk // block_size if chunk else 0
-        live.update((plane, b) for b in range(first, end))
-    return sorted(live)
+        spans[plane] = min(first, spans.get(plane, first))
+    return {p: (first, end) for p, first in sorted(spans.items()) if first < end}
+
+
+def whole_spans(num_planes: int, num_blocks: int) -> dict[int, tuple[int, int]]:
+    """Every plane's every block (a grant sent whole)."""
+    return {p: (0, num_blocks) for p in range(num_planes)}
+
+
+def span_records(spans: dict[int, tuple[int, int]]) -> list[tuple[int, int]]:
+    """The (plane, block) records of ``spans``, in order."""
+    return [(p, b) for p, (first, end) in spans.items() for b in range(first, end)]
+
+
+def span_count(spans: dict[int, tuple[int, int]]) -> int:
+    return sum(end - first for first, end in spans.values())

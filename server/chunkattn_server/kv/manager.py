@@ -57,7 +57,13 @@ class KVManager:
         # The block API's spaces: their blocks come from the same pool, under the same quotas.
         self.spaces = BlockSpaces(self.pool, config.model, config.group_size, self.check_quota)
         # Their handoffs: blocks of a space parked under a grant until another space takes them.
-        self.grants = Grants(self.pool, self.check_quota, self.block_size, config.group_size)
+        self.grants = Grants(
+            self.pool,
+            self.check_quota,
+            self.block_size,
+            config.group_size,
+            lambda tenant, blocks, now: self.spaces.charge(tenant, blocks, now=now, what="this grant"),
+        )
         self.group_of: list[KVGroup] = []  # per layer; a KV-sharing layer's is its source's
         for i, spec in enumerate(config.model.layers):
             owner = i if spec.kv_source is None else spec.kv_source

@@ -7,7 +7,7 @@ never sequence ids. A *block space* gives it blocks of this server to address th
 the pool and the tenant's quota).
 
 No space ever reads a previous owner's K/V, yet opening one does not zero it: a space block is *stale* until
-the first call that reads or writes it, which zeroes its pool blocks first (``take_stale``). Opening a space
+the first call that reads or writes it, which zeroes its pool blocks first (``zero_stale``). Opening a space
 of the whole pool is then bookkeeping only, and the zeroing is spread over the calls that use the blocks,
 bounded by what each reads anyway. Each tenant may open at most the pool's size (at least OPEN_FLOOR) in
 pool blocks per ``OPEN_WINDOW_S`` (a token bucket): a client that loops OpenBlockSpace and CloseBlockSpace on
@@ -104,15 +104,15 @@ class SpaceState:
         physical = pool[np.where(slots >= 0, slots, 0) // block_size] * block_size + slots % block_size
         return np.where(slots >= 0, physical, -1)
 
-    def take_stale(self, ids: np.ndarray) -> list[int]:
-        """The pool blocks of those of space blocks ``ids`` (int64, in range) still stale, now no longer: the
-        caller zeroes them before anything reads or writes them."""
+    def zero_stale(self, ids: np.ndarray, zero: Callable[[list[int]], None]) -> None:
+        """Zero (``zero``: the cache's) the pool blocks of those of space blocks ``ids`` (int64, in range) still
+        stale, and only then count them as no longer stale: a zeroing that fails leaves them stale."""
         hit = ids[self.stale[ids]]
         if not len(hit):
-            return []
+            return
         hit = np.unique(hit)
+        zero(list(self.blocks[hit].reshape(-1).tolist()))
         self.stale[hit] = False
-        return list(self.blocks[hit].reshape(-1).tolist())
 
 
 def layer_planes(model: ModelShape, given: Sequence[int]) -> tuple[tuple[int, ...], int]:
@@ -190,15 +190,8 @@ class BlockSpaces:
                 f" {self.pool.num_free} free of {self.pool.num_blocks}: open a smaller space, or start the server"
                 " with a larger pool"
             )
-        allowance = self._allowance(tenant, now)
-        if needed > allowance:
-            wait = (needed - allowance) / self.open_allowance * OPEN_WINDOW_S
-            raise QuotaExceeded(
-                f"your tenant may open block spaces of {self.open_allowance} pool blocks per {OPEN_WINDOW_S:g} s"
-                f" and has opened that many lately; this space needs {needed}: retry in {wait:.1f} s"
-            )
+        self.charge(tenant, needed, now=now, what="this space")
         taken = self.pool.allocate(needed, account=tenant)
-        self._opening[tenant] = (allowance - needed, now)
         space_id = secrets.token_hex(SPACE_ID_CHARS // 2)
         blocks = np.array(taken, dtype=np.int64).reshape(num_blocks, per_block)
         space = SpaceState(
@@ -207,6 +200,20 @@ class BlockSpaces:
         self._spaces[tenant, space_id] = space
         self._count[tenant] = self._count.get(tenant, 0) + 1
         return space
+
+    def charge(self, tenant: str, needed: int, *, now: float | None = None, what: str = "this call") -> None:
+        """Spend ``needed`` of ``tenant``'s allowance of pool blocks to take, zero or copy (a space opened, a
+        grant parked or received, blocks copied), or QuotaExceeded saying when to retry, nothing spent."""
+        now = time.monotonic() if now is None else now
+        allowance = self._allowance(tenant, now)
+        if needed > allowance:
+            wait = (needed - allowance) / self.open_allowance * OPEN_WINDOW_S
+            raise QuotaExceeded(
+                f"your tenant may take, zero or copy {self.open_allowance} pool blocks per {OPEN_WINDOW_S:g} s"
+                f" (block spaces opened, grants, copies) and has used that many lately; {what} needs {needed}:"
+                f" retry in {wait:.1f} s"
+            )
+        self._opening[tenant] = (allowance - needed, now)
 
     @property
     def open_allowance(self) -> int:

@@ -24,7 +24,7 @@ from chunkattn_server.kv.spaces import SPACE_ID_CHARS, SpaceState, lease
 from chunkattn_server.service.auth import Tenant
 from chunkattn_server.service.edge import Edge
 from chunkattn_server.service.rpc import SMALL_REQUEST_BYTES, Context, message
-from chunkattn_server.service.status import status_code
+from chunkattn_server.service.status import outcome_code
 from chunkattn_server.service.transfer import DEFAULT_TRANSFER_TIMEOUT_S, Pushed
 
 
@@ -73,7 +73,7 @@ def block_args(
 
 def grant_ask(r: pb.GrantBlocksRequest) -> GrantAsk:
     """A GrantBlocks request's fields as the engine takes them (the engine checks them)."""
-    return GrantAsk(r.space_id, list(r.block_ids), r.grant_id, r.num_tokens, r.ttl_s, r.to_tenant)
+    return GrantAsk(r.space_id, list(r.block_ids), r.grant_id, r.num_tokens, r.ttl_s, r.to_tenant, r.tag)
 
 
 def _ints(field: str, data: bytes, dtype: str) -> np.ndarray:
@@ -84,7 +84,7 @@ def _ints(field: str, data: bytes, dtype: str) -> np.ndarray:
     return np.frombuffer(data, dtype=dtype).astype(np.int64)
 
 
-PushGrant = Callable[[str, str, GrantAsk, float, Tenant], Awaitable[Pushed]]
+PushGrant = Callable[..., Awaitable[Pushed]]  # KVService.push_grant
 
 
 class BlockService:
@@ -195,8 +195,10 @@ class BlockService:
         def grant(e: Engine) -> tuple[Handoff, EngineStats]:
             return e.grant_blocks(ask, tenant=name), e.stats()
 
-        done = await self._handoff("grant", grant)
-        self._edge.deadline.set()  # the grant's ttl: a new deadline
+        try:
+            done = await self._handoff("grant", grant)
+        finally:  # the grant's ttl, a new deadline, even when the call was cancelled while the grant was made
+            self._edge.deadline.set()
         return pb.GrantBlocksResponse(
             blocks=done.blocks, pool_blocks=done.pool_blocks, bytes=done.bytes, ttl_s=ask.ttl_s or DEFAULT_TTL_S
         )
@@ -205,11 +207,14 @@ class BlockService:
         """GrantBlocks with a target (KVService.push_grant), counted as a grant whose bytes went over the
         network."""
         m = self._edge.metrics
-        r, timeout = request, context.time_remaining() or DEFAULT_TRANSFER_TIMEOUT_S
+        remaining = context.time_remaining()
+        r, timeout = request, DEFAULT_TRANSFER_TIMEOUT_S if remaining is None else max(0.0, remaining)
         try:
-            pushed = await self._push_grant(r.target, r.target_token, grant_ask(r), timeout, tenant)
+            pushed = await self._push_grant(
+                r.target, r.target_token, grant_ask(r), whole=r.whole, timeout=timeout, tenant=tenant
+            )
         except BaseException as e:
-            m.handoffs.labels("grant", status_code(e).name).inc()
+            m.handoffs.labels("grant", outcome_code(e).name).inc()
             raise
         m.handoffs.labels("grant", "OK").inc()
         m.handoff_blocks.labels("grant").inc(pushed.parked.blocks)
@@ -238,6 +243,7 @@ class BlockService:
                 r.source_block_ids,
                 space_id=r.space_id,
                 grant_id=r.grant_id if source == "grant_id" else None,  # an empty name is still a grant's
+                expect_tag=r.expect_tag,
                 tenant=name,
             )
             return done, e.stats()
@@ -252,7 +258,7 @@ class BlockService:
         try:
             done, stats = await self._run("GrantBlocks" if op == "grant" else "CopyBlocks", job)
         except BaseException as e:
-            m.handoffs.labels(op, status_code(e).name).inc()
+            m.handoffs.labels(op, outcome_code(e).name).inc()
             raise
         m.handoffs.labels(op, "OK").inc()
         m.handoff_blocks.labels(op).inc(done.blocks)

@@ -67,6 +67,8 @@ def grant_to_pb(m: GrantManifest) -> bytes:
         ttl_s=m.ttl_s,
         to_tenant=m.to_tenant,
         num_records=m.num_records,
+        tag=m.tag,
+        whole=m.whole,
     )
     return bytes(pb.KVChunk(grant=header).SerializeToString())
 
@@ -84,6 +86,8 @@ def grant_from_pb(h: pb.GrantHeader) -> GrantManifest:
         to_tenant=h.to_tenant,
         scales=scales,
         num_records=h.num_records,
+        tag=h.tag,
+        whole=h.whole,
     )
 
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import torch
 
 from chunkattn_server.errors import (
     DataLoss,
     GrantExists,
+    GrantMismatch,
     InvalidArgument,
     NotOffered,
     OutOfBlocks,
@@ -48,6 +51,7 @@ _STATUS: dict[type[BaseException], grpc.StatusCode] = {
     UnknownSpace: grpc.StatusCode.NOT_FOUND,
     UnknownGrant: grpc.StatusCode.NOT_FOUND,
     GrantExists: grpc.StatusCode.ALREADY_EXISTS,
+    GrantMismatch: grpc.StatusCode.FAILED_PRECONDITION,
     SequenceExists: grpc.StatusCode.ALREADY_EXISTS,
     DataLoss: grpc.StatusCode.DATA_LOSS,
     SequenceChanged: grpc.StatusCode.ABORTED,
@@ -71,3 +75,11 @@ def status_code(error: BaseException) -> grpc.StatusCode:
         if code is not None:
             return code
     return grpc.StatusCode.INTERNAL
+
+
+def outcome_code(error: BaseException) -> grpc.StatusCode:
+    """What a call that ended with ``error`` is counted as: CANCELLED when its client went away (the handler
+    cancelled, or a stream's generator closed), else the status the caller gets."""
+    if isinstance(error, asyncio.CancelledError | GeneratorExit):
+        return grpc.StatusCode.CANCELLED
+    return status_code(error)

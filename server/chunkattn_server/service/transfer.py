@@ -23,9 +23,9 @@ from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2 as pb
 from chunkattn_client._pb.chunkattn.v1 import chunkattn_pb2_grpc as pb_grpc
 from chunkattn_client.limits import MAX_ID_BYTES, id_problem, target_problem, token_problem
 from chunkattn_server.engine.core import Engine
-from chunkattn_server.engine.types import EngineStats, GrantAsk, Handoff
+from chunkattn_server.engine.types import EngineStats, GrantAsk, Handoff, Leaving
 from chunkattn_server.errors import DataLoss, IncompatibleKV, InvalidArgument, InvalidBatch
-from chunkattn_server.kv.grant_transfer import GrantImport, GrantManifest
+from chunkattn_server.kv.grant_transfer import GrantImport
 from chunkattn_server.kv.grants import GrantState
 from chunkattn_server.kv.manifest import KVManifest, ModelFingerprint, batches, record_bytes
 from chunkattn_server.kv.transfer import ImportSession
@@ -34,7 +34,7 @@ from chunkattn_server.service.auth import Tenant
 from chunkattn_server.service.channels import ChannelPool
 from chunkattn_server.service.edge import Edge
 from chunkattn_server.service.rpc import SMALL_REQUEST_BYTES, Context, Stream, Ticket, message
-from chunkattn_server.service.status import TargetError, status_code
+from chunkattn_server.service.status import TargetError, outcome_code
 from chunkattn_server.service.tls import transfer_credentials
 
 DEFAULT_KV_MESSAGE_BYTES = 4 << 20
@@ -97,7 +97,7 @@ class KVService:
                 async for chunk in chunks:
                     yield chunk
         except BaseException as e:
-            self._transferred("out", _code(e), started)
+            self._transferred("out", outcome_code(e), started)
             raise
         self._transferred("out", grpc.StatusCode.OK, started)
 
@@ -106,7 +106,7 @@ class KVService:
         try:
             response = await self._import(stream, tenant)
         except BaseException as e:
-            self._transferred("in", _code(e), started)
+            self._transferred("in", outcome_code(e), started)
             raise
         self._transferred("in", grpc.StatusCode.OK, started)
         return response
@@ -123,7 +123,7 @@ class KVService:
             timeout = DEFAULT_TRANSFER_TIMEOUT_S if remaining is None else remaining
             response = await self._transfer(request, timeout, tenant)
         except BaseException as e:
-            self._transferred("out", _code(e), started)
+            self._transferred("out", outcome_code(e), started)
             raise
         response.seconds = time.perf_counter() - started
         self._transferred("out", grpc.StatusCode.OK, started)
@@ -254,9 +254,9 @@ class KVService:
                 raise DataLoss(f"the KV stream ended before its trailer, after {records} blocks: it was cut short")
             blocks, stats = await self._run("ImportKV", lambda e: (e.commit_import(session), e.stats()))
             self._observe_pool(stats)
-            if isinstance(session, GrantImport):
-                self._deadline.set()  # the grant's ttl: a new deadline for the sweep
         finally:
+            if holder and isinstance(holder[0], GrantImport):
+                self._deadline.set()  # a grant may have opened (its ttl: a new deadline), the call cancelled or not
             if writing is not None:  # the stream failed while a write was queued or running: drop it
                 dropped, ticket = writing
                 dropped.cancel()
@@ -336,37 +336,40 @@ class KVService:
         return imported
 
     async def push_grant(
-        self, target: str, target_token: str, ask: GrantAsk, timeout: float | None, tenant: Tenant
+        self, target: str, target_token: str, ask: GrantAsk, *, whole: bool, timeout: float, tenant: Tenant
     ) -> Pushed:
         """GrantBlocks with a target: the blocks parked here and detached (a snapshot no one takes), their live
-        records sent to ``target``'s ImportKV as a grant's stream (presenting ``target_token``, or the server's
-        --transfer-token), the grant released here whatever happens. InvalidArgument for a bad target or token
-        before anything is parked; the target's refusal passed on."""
+        records (every record when ``whole``) sent to ``target``'s ImportKV as a grant's stream (presenting
+        ``target_token``, or the server's --transfer-token), the grant released here whatever happens, a
+        cancelled call included. InvalidArgument for a bad target or token before anything is parked; the
+        target's refusal passed on."""
         started = time.perf_counter()
         problem = target_problem(target) or (target_token and token_problem(target_token, "target_token"))
         if problem:
             raise InvalidArgument(problem)
         metadata = bearer(target_token or self._config.transfer_token_for(target))
         name = tenant.name
+        holder: list[Leaving] = []  # set on the engine thread: a call cancelled meanwhile still releases it
 
-        def leave(e: Engine) -> tuple[GrantState, GrantManifest, Handoff]:
-            return e.grant_leaving(ask, tenant=name)
+        def leave(e: Engine) -> Leaving:
+            holder.append(e.grant_leaving(ask, tenant=name, whole=whole, within_s=timeout))
+            return holder[0]
 
-        grant, manifest, parked = await self._run("GrantBlocks", leave)
         try:
+            leaving = await self._run("GrantBlocks", leave)
             failure: list[BaseException] = []
-            todo = message_batches(manifest.records(), manifest.model, DEFAULT_KV_MESSAGE_BYTES)
-            jobs = [_grant_reader(grant, batch) for batch in todo]
-            chunks = self._stream(kvwire.grant_to_pb(manifest), jobs, failure)
+            todo = message_batches(leaving.records, leaving.manifest.model, DEFAULT_KV_MESSAGE_BYTES)
+            jobs = [_grant_reader(leaving.grant, batch) for batch in todo]
+            chunks = self._stream(kvwire.grant_to_pb(leaving.manifest), jobs, failure)
             imported = await self._send(target, metadata, chunks, failure, timeout)
         except BaseException as e:
-            self._transferred("out", _code(e), started)
+            self._transferred("out", outcome_code(e), started)
             raise
-        finally:  # queued after any read of its pages, and shielded: a cancelled call still returns its blocks
-            stats = await asyncio.shield(self._run("GrantBlocks", lambda e: e.release_grant(grant)))
+        finally:  # queued after the park and any read of its pages, and shielded: a cancelled call returns it too
+            stats = await asyncio.shield(self._run("GrantBlocks", _leaving_releaser(holder)))
             self._observe_pool(stats)
         self._transferred("out", grpc.StatusCode.OK, started)
-        return Pushed(parked, imported.records, imported.bytes)
+        return Pushed(leaving.parked, imported.records, imported.bytes)
 
     async def _lost_refusal(self, target: str, metadata: Any) -> TargetError:
         """What to say when a target refused an import and gRPC lost its reason. A target that refuses an
@@ -409,12 +412,6 @@ class KVService:
         self._metrics.kv_transfer_seconds.labels(direction).observe(time.perf_counter() - started)
 
 
-def _code(e: BaseException) -> grpc.StatusCode:
-    """What a transfer that ended with ``e`` is counted as: cancelled when its client went away or stopped
-    reading (the export's generator closed), else the status the caller gets."""
-    return grpc.StatusCode.CANCELLED if isinstance(e, asyncio.CancelledError | GeneratorExit) else status_code(e)
-
-
 def _releasing(ticket: Ticket) -> Callable[[asyncio.Future[Any]], None]:
     """A done-callback that releases ``ticket``."""
     return lambda _: ticket.release()
@@ -444,6 +441,17 @@ def exporter(manifest: KVManifest, batch: Sequence[tuple[int, int]]) -> Callable
     def job(e: Engine) -> tuple[bytes, int, int]:
         views = e.export_views(manifest, batch)
         return kvwire.encode_blocks(views), len(views), len(views) * record_bytes(manifest.model)
+
+    return job
+
+
+def _leaving_releaser(holder: list[Leaving]) -> Callable[[Engine], EngineStats]:
+    """The engine job that releases a leaving grant, if the park made one; the pool after."""
+
+    def job(e: Engine) -> EngineStats:
+        if holder:
+            e.release_grant(holder[0].grant)
+        return e.stats()
 
     return job
 

@@ -157,7 +157,7 @@ class ListBlockSpacesResponse(_message.Message):
     def __init__(self, spaces: _Optional[_Iterable[_Union[BlockSpaceInfo, _Mapping]]] = ...) -> None: ...
 
 class GrantBlocksRequest(_message.Message):
-    __slots__ = ("space_id", "block_ids", "grant_id", "num_tokens", "ttl_s", "to_tenant", "target", "target_token")
+    __slots__ = ("space_id", "block_ids", "grant_id", "num_tokens", "ttl_s", "to_tenant", "target", "target_token", "whole", "tag")
     SPACE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     GRANT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +166,8 @@ class GrantBlocksRequest(_message.Message):
     TO_TENANT_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     TARGET_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    WHOLE_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
     space_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     grant_id: str
@@ -174,7 +176,9 @@ class GrantBlocksRequest(_message.Message):
     to_tenant: str
     target: str
     target_token: str
-    def __init__(self, space_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., grant_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., ttl_s: _Optional[float] = ..., to_tenant: _Optional[str] = ..., target: _Optional[str] = ..., target_token: _Optional[str] = ...) -> None: ...
+    whole: bool
+    tag: str
+    def __init__(self, space_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., grant_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., ttl_s: _Optional[float] = ..., to_tenant: _Optional[str] = ..., target: _Optional[str] = ..., target_token: _Optional[str] = ..., whole: _Optional[bool] = ..., tag: _Optional[str] = ...) -> None: ...
 
 class GrantBlocksResponse(_message.Message):
     __slots__ = ("blocks", "pool_blocks", "bytes", "ttl_s", "records", "network_bytes")
@@ -193,7 +197,7 @@ class GrantBlocksResponse(_message.Message):
     def __init__(self, blocks: _Optional[int] = ..., pool_blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., ttl_s: _Optional[float] = ..., records: _Optional[int] = ..., network_bytes: _Optional[int] = ...) -> None: ...
 
 class GrantHeader(_message.Message):
-    __slots__ = ("grant_id", "model", "layer_planes", "num_planes", "num_blocks", "num_tokens", "ttl_s", "to_tenant", "num_records")
+    __slots__ = ("grant_id", "model", "layer_planes", "num_planes", "num_blocks", "num_tokens", "ttl_s", "to_tenant", "num_records", "tag", "whole")
     GRANT_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LAYER_PLANES_FIELD_NUMBER: _ClassVar[int]
@@ -203,6 +207,8 @@ class GrantHeader(_message.Message):
     TTL_S_FIELD_NUMBER: _ClassVar[int]
     TO_TENANT_FIELD_NUMBER: _ClassVar[int]
     NUM_RECORDS_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    WHOLE_FIELD_NUMBER: _ClassVar[int]
     grant_id: str
     model: KVModel
     layer_planes: _containers.RepeatedScalarFieldContainer[int]
@@ -212,21 +218,25 @@ class GrantHeader(_message.Message):
     ttl_s: float
     to_tenant: str
     num_records: int
-    def __init__(self, grant_id: _Optional[str] = ..., model: _Optional[_Union[KVModel, _Mapping]] = ..., layer_planes: _Optional[_Iterable[int]] = ..., num_planes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_tokens: _Optional[int] = ..., ttl_s: _Optional[float] = ..., to_tenant: _Optional[str] = ..., num_records: _Optional[int] = ...) -> None: ...
+    tag: str
+    whole: bool
+    def __init__(self, grant_id: _Optional[str] = ..., model: _Optional[_Union[KVModel, _Mapping]] = ..., layer_planes: _Optional[_Iterable[int]] = ..., num_planes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_tokens: _Optional[int] = ..., ttl_s: _Optional[float] = ..., to_tenant: _Optional[str] = ..., num_records: _Optional[int] = ..., tag: _Optional[str] = ..., whole: _Optional[bool] = ...) -> None: ...
 
 class CopyBlocksRequest(_message.Message):
-    __slots__ = ("space_id", "grant_id", "source_block_ids", "dest_space_id", "dest_block_ids")
+    __slots__ = ("space_id", "grant_id", "source_block_ids", "dest_space_id", "dest_block_ids", "expect_tag")
     SPACE_ID_FIELD_NUMBER: _ClassVar[int]
     GRANT_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCE_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     DEST_SPACE_ID_FIELD_NUMBER: _ClassVar[int]
     DEST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    EXPECT_TAG_FIELD_NUMBER: _ClassVar[int]
     space_id: str
     grant_id: str
     source_block_ids: _containers.RepeatedScalarFieldContainer[int]
     dest_space_id: str
     dest_block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, space_id: _Optional[str] = ..., grant_id: _Optional[str] = ..., source_block_ids: _Optional[_Iterable[int]] = ..., dest_space_id: _Optional[str] = ..., dest_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    expect_tag: str
+    def __init__(self, space_id: _Optional[str] = ..., grant_id: _Optional[str] = ..., source_block_ids: _Optional[_Iterable[int]] = ..., dest_space_id: _Optional[str] = ..., dest_block_ids: _Optional[_Iterable[int]] = ..., expect_tag: _Optional[str] = ...) -> None: ...
 
 class CopyBlocksResponse(_message.Message):
     __slots__ = ("blocks", "bytes", "num_tokens")

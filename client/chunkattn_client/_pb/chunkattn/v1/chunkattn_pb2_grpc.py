@@ -305,7 +305,8 @@ class ChunkAttnServicer:
         set of scales). INVALID_ARGUMENT for a malformed request (counts that differ, an id out of range, a
         destination block listed twice, spaces laid out otherwise), NOT_FOUND for a space or grant that does not
         exist for the caller (another tenant's space, a grant taken, expired, never issued, or issued to another
-        tenant). Nothing changes on an error, and a grant a refused call names is not taken.
+        tenant), FAILED_PRECONDITION for a grant whose tag is not expect_tag. Nothing changes on an error, and a
+        grant a refused call names is not taken.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -146,7 +146,8 @@ class ChunkAttnStub:
     set of scales). INVALID_ARGUMENT for a malformed request (counts that differ, an id out of range, a
     destination block listed twice, spaces laid out otherwise), NOT_FOUND for a space or grant that does not
     exist for the caller (another tenant's space, a grant taken, expired, never issued, or issued to another
-    tenant). Nothing changes on an error, and a grant a refused call names is not taken.
+    tenant), FAILED_PRECONDITION for a grant whose tag is not expect_tag. Nothing changes on an error, and a
+    grant a refused call names is not taken.
     """
     OpenDataPlane: _grpc.UnaryUnaryMultiCallable[_chunkattn_pb2.OpenDataPlaneRequest, _chunkattn_pb2.OpenDataPlaneResponse]
     """A session on the server's data plane: Attend requests (sequence or block addressing) over ZeroMQ instead
@@ -281,7 +282,8 @@ class ChunkAttnAsyncStub(ChunkAttnStub):
     set of scales). INVALID_ARGUMENT for a malformed request (counts that differ, an id out of range, a
     destination block listed twice, spaces laid out otherwise), NOT_FOUND for a space or grant that does not
     exist for the caller (another tenant's space, a grant taken, expired, never issued, or issued to another
-    tenant). Nothing changes on an error, and a grant a refused call names is not taken.
+    tenant), FAILED_PRECONDITION for a grant whose tag is not expect_tag. Nothing changes on an error, and a
+    grant a refused call names is not taken.
     """
     OpenDataPlane: _aio.UnaryUnaryMultiCallable[_chunkattn_pb2.OpenDataPlaneRequest, _chunkattn_pb2.OpenDataPlaneResponse]  # type: ignore[assignment]
     """A session on the server's data plane: Attend requests (sequence or block addressing) over ZeroMQ instead
@@ -503,7 +505,8 @@ class ChunkAttnServicer(metaclass=_abc_1.ABCMeta):
         set of scales). INVALID_ARGUMENT for a malformed request (counts that differ, an id out of range, a
         destination block listed twice, spaces laid out otherwise), NOT_FOUND for a space or grant that does not
         exist for the caller (another tenant's space, a grant taken, expired, never issued, or issued to another
-        tenant). Nothing changes on an error, and a grant a refused call names is not taken.
+        tenant), FAILED_PRECONDITION for a grant whose tag is not expect_tag. Nothing changes on an error, and a
+        grant a refused call names is not taken.
         """
 
     @_abc_1.abstractmethod
