@@ -314,7 +314,7 @@ def test_a_handoff_is_claimed_once_for_its_prompt_past_the_local_hit(monkeypatch
     longer = _request("b", [*prompt, 5, 6], params)  # a decode prompt extending the prefill prompt
     assert connector.get_num_new_matched_tokens(longer, 0) == (100, True)
     elsewhere = _request("c", prompt, {**params, "server": "elsewhere:1"})
-    assert connector.get_num_new_matched_tokens(elsewhere, 0) == (99, True)
+    assert connector.get_num_new_matched_tokens(elsewhere, 0) == (100, True)
     others = [_request("d", [9, *prompt[1:]], params), _request("e", prompt[:99], params)]
     for other in others:
         assert connector.get_num_new_matched_tokens(other, 0) == (0, False)
