@@ -7,7 +7,6 @@ same error for every later call; close() and cancel() never raise.
 
 from __future__ import annotations
 
-import _thread
 import asyncio
 import contextlib
 import signal
@@ -44,8 +43,12 @@ class Sync:
         return stream.attend(*args, **options)
 
     def interrupted(self, stream: Any, *args: Any) -> type[BaseException]:
-        """A call interrupted while it waits (Ctrl-C, here from a timer); the exception it raised."""
-        timer = threading.Timer(0.5, _thread.interrupt_main)
+        """A call interrupted while it waits (Ctrl-C: a SIGINT to the main thread, here from a timer; a real
+        signal, which wakes the wait at once, where _thread.interrupt_main waits for the call's timeout); the
+        exception it raised."""
+        main = threading.main_thread().ident
+        assert main is not None
+        timer = threading.Timer(0.5, lambda: signal.pthread_kill(main, signal.SIGINT))
         timer.start()
         try:
             with pytest.raises(KeyboardInterrupt):
