@@ -29,15 +29,20 @@ import torch
 
 log = logging.getLogger("chunkattn_server")
 
-SOURCE = Path(__file__).with_name("decode.cpp")
+HERE = Path(__file__).parent
+SOURCES = [HERE / "decode.cpp", HERE / "prefill.cpp"]  # and their headers, pages.h and store.h
 CLI = "python -m chunkattn_server.attention.backends.native.build"
 
 X86 = ("x86_64", "AMD64", "i686", "i386")
 
-# torch's name for the CPU's widest vector ISA -> our build of the kernel for it, widest first.
+_AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c",
+           "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"]
+# Our builds of the kernels, widest first: AMX (Intel since Sapphire Rapids: AVX-512 with BF16 and the AMX tiles,
+# whose bfloat16 matrix multiply serves bfloat16 and float8 caches), then torch's names for the CPU's widest
+# vector ISA.
 FLAGS: dict[str, list[str]] = {
-    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c",
-               "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"],
+    "AMX": [*_AVX512, "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-DCHUNKATTN_AMX"],
+    "AVX512": _AVX512,
     "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"],
     "DEFAULT": ["-DCPU_CAPABILITY=DEFAULT"],
 }  # fmt: skip
@@ -48,14 +53,29 @@ class NativeUnavailable(RuntimeError):
 
 
 def cpu_isa() -> str:
-    """The widest ISA this CPU runs, as torch reads it (AVX512 / AVX2, anything else: DEFAULT); every ISA
-    ``runnable`` from it runs here."""
+    """The widest ISA this CPU runs: AMX where torch reads AVX512 with AVX512-BF16 and the AMX tiles and the
+    kernel lets this process use them (torch asks Linux for the tiles' state, ARCH_REQ_XCOMP_PERM); else torch's
+    AVX512 / AVX2, anything else DEFAULT. Every ISA ``runnable`` from it runs here."""
+    if platform.machine() not in X86:
+        return "DEFAULT"
     capability = torch.backends.cpu.get_cpu_capability()
-    return capability if capability in FLAGS and platform.machine() in X86 else "DEFAULT"
+    if capability == "AVX512" and _amx():
+        return "AMX"
+    return capability if capability in FLAGS else "DEFAULT"
+
+
+@functools.cache
+def _amx() -> bool:
+    """Whether this CPU has AMX tiles for bfloat16 and AVX512-BF16, and this process may use the tiles."""
+    cpu = torch.cpu
+    try:
+        return bool(cpu._is_avx512_bf16_supported() and cpu._is_amx_tile_supported() and cpu._init_amx())
+    except AttributeError:  # a torch without these probes: no AMX build
+        return False
 
 
 def isa() -> str:
-    """The ISA whose build is loaded: CHUNKATTN_NATIVE_ISA (AVX512, AVX2 or DEFAULT) when set, else
+    """The ISA whose build is loaded: CHUNKATTN_NATIVE_ISA (AMX, AVX512, AVX2 or DEFAULT) when set, else
     ``cpu_isa()``. Forcing a narrower ISA than the CPU's runs that build here (the tests check each build
     this way); a wider one stops the process with an illegal instruction."""
     forced = os.environ.get("CHUNKATTN_NATIVE_ISA")
@@ -125,7 +145,7 @@ def _compile(chosen: str, build_directory: str | None = None) -> ModuleType:
 
     module: ModuleType = cpp_extension.load(
         name=module_name(chosen),
-        sources=[str(SOURCE)],
+        sources=[str(p) for p in SOURCES],
         extra_cflags=["-O3", "-fopenmp", "-ffp-contract=fast", *FLAGS[chosen]],
         extra_ldflags=["-fopenmp"],
         build_directory=build_directory,

@@ -9,152 +9,20 @@
 // position + 1: its own key is in the cache already). The key at absolute position p lives in physical block
 // tables[s][p / bs - key_start[s] / bs], row p % bs, of the pages [Hkv, num_blocks, bs, D].
 
-#include <torch/extension.h>
-#include <pybind11/numpy.h>
-#include <ATen/Parallel.h>
-#include <ATen/cpu/vec/vec.h>
-#include <c10/util/Float8_e4m3fn.h>
-#include <c10/util/Float8_e5m2.h>
-#include <c10/util/Half.h>
+#include "pages.h"
+#include "store.h"
 
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <limits>
+#include <pybind11/numpy.h>
 #include <type_traits>
 #include <vector>
 
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-#include <immintrin.h>
-#endif
-
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
-constexpr int64_t kV = Vec::size();
+using namespace chunkattn;
+
 constexpr int64_t kHeadsAtOnce = 8;  // query heads whose accumulators stay in registers together
 constexpr int64_t kTile = 32;        // keys scored, softmaxed and accumulated together (a multiple of kV)
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 static_assert(kTile % kV == 0, "a tile's scores are read in whole vectors");
-
-// Page element types. Float8 codes are read through float16: an e5m2 code is the top byte of the float16 of
-// the same value; an e4m3fn code c becomes the float16 bits sign << 15 | (c & 0x7f) << 7, which is the value
-// / 256 (exponent bias 15 instead of 7, subnormals included), the 256 folded into the scales; its NaN codes
-// (0x7f, 0xff) become a float16 NaN.
-struct E4M3 { uint8_t bits; };
-struct E5M2 { uint8_t bits; };
-
-template <typename T> constexpr float kRawScale = 1.0f;  // value = converted * kRawScale (* the cache's scale)
-template <> constexpr float kRawScale<E4M3> = 256.0f;
-
-inline uint16_t e4m3_half_bits(uint8_t c) {
-  if ((c & 0x7f) == 0x7f) return 0x7e00;
-  return static_cast<uint16_t>(((c & 0x80) << 8) | ((c & 0x7f) << 7));
-}
-
-inline float scalar(float x) { return x; }
-inline float scalar(c10::BFloat16 x) { return static_cast<float>(x); }
-inline float scalar(c10::Half x) { return static_cast<float>(x); }
-inline float scalar(E5M2 x) { return c10::detail::fp16_ieee_to_fp32_value(static_cast<uint16_t>(x.bits << 8)); }
-inline float scalar(E4M3 x) { return c10::detail::fp16_ieee_to_fp32_value(e4m3_half_bits(x.bits)); }
-
-// kV elements from p as floats (times 1 / kRawScale).
-template <typename T>
-__attribute__((always_inline)) inline Vec load_vec(const T* p) {
-  float tmp[kV];
-  for (int64_t i = 0; i < kV; ++i) tmp[i] = scalar(p[i]);
-  return Vec::loadu(tmp);
-}
-
-// The first n < kV elements, the rest zero (a head size that is not a multiple of kV: the rare path).
-template <typename T>
-__attribute__((noinline)) Vec load_part_vec(const T* p, int64_t n) {
-  float tmp[kV] = {};
-  for (int64_t i = 0; i < n; ++i) tmp[i] = scalar(p[i]);
-  return Vec::loadu(tmp);
-}
-
-template <>
-__attribute__((always_inline)) inline Vec load_vec<float>(const float* p) { return Vec::loadu(p); }
-
-#if defined(CPU_CAPABILITY_AVX512)
-template <>
-__attribute__((always_inline)) inline Vec load_vec<c10::BFloat16>(const c10::BFloat16* p) {
-  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-}
-template <>
-__attribute__((always_inline)) inline Vec load_vec<c10::Half>(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-template <>
-__attribute__((always_inline)) inline Vec load_vec<E5M2>(const E5M2* p) {
-  const __m256i c = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm512_cvtph_ps(_mm256_slli_epi16(c, 8));
-}
-template <>
-__attribute__((always_inline)) inline Vec load_vec<E4M3>(const E4M3* p) {
-  const __m256i c = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256i mag = _mm256_and_si256(c, _mm256_set1_epi16(0x7f));
-  __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(c, _mm256_set1_epi16(0x80)), 8),
-                              _mm256_slli_epi16(mag, 7));
-  h = _mm256_blendv_epi8(h, _mm256_set1_epi16(0x7e00), _mm256_cmpeq_epi16(mag, _mm256_set1_epi16(0x7f)));
-  return _mm512_cvtph_ps(h);
-}
-inline float hsum(const Vec& v) { return _mm512_reduce_add_ps(v); }
-#elif defined(CPU_CAPABILITY_AVX2)
-template <>
-__attribute__((always_inline)) inline Vec load_vec<c10::BFloat16>(const c10::BFloat16* p) {
-  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-}
-template <>
-__attribute__((always_inline)) inline Vec load_vec<c10::Half>(const c10::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-template <>
-__attribute__((always_inline)) inline Vec load_vec<E5M2>(const E5M2* p) {
-  const __m128i c = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_cvtph_ps(_mm_slli_epi16(c, 8));
-}
-template <>
-__attribute__((always_inline)) inline Vec load_vec<E4M3>(const E4M3* p) {
-  const __m128i c = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m128i mag = _mm_and_si128(c, _mm_set1_epi16(0x7f));
-  __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(c, _mm_set1_epi16(0x80)), 8), _mm_slli_epi16(mag, 7));
-  h = _mm_blendv_epi8(h, _mm_set1_epi16(0x7e00), _mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7f)));
-  return _mm256_cvtph_ps(h);
-}
-inline float hsum(const Vec& v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
-}
-#else
-inline float hsum(const Vec& v) {
-  float tmp[kV];
-  v.store(tmp);
-  float x = 0.0f;
-  for (int64_t i = 0; i < kV; ++i) x += tmp[i];
-  return x;
-}
-#endif
-
-inline float hmax(const Vec& v) {
-  float tmp[kV];
-  v.store(tmp);
-  float x = tmp[0];
-  for (int64_t i = 1; i < kV; ++i) x = std::max(x, tmp[i]);
-  return x;
-}
-
-// Element [i * kV, i * kV + kV) of a row of d elements (zero past d).
-template <typename T>
-__attribute__((always_inline)) inline Vec load_at(const T* row, int64_t i, int64_t d) {
-  const int64_t at = i * kV;
-  return at + kV <= d ? load_vec<T>(row + at) : load_part_vec<T>(row + at, d - at);
-}
 
 // Calls f(std::integral_constant<int, n>) for n in [1, kHeadsAtOnce]: the loops over a group's heads then
 // have a bound known at compile time and keep their accumulators in registers.
@@ -502,107 +370,6 @@ const float* slopes_of(const c10::optional<at::Tensor>& alibi, int64_t heads) {
   return alibi.has_value() ? alibi->data_ptr<float>() : nullptr;
 }
 
-// -- the store: rows of k / v (the compute dtype) into pages (the cache dtype) ---------------------------------
-
-// x as a cache of type Page holds it: a plain conversion (round to nearest even), or for float8 x / scale in
-// float32, saturated to the format's largest finite value, rounded to nearest even: torchtypes.store, bit for bit.
-template <typename Page> constexpr float kTop = 0.0f;  // the float8 formats' largest finite values
-template <> constexpr float kTop<E4M3> = 448.0f;
-template <> constexpr float kTop<E5M2> = 57344.0f;
-
-template <typename Page> inline Page to_page(float x, float scale);
-template <> inline float to_page<float>(float x, float) { return x; }
-template <> inline c10::BFloat16 to_page<c10::BFloat16>(float x, float) { return c10::BFloat16(x); }
-template <> inline c10::Half to_page<c10::Half>(float x, float) { return c10::Half(x); }
-template <> inline E4M3 to_page<E4M3>(float x, float scale) {
-  const float y = scale != 1.0f ? x / scale : x;
-  return E4M3{c10::Float8_e4m3fn(std::min(std::max(y, -kTop<E4M3>), kTop<E4M3>)).x};
-}
-template <> inline E5M2 to_page<E5M2>(float x, float scale) {
-  const float y = scale != 1.0f ? x / scale : x;
-  return E5M2{c10::Float8_e5m2(std::min(std::max(y, -kTop<E5M2>), kTop<E5M2>)).x};
-}
-
-// Converts `count` elements of src (Src) into dst (Page) over scale.
-template <typename Src, typename Page>
-inline void convert_row(const Src* src, Page* dst, int64_t count, float scale) {
-  for (int64_t i = 0; i < count; ++i) dst[i] = to_page<Page>(static_cast<float>(src[i]), scale);
-}
-
-// rows[i] of k, v [T, Hkv, D] (Src) stored at slots[i] of the pages (Page), or into own_k / own_v [n, Hkv, D]
-// (Page) at own_at[i] where slots[i] < 0 and own_at[i] >= 0 (a decode whose key is not written).
-template <typename Src, typename Page>
-void store_impl(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_pages, const at::Tensor& v_pages,
-                const int64_t* slots, int64_t count, double k_scale, double v_scale, Page* own_k, Page* own_v,
-                const int64_t* own_at) {
-  const int64_t hkv = k_pages.size(0), bs = k_pages.size(2), d = k_pages.size(3);
-  const int64_t s_head = k_pages.stride(0), s_block = k_pages.stride(1), s_row = k_pages.stride(2);
-  const Src* kp = reinterpret_cast<const Src*>(k.data_ptr());
-  const Src* vp = reinterpret_cast<const Src*>(v.data_ptr());
-  Page* kd = reinterpret_cast<Page*>(k_pages.data_ptr());
-  Page* vd = reinterpret_cast<Page*>(v_pages.data_ptr());
-  const float ksc = static_cast<float>(k_scale), vsc = static_cast<float>(v_scale);
-  for (int64_t t = 0; t < count; ++t) {
-    const int64_t slot = slots[t];
-    for (int64_t h = 0; h < hkv; ++h) {
-      const Src* ks = kp + (t * hkv + h) * d;
-      const Src* vs = vp + (t * hkv + h) * d;
-      Page *kt, *vt;
-      if (slot >= 0) {
-        const int64_t off = h * s_head + (slot / bs) * s_block + (slot % bs) * s_row;
-        kt = kd + off;
-        vt = vd + off;
-      } else if (own_at != nullptr && own_at[t] >= 0) {
-        kt = own_k + (own_at[t] * hkv + h) * d;
-        vt = own_v + (own_at[t] * hkv + h) * d;
-      } else {
-        continue;
-      }
-      if constexpr (std::is_same_v<Src, Page>) {
-        std::memcpy(kt, ks, d * sizeof(Page));
-        std::memcpy(vt, vs, d * sizeof(Page));
-      } else {
-        convert_row(ks, kt, d, ksc);
-        convert_row(vs, vt, d, vsc);
-      }
-    }
-  }
-}
-
-template <typename Src>
-void store_pages(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_pages, const at::Tensor& v_pages,
-                 const int64_t* slots, int64_t count, double k_scale, double v_scale, void* own_k, void* own_v,
-                 const int64_t* own_at) {
-#define CHUNKATTN_STORE(PAGE)                                                                                    \
-  return store_impl<Src, PAGE>(k, v, k_pages, v_pages, slots, count, k_scale, v_scale,                          \
-                               reinterpret_cast<PAGE*>(own_k), reinterpret_cast<PAGE*>(own_v), own_at)
-  switch (k_pages.scalar_type()) {
-    case at::kFloat: CHUNKATTN_STORE(float);
-    case at::kBFloat16: CHUNKATTN_STORE(c10::BFloat16);
-    case at::kHalf: CHUNKATTN_STORE(c10::Half);
-    case at::kFloat8_e4m3fn: CHUNKATTN_STORE(E4M3);
-    case at::kFloat8_e5m2: CHUNKATTN_STORE(E5M2);
-    default:
-      TORCH_CHECK(false, "chunkattn native store: pages of dtype ", k_pages.scalar_type(), " are not served");
-  }
-#undef CHUNKATTN_STORE
-}
-
-void store_rows(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_pages, const at::Tensor& v_pages,
-                const int64_t* slots, int64_t count, double k_scale, double v_scale, void* own_k, void* own_v,
-                const int64_t* own_at) {
-  switch (k.scalar_type()) {
-    case at::kFloat:
-      return store_pages<float>(k, v, k_pages, v_pages, slots, count, k_scale, v_scale, own_k, own_v, own_at);
-    case at::kBFloat16:
-      return store_pages<c10::BFloat16>(k, v, k_pages, v_pages, slots, count, k_scale, v_scale, own_k, own_v, own_at);
-    case at::kHalf:
-      return store_pages<c10::Half>(k, v, k_pages, v_pages, slots, count, k_scale, v_scale, own_k, own_v, own_at);
-    default:
-      TORCH_CHECK(false, "chunkattn native store: k and v of dtype ", k.scalar_type(), " are not served");
-  }
-}
-
 // One decode's table: the physical blocks of logical blocks [first, last) of a sequence's table, a dict
 // {logical: physical} (the sequence API) or an int64 array indexed by logical block (the block API's rows).
 void table_row(const py::handle& table, int64_t first, int64_t last, int32_t* dst, int64_t s) {
@@ -805,6 +572,10 @@ void store_and_decode(at::Tensor q, c10::optional<at::Tensor> k, c10::optional<a
               split_for(n, hkv, longest));
 }
 
+namespace chunkattn {
+void bind_prefill(pybind11::module_& m);  // prefill.cpp
+}  // namespace chunkattn
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The GIL is released while the kernel runs (its arguments are converted first): other Python threads, the
   // server's gRPC handlers, go on meanwhile, as they do around torch's own ops.
@@ -814,4 +585,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The metadata is read from Python objects first; the GIL is released for the store and the kernel.
   m.def("store_and_decode", &store_and_decode,
         "store a step's K/V at their slots (float8: over the scales), then every decode of the step (decode.cpp)");
+  chunkattn::bind_prefill(m);
 }
