@@ -1,4 +1,5 @@
-"""Every ISA build of the native decode kernel that this CPU runs, against the float64 reference.
+"""Every ISA build of the native kernels that this CPU runs (AMX, AVX512, AVX2, DEFAULT), against the float64
+reference.
 
 A server loads the widest build its CPU runs (attention/backends/native/build.py), so on a CI machine with
 AVX512 the AVX2 and DEFAULT builds, which the image also ships for narrower CPUs, would never run. Here each is
@@ -45,6 +46,8 @@ CASES = [
     ("wide", "float32", "auto", "fp8_e5m2"),
     ("wide", "float16", "float16", "float16"),
     ("wide", "bfloat16", "bfloat16", "bfloat16"),
+    ("wide", "bfloat16", "bfloat16", "fp8_e4m3"),
+    ("wide", "bfloat16", "bfloat16", "fp8_e5m2"),
 ]
 
 

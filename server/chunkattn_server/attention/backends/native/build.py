@@ -36,7 +36,7 @@ CLI = "python -m chunkattn_server.attention.backends.native.build"
 X86 = ("x86_64", "AMD64", "i686", "i386")
 
 _AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c",
-           "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"]
+           "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"]  # fmt: skip
 # Our builds of the kernels, widest first: AMX (Intel since Sapphire Rapids: AVX-512 with BF16 and the AMX tiles,
 # whose bfloat16 matrix multiply serves bfloat16 and float8 caches), then torch's names for the CPU's widest
 # vector ISA.

@@ -13,8 +13,15 @@
 #include "store.h"
 
 #include <pybind11/numpy.h>
+#include <atomic>
+#include <optional>
 #include <type_traits>
 #include <vector>
+
+#if defined(CHUNKATTN_AMX)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
@@ -114,6 +121,66 @@ struct Shape {
   int64_t bs, width, s_head, s_block, s_row;
 };
 
+#if defined(CHUNKATTN_AMX)
+// -- bfloat16 operands for the AMX tiles (the AMX build: AVX512-BF16) -----------------------------------------
+
+inline __m512i pack_bf16(__m512 lo, __m512 hi) {  // 32 bfloat16: lo's 16 then hi's (round to nearest even)
+  return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
+}
+
+// n <= 32 elements of a page row as 32 bfloat16 (times 1 / kRawScale; zero past n).
+template <typename Page> inline __m512i load_bf16(const Page* p, int64_t n);
+template <> inline __m512i load_bf16<c10::BFloat16>(const c10::BFloat16* p, int64_t n) {
+  return _mm512_maskz_loadu_epi16(n >= 32 ? ~__mmask32(0) : (__mmask32(1) << n) - 1, p);
+}
+inline __m512i codes16(const void* p, int64_t n) {  // n <= 32 bytes, zero-extended to 16 bits each
+  return _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(n >= 32 ? ~__mmask32(0) : (__mmask32(1) << n) - 1, p));
+}
+inline __m512i half_to_bf16(__m512i h) {  // 32 float16 -> 32 bfloat16 (exact for float8 values)
+  return pack_bf16(_mm512_cvtph_ps(_mm512_castsi512_si256(h)), _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)));
+}
+template <> inline __m512i load_bf16<E5M2>(const E5M2* p, int64_t n) {
+  return half_to_bf16(_mm512_slli_epi16(codes16(p, n), 8));
+}
+template <> inline __m512i load_bf16<E4M3>(const E4M3* p, int64_t n) {
+  // sign << 15 | magnitude << 7 (the float16 of value / 256): the code in the top byte, shifted right by one
+  // arithmetically (the sign lands in bits 15 and 14), bit 14 cleared; the NaN codes become a float16 NaN
+  const __m512i c = codes16(p, n);
+  __m512i h = _mm512_and_si512(_mm512_srai_epi16(_mm512_slli_epi16(c, 8), 1), _mm512_set1_epi16(static_cast<short>(0xbfff)));
+  const __mmask32 nan = _mm512_cmpeq_epi16_mask(_mm512_and_si512(c, _mm512_set1_epi16(0x7f)), _mm512_set1_epi16(0x7f));
+  return half_to_bf16(_mm512_mask_mov_epi16(h, nan, _mm512_set1_epi16(0x7e00)));
+}
+
+
+#endif  // CHUNKATTN_AMX
+
+// The K and V rows of keys [t0, t0 + rows) of one KV head (head_off into the pages): rows of the pages through
+// the table, stepping through each block's rows (one division per tile), or, for the key `pos` where own_k is
+// set (a decode whose key is not in the pages), its own row; that key is the task's last, and the table is
+// not read for its block.
+template <typename Page>
+inline void tile_rows(const Shape& sh, const Page* kp, const Page* vp, const int32_t* table, int64_t base_block,
+                      int64_t head_off, int64_t t0, int64_t rows, int64_t pos, const Page* own_k, const Page* own_v,
+                      const Page** krows, const Page** vrows) {
+  int64_t block = t0 / sh.bs, r = t0 % sh.bs;
+  auto start = [&] { return head_off + static_cast<int64_t>(table[block - base_block]) * sh.s_block; };
+  int64_t off = own_k != nullptr && t0 == pos ? 0 : start();
+  for (int64_t i = 0; i < rows; ++i) {
+    if (own_k != nullptr && t0 + i == pos) {
+      krows[i] = own_k;
+      vrows[i] = own_v;
+      break;
+    }
+    krows[i] = kp + off + r * sh.s_row;
+    vrows[i] = vp + off + r * sh.s_row;
+    if (++r == sh.bs && i + 1 < rows && !(own_k != nullptr && t0 + i + 1 == pos)) {
+      r = 0;
+      ++block;
+      off = start();
+    }
+  }
+}
+
 // One task: query heads [h * g, h * g + g) of decode s over its keys [first, last). Leaves the unnormalized
 // accumulators in acc [g, dv] and the running max and sum in m, l [g].
 template <typename Page>
@@ -126,36 +193,28 @@ void attend_range(const Shape& sh, const Page* kp, const Page* vp, const int32_t
   std::fill(m, m + g, kNegInf);
   std::fill(l, l + g, 0.0f);
   const int64_t head_off = h * sh.s_head;
-  const Page* next_k[kTile];
-  const Page* next_v[kTile];
-  for (int64_t t0 = first; t0 < last; t0 += kTile) {
+  own_k = own_k != nullptr ? own_k + h * d : nullptr;
+  own_v = own_v != nullptr ? own_v + h * d : nullptr;
+  // krows, vrows [2 * kTile]: this tile's rows and the next's, swapped per tile
+  const Page **cur_k = krows, **cur_v = vrows, **next_k = krows + kTile, **next_v = vrows + kTile;
+  if (first < last)
+    tile_rows(sh, kp, vp, table, base_block, head_off, first, std::min(kTile, last - first), pos, own_k, own_v,
+              cur_k, cur_v);
+  for (int64_t t0 = first; t0 < last; t0 += kTile, std::swap(cur_k, next_k), std::swap(cur_v, next_v)) {
     const int64_t rows = std::min(kTile, last - t0);
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t key = t0 + r;
-      if (own_k != nullptr && key == pos) {  // a decode whose key is not in the pages: its own row, converted
-        krows[r] = own_k + h * d;
-        vrows[r] = own_v + h * d;
-        continue;
-      }
-      const int64_t off = head_off + static_cast<int64_t>(table[key / sh.bs - base_block]) * sh.s_block +
-                          (key % sh.bs) * sh.s_row;
-      krows[r] = kp + off;
-      vrows[r] = vp + off;
-    }
     // The next tile's K and V rows, asked for while this tile's K rows are scored (two rows' lines per
     // row pair): one core's demand misses alone leave the memory idle much of the time, and a block of
     // another sequence's (a scattered pool) is a new page the hardware prefetcher cannot guess.
-    int64_t pf_rows = 0;
-    for (int64_t key = t0 + kTile; key < std::min(own_k != nullptr ? pos : last, t0 + 2 * kTile); ++key, ++pf_rows) {
-      const int64_t off = head_off + static_cast<int64_t>(table[key / sh.bs - base_block]) * sh.s_block +
-                          (key % sh.bs) * sh.s_row;
-      next_k[pf_rows] = kp + off;
-      next_v[pf_rows] = vp + off;
-    }
+    const int64_t next_rows = std::max<int64_t>(0, std::min(kTile, last - t0 - kTile));
+    if (next_rows > 0)
+      tile_rows(sh, kp, vp, table, base_block, head_off, t0 + kTile, next_rows, pos, own_k, own_v, next_k, next_v);
+    const int64_t pf_rows = next_rows - (own_k != nullptr && t0 + kTile + next_rows - 1 == pos ? 1 : 0);
+    const Page* const* krows_t = cur_k;
+    const Page* const* vrows_t = cur_v;
     // scores[j * kTile + r] = q_j . k_r (q pre-scaled), all heads of the group per K row read
     for (int64_t j0 = 0; j0 < g; j0 += kHeadsAtOnce)
       with_heads(std::min(kHeadsAtOnce, g - j0), [&](auto gn) {
-        score_rows<Page, decltype(gn)::value>(krows, rows, qs + j0 * dv, dv, d, scores + j0 * kTile, next_k, next_v,
+        score_rows<Page, decltype(gn)::value>(krows_t, rows, qs + j0 * dv, dv, d, scores + j0 * kTile, next_k, next_v,
                                                 j0 == 0 ? pf_rows : 0);
       });
     const int64_t padded = (rows + kV - 1) / kV * kV;
@@ -189,10 +248,245 @@ void attend_range(const Shape& sh, const Page* kp, const Page* vp, const int32_t
     // acc_j += sum_r p_jr v_r: per kV-wide slice of the head, each V row's slice read once for all heads
     for (int64_t j0 = 0; j0 < g; j0 += kHeadsAtOnce)
       with_heads(std::min(kHeadsAtOnce, g - j0), [&](auto gn) {
-        accumulate_rows<Page, decltype(gn)::value>(vrows, rows, scores + j0 * kTile, dv, d, acc + j0 * dv);
+        accumulate_rows<Page, decltype(gn)::value>(vrows_t, rows, scores + j0 * kTile, dv, d, acc + j0 * dv);
       });
   }
 }
+
+#if defined(CHUNKATTN_AMX)
+// -- AMX: bfloat16 tiles for bfloat16 and float8 caches --------------------------------------------------------
+//
+// One task's query heads (up to 16 at a time) against a 32-key tile, on the tiles' bfloat16 matrix multiply:
+// - scores, transposed: S^T [16 keys, 16 heads] = K [16 keys, 32 d] x Q^T [32 d, 16 heads], summed over the
+//   head's 32-wide slices of d. K is the A operand as the pages hold it (a block's rows, loaded with the row
+//   stride: no copy where 16 keys lie in one block of a bfloat16 cache; else copied, or converted from float8,
+//   into a scratch tile); Q^T, in the tiles' pairwise (VNNI) layout, is built once per task.
+// - the online softmax per head, over each head's column of S^T (gathered), in float32; P in bfloat16.
+// - O [16 heads, 16 d] += P [16 heads, 32 keys] x V [32 keys, 16 d] per 16-wide slice of d, V repacked
+//   pairwise (two keys' elements interleaved) once per tile, O kept in float32 in memory between tiles.
+// Only where the compute dtype is bfloat16 (q and the output): the query is exactly a bfloat16 operand and P's
+// rounding to bfloat16 is below the output's. AMX flushes subnormal inputs and outputs to zero.
+namespace amx {
+
+bool ready = false;  // Linux gave this process the tiles' state (request_tiles at import); else AVX-512 serves
+std::atomic<bool> enabled{false};  // ready, and not turned off (use_tiles: tests and benchmarks compare the paths)
+
+constexpr int64_t kKeys = 16;  // keys per S^T tile (its rows)
+constexpr int64_t kHeads = 16;  // query heads per pass (S^T's columns, P's rows)
+constexpr int64_t kWide = 32;  // bfloat16 per 64-byte tile row
+// The fewest query heads per KV head for which the tiles beat the vector units (benchmarks/decode_isa.py: 32
+// decodes over 4,096 keys, 8 KV heads of 128, 4 to 16 query heads each, on a 2-core Xeon with AMX): a tile's
+// 16 rows are the query heads, so with 4 of them three quarters of its work is padding, and the decode waits on
+// memory anyway; a float8 page's conversion to bfloat16 (both K and V, once per element) pays from more heads.
+template <typename Page> constexpr int64_t kMinHeads = 8;
+template <> constexpr int64_t kMinHeads<E4M3> = 16;
+template <> constexpr int64_t kMinHeads<E5M2> = 16;
+
+// Asks Linux for the AMX tile data state (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA): without it the
+// first tile instruction kills the process.
+bool request_tiles() {
+  constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+}
+
+struct alignas(64) Config {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0 S^T (C), 1 K (A), 2 Q^T (B), 3 O (C), 4 P (A), 5 V (B): all 16 rows of 64 bytes.
+inline void configure() {
+  Config c;
+  for (int t = 0; t < 6; ++t) {
+    c.colsb[t] = 64;
+    c.rows[t] = 16;
+  }
+  _tile_loadconfig(&c);
+}
+
+template <typename Page> constexpr bool kServes = false;
+template <> constexpr bool kServes<c10::BFloat16> = true;
+template <> constexpr bool kServes<E4M3> = true;
+template <> constexpr bool kServes<E5M2> = true;
+
+// The tiles' layouts, all in one 64-byte aligned allocation per thread.
+class Buffers {
+ public:
+  Buffers(int64_t d, int64_t dv) : dp_((d + kWide - 1) / kWide * kWide), dv_(dv) {
+    const size_t bytes = qt_bytes() + k_bytes() + st_bytes() + p_bytes() + v_bytes() + o_bytes();
+    base_ = static_cast<uint8_t*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64));
+    TORCH_CHECK(base_ != nullptr, "chunkattn native decode: out of memory for the AMX scratch");
+    std::memset(base_, 0, bytes);
+  }
+  ~Buffers() { std::free(base_); }
+  Buffers(const Buffers&) = delete;
+  Buffers& operator=(const Buffers&) = delete;
+
+  int64_t dp() const { return dp_; }
+  // Q^T [dp / 32][16 d-pairs][16 heads x 2] bfloat16: tile 2's operand for each 32-wide slice of d
+  uint16_t* qt() { return reinterpret_cast<uint16_t*>(base_); }
+  // K [16 keys][dp] bfloat16: tile 1's operand where it is not read from the pages
+  uint16_t* k() { return reinterpret_cast<uint16_t*>(base_ + qt_bytes()); }
+  // S^T [32 keys][16 heads] float32
+  float* st() { return reinterpret_cast<float*>(base_ + qt_bytes() + k_bytes()); }
+  // P [16 heads][32 keys] bfloat16 (rows past the pass's heads stay zero)
+  uint16_t* p() { return reinterpret_cast<uint16_t*>(base_ + qt_bytes() + k_bytes() + st_bytes()); }
+  // V [dv / 16][16 key pairs][16 d x 2] bfloat16
+  uint16_t* v() { return reinterpret_cast<uint16_t*>(base_ + qt_bytes() + k_bytes() + st_bytes() + p_bytes()); }
+  // O [16 heads][dv] float32: the pass's unnormalized accumulators
+  float* o() { return reinterpret_cast<float*>(base_ + qt_bytes() + k_bytes() + st_bytes() + p_bytes() + v_bytes()); }
+
+ private:
+  size_t qt_bytes() const { return dp_ * kHeads * 2; }
+  size_t k_bytes() const { return kKeys * dp_ * 2; }
+  size_t st_bytes() const { return 2 * kKeys * kHeads * 4; }
+  size_t p_bytes() const { return kHeads * kWide * 2; }
+  size_t v_bytes() const { return dv_ * kWide * 2; }
+  size_t o_bytes() const { return kHeads * dv_ * 4; }
+  int64_t dp_, dv_;
+  uint8_t* base_ = nullptr;
+};
+
+// Query heads [j0, j0 + gn) (gn <= 16) of one task against its keys [first, last), as attend_range does on the
+// vector units: leaves the unnormalized accumulators in acc [gn, dv] (row j at acc + j * dv) and the running max
+// and sum in m, l [gn]. q: the task's g queries [g, d] float32 (bfloat16 values, unscaled); scores are scaled by
+// q_mul in float32.
+template <typename Page>
+void attend_range(const Shape& sh, const Page* kp, const Page* vp, const int32_t* table, int64_t base_block,
+                  const float* q, float q_mul, int64_t j0, int64_t gn, int64_t h, int64_t first, int64_t last,
+                  int64_t pos, const float* slopes, float* acc, float* m, float* l, Buffers& bf, const Page** krows,
+                  const Page** vrows, const Page* own_k, const Page* own_v) {
+  const int64_t d = sh.d, dv = sh.dv, dp = bf.dp(), slices = dp / kWide, outs = dv / kV;
+  uint16_t *qt = bf.qt(), *kt = bf.k(), *pt = bf.p(), *vt = bf.v();
+  float *st = bf.st(), *o = bf.o();
+  for (int64_t c = 0; c < slices; ++c)  // Q^T pairwise: element (d pair i, head n, e) = q[n][32c + 2i + e]
+    for (int64_t i = 0; i < kWide / 2; ++i)
+      for (int64_t n = 0; n < kHeads; ++n)
+        for (int64_t e = 0; e < 2; ++e) {
+          const int64_t at = c * kWide + 2 * i + e;
+          const float x = n < gn && at < d ? q[(j0 + n) * d + at] : 0.0f;
+          qt[(c * kWide / 2 + i) * kWide + 2 * n + e] = c10::BFloat16(x).x;
+        }
+  std::memset(pt, 0, kHeads * kWide * 2);
+  std::fill(o, o + kHeads * dv, 0.0f);
+  std::fill(m, m + gn, kNegInf);
+  std::fill(l, l + gn, 0.0f);
+  const bool rows_direct = std::is_same_v<Page, c10::BFloat16> && d % kWide == 0;
+  const int64_t row_bytes = d * static_cast<int64_t>(sizeof(Page));
+  const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(kHeads));
+  const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  __m512i even_odd[2];  // two rows' 32 elements interleaved: the first 16 pairs, then the last 16
+  {
+    alignas(64) int16_t idx[2][32];
+    for (int k = 0; k < 32; ++k) {
+      idx[0][k] = static_cast<int16_t>((k & 1) * 32 + k / 2);
+      idx[1][k] = static_cast<int16_t>((k & 1) * 32 + 16 + k / 2);
+    }
+    even_odd[0] = _mm512_load_si512(idx[0]);
+    even_odd[1] = _mm512_load_si512(idx[1]);
+  }
+  const int64_t head_off = h * sh.s_head;
+  own_k = own_k != nullptr ? own_k + h * d : nullptr;
+  own_v = own_v != nullptr ? own_v + h * d : nullptr;
+  const Page **cur_k = krows, **cur_v = vrows, **next_k = krows + kTile, **next_v = vrows + kTile;
+  if (first < last)
+    tile_rows(sh, kp, vp, table, base_block, head_off, first, std::min(kTile, last - first), pos, own_k, own_v,
+              cur_k, cur_v);
+  for (int64_t t0 = first; t0 < last; t0 += kTile, std::swap(cur_k, next_k), std::swap(cur_v, next_v)) {
+    const int64_t rows = std::min(kTile, last - t0);
+    // the next tile's rows into L2 while this one is computed (see score_rows)
+    const int64_t next_rows = std::max<int64_t>(0, std::min(kTile, last - t0 - kTile));
+    if (next_rows > 0)
+      tile_rows(sh, kp, vp, table, base_block, head_off, t0 + kTile, next_rows, pos, own_k, own_v, next_k, next_v);
+    const int64_t pf_rows = next_rows - (own_k != nullptr && t0 + kTile + next_rows - 1 == pos ? 1 : 0);
+    for (int64_t r = 0; r < pf_rows; ++r)
+      for (int64_t b = 0; b < row_bytes; b += 64) {
+        __builtin_prefetch(reinterpret_cast<const char*>(next_k[r]) + b, 0, 2);
+        __builtin_prefetch(reinterpret_cast<const char*>(next_v[r]) + b, 0, 2);
+      }
+    const Page* const* krows_t = cur_k;
+    const Page* const* vrows_t = cur_v;
+    // S^T, 16 keys at a time
+    for (int64_t r0 = 0; r0 < rows; r0 += kKeys) {
+      const int64_t n = std::min(kKeys, rows - r0);
+      const char* base = reinterpret_cast<const char*>(kt);
+      int64_t stride = dp * 2;
+      if (rows_direct && n == kKeys && krows_t[r0 + kKeys - 1] == krows_t[r0] + (kKeys - 1) * sh.s_row) {
+        base = reinterpret_cast<const char*>(krows_t[r0]);  // 16 consecutive rows of the pages
+        stride = sh.s_row * 2;
+      } else {
+        for (int64_t r = 0; r < kKeys; ++r)
+          for (int64_t c = 0; c < slices; ++c)
+            _mm512_store_si512(kt + r * dp + c * kWide,
+                               r < n ? load_bf16<Page>(krows_t[r0 + r] + c * kWide, std::min(kWide, d - c * kWide))
+                                     : _mm512_setzero_si512());
+      }
+      _tile_zero(0);
+      for (int64_t c = 0; c < slices; ++c) {
+        _tile_loadd(1, base + c * 64, stride);
+        _tile_loadd(2, qt + c * kWide / 2 * kWide, 64);
+        _tile_dpbf16ps(0, 1, 2);
+      }
+      _tile_stored(0, st + r0 * kHeads, 64);
+    }
+    // the online softmax per head over its column of S^T; P in bfloat16
+    const __mmask16 valid[2] = {static_cast<__mmask16>(rows >= 16 ? 0xffff : (1u << rows) - 1),
+                                static_cast<__mmask16>(rows >= 32 ? 0xffff : rows <= 16 ? 0 : (1u << (rows - 16)) - 1)};
+    for (int64_t j = 0; j < gn; ++j) {
+      __m512 x[2];
+      for (int half = 0; half < 2; ++half) {
+        x[half] = _mm512_mul_ps(_mm512_i32gather_ps(column, st + half * kKeys * kHeads + j, 4), _mm512_set1_ps(q_mul));
+        if (slopes) {
+          const float first_rel = static_cast<float>(t0 + half * 16 - pos);
+          x[half] = _mm512_fmadd_ps(_mm512_set1_ps(slopes[h * sh.g + j0 + j]),
+                                    _mm512_add_ps(iota, _mm512_set1_ps(first_rel)), x[half]);
+        }
+        x[half] = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), valid[half], x[half]);
+      }
+      const float mx = std::max(m[j], _mm512_reduce_max_ps(_mm512_max_ps(x[0], x[1])));
+      if (mx == kNegInf) {  // nothing seen yet (only -inf scores): no weight
+        _mm512_store_si512(pt + j * kWide, _mm512_setzero_si512());
+        continue;
+      }
+      const float alpha = std::exp(m[j] - mx);
+      const __m512 p0 = Vec(_mm512_sub_ps(x[0], _mm512_set1_ps(mx))).exp_u20();
+      const __m512 p1 = Vec(_mm512_sub_ps(x[1], _mm512_set1_ps(mx))).exp_u20();
+      l[j] = l[j] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+      m[j] = mx;
+      _mm512_store_si512(pt + j * kWide, pack_bf16(p0, p1));
+      if (alpha != 1.0f)
+        for (int64_t i = 0; i < dv; i += kV)
+          _mm512_storeu_ps(o + j * dv + i, _mm512_mul_ps(_mm512_loadu_ps(o + j * dv + i), _mm512_set1_ps(alpha)));
+    }
+    // V pairwise: row i of slice s holds keys 2i and 2i + 1's elements [16 s, 16 s + 16) interleaved
+    for (int64_t i = 0; i < kTile / 2; ++i) {
+      const int64_t a = 2 * i, b = 2 * i + 1;
+      for (int64_t c = 0; c < slices; ++c) {
+        const int64_t count = std::min(kWide, d - c * kWide);
+        const __m512i va = a < rows ? load_bf16<Page>(vrows_t[a] + c * kWide, count) : _mm512_setzero_si512();
+        const __m512i vb = b < rows ? load_bf16<Page>(vrows_t[b] + c * kWide, count) : _mm512_setzero_si512();
+        _mm512_store_si512(vt + (2 * c * 16 + i) * kWide, _mm512_permutex2var_epi16(va, even_odd[0], vb));
+        if (2 * c + 1 < outs)
+          _mm512_store_si512(vt + ((2 * c + 1) * 16 + i) * kWide, _mm512_permutex2var_epi16(va, even_odd[1], vb));
+      }
+    }
+    _tile_loadd(4, pt, 64);
+    for (int64_t s = 0; s < outs; ++s) {
+      _tile_loadd(3, o + s * kV, dv * 4);
+      _tile_loadd(5, vt + s * 16 * kWide, 64);
+      _tile_dpbf16ps(3, 4, 5);
+      _tile_stored(3, o + s * kV, dv * 4);
+    }
+  }
+  std::copy(o, o + gn * dv, acc);
+}
+
+}  // namespace amx
+#endif  // CHUNKATTN_AMX
 
 // What the kernel reads besides the pages, one decode s of n per row: its query, its keys [ks[s], ke[s]) through
 // its table row, where its output goes and, for a decode whose key is not in the pages, that key's own K/V row.
@@ -248,9 +542,26 @@ void decode_impl(const Meta& mt, const at::Tensor& k_pages, const at::Tensor& v_
   std::vector<float> part_out(splits > 1 ? tasks * splits * g * dv : 0);
   std::vector<float> part_lse(splits > 1 ? tasks * splits * g : 0);
 
+#if defined(CHUNKATTN_AMX)
+  // A bfloat16 compute over bfloat16 and float8 caches on the AMX tiles, where a task has enough query heads per
+  // KV head to fill them (amx::kMinHeads) and Linux gave us them.
+  constexpr bool kTiles = amx::kServes<Page> && std::is_same_v<Out, c10::BFloat16>;
+  const bool tiles = kTiles && amx::enabled && g >= amx::kMinHeads<Page>;
+#else
+  constexpr bool kTiles = false;
+  const bool tiles = false;
+#endif
+
   at::parallel_for(0, tasks * splits, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qs(g * dv, 0.0f), acc(g * dv), m(g), l(g), scores(g * kTile);
-    std::vector<const Page*> krows(kTile), vrows(kTile);
+    std::vector<const Page*> krows(2 * kTile), vrows(2 * kTile);
+#if defined(CHUNKATTN_AMX)
+    std::optional<amx::Buffers> buffers;
+    if (tiles) {
+      buffers.emplace(d, dv);
+      amx::configure();
+    }
+#endif
     for (int64_t work = begin; work < end; ++work) {
       const int64_t task = work / splits, part = work % splits;
       const int64_t s = task / sh.kv_heads, h = task % sh.kv_heads;
@@ -261,15 +572,27 @@ void decode_impl(const Meta& mt, const at::Tensor& k_pages, const at::Tensor& v_
         lo = std::min(last, first + (tiles * part / splits) * kTile);
         hi = std::min(last, first + (tiles * (part + 1) / splits) * kTile);
       }
-      for (int64_t j = 0; j < g; ++j) {
-        const float* src = qp + (s * sh.heads + h * g + j) * d;
-        for (int64_t i = 0; i < d; ++i) qs[j * dv + i] = src[i] * q_mul;
-      }
       const bool own = mt.own != nullptr && mt.own[s];
       const int64_t own_off = s * sh.kv_heads * d;
-      attend_range<Page>(sh, kp, vp, tp + s * sh.width, first / sh.bs, qs.data(), h, lo, hi, last - 1, slopes,
-                         acc.data(), m.data(), l.data(), scores.data(), krows.data(), vrows.data(),
-                         own ? own_k + own_off : nullptr, own ? own_v + own_off : nullptr);
+      const float* q = qp + (s * sh.heads + h * g) * d;
+      if constexpr (kTiles) {
+#if defined(CHUNKATTN_AMX)
+        if (tiles) {
+          for (int64_t j0 = 0; j0 < g; j0 += amx::kHeads)
+            amx::attend_range<Page>(sh, kp, vp, tp + s * sh.width, first / sh.bs, q, q_mul, j0,
+                                    std::min(amx::kHeads, g - j0), h, lo, hi, last - 1, slopes, acc.data() + j0 * dv,
+                                    m.data() + j0, l.data() + j0, *buffers, krows.data(), vrows.data(),
+                                    own ? own_k + own_off : nullptr, own ? own_v + own_off : nullptr);
+        }
+#endif
+      }
+      if (!tiles) {
+        for (int64_t j = 0; j < g; ++j)
+          for (int64_t i = 0; i < d; ++i) qs[j * dv + i] = q[j * d + i] * q_mul;
+        attend_range<Page>(sh, kp, vp, tp + s * sh.width, first / sh.bs, qs.data(), h, lo, hi, last - 1, slopes,
+                           acc.data(), m.data(), l.data(), scores.data(), krows.data(), vrows.data(),
+                           own ? own_k + own_off : nullptr, own ? own_v + own_off : nullptr);
+      }
       for (int64_t j = 0; j < g; ++j) {
         const float inv = l[j] > 0 ? v_mul / l[j] : 0.0f;
         const float lse_j = l[j] > 0 ? m[j] + std::log(l[j]) : kNegInf;
@@ -284,6 +607,9 @@ void decode_impl(const Meta& mt, const at::Tensor& k_pages, const at::Tensor& v_
         }
       }
     }
+#if defined(CHUNKATTN_AMX)
+    if (tiles) _tile_release();
+#endif
   });
   if (splits == 1) return;
   at::parallel_for(0, tasks * g, 1, [&](int64_t begin, int64_t end) {
@@ -586,4 +912,32 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("store_and_decode", &store_and_decode,
         "store a step's K/V at their slots (float8: over the scales), then every decode of the step (decode.cpp)");
   chunkattn::bind_prefill(m);
+#if defined(CHUNKATTN_AMX)
+  amx::ready = amx::request_tiles();
+  amx::enabled = amx::ready;
+#endif
+  m.def(
+      "use_tiles",
+      [](bool on) {
+#if defined(CHUNKATTN_AMX)
+        return amx::enabled.exchange(on && amx::ready);
+#else
+        (void)on;
+        return false;
+#endif
+      },
+      "turn the AMX tiles on (where granted) or off for this process's decodes; returns whether they were on");
+  // Whether bfloat16 decodes over bfloat16 and float8 caches run on the AMX tiles (the AMX build, where Linux
+  // gave this process the tiles' state); False: on the vector units. amx_min_heads: per page dtype, the fewest
+  // query heads per KV head that take the tiles (fewer: the vector units).
+  py::dict min_heads;
+#if defined(CHUNKATTN_AMX)
+  m.attr("amx") = py::bool_(amx::ready);
+  min_heads["bfloat16"] = amx::kMinHeads<c10::BFloat16>;
+  min_heads["float8_e4m3fn"] = amx::kMinHeads<E4M3>;
+  min_heads["float8_e5m2"] = amx::kMinHeads<E5M2>;
+#else
+  m.attr("amx") = py::bool_(false);
+#endif
+  m.attr("amx_min_heads") = min_heads;
 }
