@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install browser prometheus test test-fast test-vllm lint format serve cluster bench bench-calls bench-neighbours bench-gpu bench-vllm bench-vllm-offload bench-pd pd-demo demo proto clean fuzz soak
+.PHONY: install browser prometheus test test-fast test-vllm lint format serve cluster bench bench-calls bench-neighbours bench-gpu bench-isa bench-vllm bench-vllm-offload bench-pd pd-demo demo proto clean fuzz soak
 
 $(STAMP): requirements/dev.txt requirements/constraints.txt client/pyproject.toml server/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -76,6 +76,9 @@ cluster: install  ## REPLICAS (2) CPU servers behind Envoy on loopback: clients 
 
 bench: install  ## benchmarks/engine.py: ours against the SDPA baselines, on this machine
 	$(BIN)/python benchmarks/engine.py $(ARGS)
+
+bench-isa: install  ## benchmarks/decode_isa.py: the native decode's vector units against its AMX tiles, per page type and heads per KV head
+	PYTHONPATH=server $(BIN)/python benchmarks/decode_isa.py --json benchmarks/results/bench-isa-$$(date +%F).json $(ARGS)
 
 bench-calls: install  ## benchmarks/calls.py: many clients' decode-sized calls against a plain gRPC echo
 	$(BIN)/python benchmarks/calls.py --json benchmarks/results/bench-calls-$$(date +%F).json $(ARGS)

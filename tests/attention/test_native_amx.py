@@ -117,7 +117,7 @@ def test_tile_decodes_match_the_reference(name: str, shape: ModelShape, cache: s
 @pytest.mark.parametrize("cache", ["bfloat16", "fp8_e5m2"])
 def test_a_padded_decode_on_the_tiles_equals_the_vector_units(cache: str) -> None:
     """Block calls whose first row is padding (slot -1: its key read from the call), on the tiles against the
-    same build's vector units (``use_tiles(False)``), within bfloat16's tolerance of each other, the written row
+    same build's vector units (``use_tiles("never")``), within bfloat16's tolerance of each other, the written row
     too; the vector units are checked against the reference in test_native_isa.py and test_native_fused.py."""
     shape = FP8_TILES if cache.startswith("fp8") else BF16_TILES
     scales = SCALES if cache.startswith("fp8") else None
@@ -143,11 +143,11 @@ def test_a_padded_decode_on_the_tiles_equals_the_vector_units(cache: str) -> Non
                 call = mgr.call(space.space_id, "t", entries, spec.chunk_size, q, k, v)
                 if i:  # a's decode is padding
                     call = dataclasses.replace(call, slots=np.array([-1, call.slots[1]]))
-                kernel.use_tiles(on)
+                kernel.use_tiles("auto" if on else "never")
                 try:
                     (out,) = h.engine.attend_blocks(layer, [call])
                 finally:
-                    kernel.use_tiles(True)
+                    kernel.use_tiles("auto")
                 assert isinstance(out, torch.Tensor), out
                 outs.append(out.float())
             assert torch.allclose(outs[0], outs[1], atol=2e-2, rtol=2e-2), (i, layer)

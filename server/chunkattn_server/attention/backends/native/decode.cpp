@@ -269,7 +269,10 @@ void attend_range(const Shape& sh, const Page* kp, const Page* vp, const int32_t
 namespace amx {
 
 bool ready = false;  // Linux gave this process the tiles' state (request_tiles at import); else AVX-512 serves
-std::atomic<bool> enabled{false};  // ready, and not turned off (use_tiles: tests and benchmarks compare the paths)
+// When the tiles serve (use_tiles; tests and benchmarks compare the paths): never, from kMinHeads query heads per
+// KV head (the default where ready), or always.
+enum Mode : int { kNever = 0, kAuto = 1, kAlways = 2 };
+std::atomic<int> mode{kNever};
 
 constexpr int64_t kKeys = 16;  // keys per S^T tile (its rows)
 constexpr int64_t kHeads = 16;  // query heads per pass (S^T's columns, P's rows)
@@ -546,7 +549,8 @@ void decode_impl(const Meta& mt, const at::Tensor& k_pages, const at::Tensor& v_
   // A bfloat16 compute over bfloat16 and float8 caches on the AMX tiles, where a task has enough query heads per
   // KV head to fill them (amx::kMinHeads) and Linux gave us them.
   constexpr bool kTiles = amx::kServes<Page> && std::is_same_v<Out, c10::BFloat16>;
-  const bool tiles = kTiles && amx::enabled && g >= amx::kMinHeads<Page>;
+  const int mode = amx::mode;
+  const bool tiles = kTiles && (mode == amx::kAlways || (mode == amx::kAuto && g >= amx::kMinHeads<Page>));
 #else
   constexpr bool kTiles = false;
   const bool tiles = false;
@@ -914,19 +918,27 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   chunkattn::bind_prefill(m);
 #if defined(CHUNKATTN_AMX)
   amx::ready = amx::request_tiles();
-  amx::enabled = amx::ready;
+  amx::mode = amx::ready ? amx::kAuto : amx::kNever;
 #endif
   m.def(
       "use_tiles",
-      [](bool on) {
+      [](const std::string& when) {
+        static const char* names[] = {"never", "auto", "always"};
+        int want = -1;
+        for (int i = 0; i < 3; ++i)
+          if (when == names[i]) want = i;
+        TORCH_CHECK(want >= 0, "use_tiles: expected 'never', 'auto' or 'always', got '", when, "'");
 #if defined(CHUNKATTN_AMX)
-        return amx::enabled.exchange(on && amx::ready);
+        TORCH_CHECK(want == amx::kNever || amx::ready, "use_tiles: this process has no AMX tiles");
+        return std::string(names[amx::mode.exchange(want)]);
 #else
-        (void)on;
-        return false;
+        TORCH_CHECK(want == 0, "use_tiles: this build has no AMX path");
+        return std::string("never");
 #endif
       },
-      "turn the AMX tiles on (where granted) or off for this process's decodes; returns whether they were on");
+      "when this process's bfloat16 decodes over bfloat16 and float8 caches take the AMX tiles: 'never', 'auto'"
+      " (from amx_min_heads query heads per KV head: the default where granted) or 'always'; returns the mode"
+      " before");
   // Whether bfloat16 decodes over bfloat16 and float8 caches run on the AMX tiles (the AMX build, where Linux
   // gave this process the tiles' state); False: on the vector units. amx_min_heads: per page dtype, the fewest
   // query heads per KV head that take the tiles (fewer: the vector units).
