@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from chunkattn_server.attention.backends.native import build
+from chunkattn_server.attention.backends.native.build import NativeUnavailable, isa, load
 
 from timing import cpu_name, publish, rounds  # benchmarks/timing.py
 
@@ -131,18 +131,18 @@ def main(argv: list[str] | None = None) -> int:
     shapes = SMOKE if args.smoke else Shapes()
     started = time.perf_counter()
     try:
-        kernel = build.load()
-    except build.NativeUnavailable as e:
+        kernel = load()
+    except NativeUnavailable as e:
         print(f"the native kernels are unavailable here: {e}")
         return 1
-    why = "" if kernel.amx else f"this CPU loads the {build.isa()} build" if build.isa() != "AMX" else "Linux refused"
+    why = "" if kernel.amx else f"this CPU loads the {isa()} build" if isa() != "AMX" else "Linux refused the tiles"
     rows = [bench(kernel, shapes, page, group, args.repeats) for page in PAGES for group in shapes.groups]
     result: dict[str, Any] = {
         "benchmark": "decode_isa",
         "date": date.today().isoformat(),
         "machine": f"{cpu_name()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads,"
         f" torch {torch.__version__}",
-        "build": build.isa(),
+        "build": isa(),
         "amx": bool(kernel.amx),
         "why_no_tiles": why,
         "amx_min_heads": dict(kernel.amx_min_heads),

@@ -86,12 +86,13 @@ __attribute__((always_inline)) inline Vec load_vec<E5M2>(const E5M2* p) {
 }
 template <>
 __attribute__((always_inline)) inline Vec load_vec<E4M3>(const E4M3* p) {
+  // the code in the top byte, shifted right by one arithmetically (the sign lands in bits 15 and 14, the
+  // magnitude in 13..7), bit 14 cleared; a NaN code's lanes (masked) become a float16 NaN
   const __m256i c = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256i mag = _mm256_and_si256(c, _mm256_set1_epi16(0x7f));
-  __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(c, _mm256_set1_epi16(0x80)), 8),
-                              _mm256_slli_epi16(mag, 7));
-  h = _mm256_blendv_epi8(h, _mm256_set1_epi16(0x7e00), _mm256_cmpeq_epi16(mag, _mm256_set1_epi16(0x7f)));
-  return _mm512_cvtph_ps(h);
+  const __m256i h = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(c, 8), 1),
+                                     _mm256_set1_epi16(static_cast<short>(0xbfff)));
+  const __mmask16 nan = _mm256_cmpeq_epi16_mask(_mm256_and_si256(c, _mm256_set1_epi16(0x7f)), _mm256_set1_epi16(0x7f));
+  return _mm512_cvtph_ps(_mm256_mask_mov_epi16(h, nan, _mm256_set1_epi16(0x7e00)));
 }
 inline float hsum(const Vec& v) { return _mm512_reduce_add_ps(v); }
 #elif defined(CPU_CAPABILITY_AVX2)
