@@ -151,3 +151,32 @@ def test_a_padded_decode_on_the_tiles_equals_the_vector_units(cache: str) -> Non
                 assert isinstance(out, torch.Tensor), out
                 outs.append(out.float())
             assert torch.allclose(outs[0], outs[1], atol=2e-2, rtol=2e-2), (i, layer)
+
+
+def test_sixteen_keys_over_small_scattered_blocks_are_not_read_as_one_run() -> None:
+    """Blocks of 4, the table [0, 9, 10, 3, 5]: key 0 (block 0, row 0) and key 15 (block 3, row 3) are 15 page rows
+    apart with blocks 9 and 10 between them in the table, so one tile load of 16 consecutive rows from key 0's
+    would read blocks 1 and 2. The tiles (forced) give the vector units' answer, both near the float64 one."""
+    kernel = build.load()
+    gen = torch.Generator().manual_seed(0)
+    heads, d, bs = 8, 64, 4
+    k_pages, v_pages = (torch.randn(1, 16, bs, d, generator=gen).to(torch.bfloat16) for _ in range(2))
+    q = torch.randn(1, heads, d, generator=gen).to(torch.bfloat16)
+    table = np.array([0, 9, 10, 3, 5], np.int64)
+    keys = [table[j // bs] * bs + j % bs for j in range(16)]
+    k = k_pages[0].reshape(-1, d)[keys].double()
+    v = v_pages[0].reshape(-1, d)[keys].double()
+    want = torch.softmax(q[0].double() @ k.T * d**-0.5, -1) @ v
+    outs = {}
+    for mode in ("never", "always"):
+        kernel.use_tiles(mode)
+        try:
+            out = torch.empty(1, heads, d, dtype=torch.bfloat16)
+            kernel.store_and_decode(
+                q, None, None, None, k_pages, v_pages, [(0, 15, 1)], [table], None, [], 0, out, d**-0.5, 1.0, 1.0, None
+            )
+        finally:
+            kernel.use_tiles("auto")
+        outs[mode] = out[0].double()
+    for out in outs.values():
+        assert (out - want).abs().max() < 2e-2

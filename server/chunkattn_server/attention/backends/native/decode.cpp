@@ -353,6 +353,23 @@ class Buffers {
   uint8_t* base_ = nullptr;
 };
 
+// Whether 16 row addresses are consecutive rows of the pages (one tile load reads them): every step checked, as 16
+// keys over blocks smaller than 16 may start and end 15 rows apart with other blocks between.
+template <typename Page>
+inline bool consecutive(const Page* const* rows, int64_t s_row) {
+  for (int64_t r = 1; r < kKeys; ++r)
+    if (rows[r] != rows[0] + r * s_row) return false;
+  return true;
+}
+
+// The tiles configured on this thread for a scope, released when it ends (an exception included).
+struct TileScope {
+  TileScope() { configure(); }
+  ~TileScope() { _tile_release(); }
+  TileScope(const TileScope&) = delete;
+  TileScope& operator=(const TileScope&) = delete;
+};
+
 // Query heads [j0, j0 + gn) (gn <= 16) of one task against its keys [first, last), as attend_range does on the
 // vector units: leaves the unnormalized accumulators in acc [gn, dv] (row j at acc + j * dv) and the running max
 // and sum in m, l [gn]. q: the task's g queries [g, d] float32 (bfloat16 values, unscaled); scores are scaled by
@@ -418,7 +435,7 @@ void attend_range(const Shape& sh, const Page* kp, const Page* vp, const int32_t
       const int64_t n = std::min(kKeys, rows - r0);
       const char* base = reinterpret_cast<const char*>(kt);
       int64_t stride = dp * 2;
-      if (rows_direct && n == kKeys && krows_t[r0 + kKeys - 1] == krows_t[r0] + (kKeys - 1) * sh.s_row) {
+      if (rows_direct && n == kKeys && consecutive(krows_t + r0, sh.s_row)) {
         base = reinterpret_cast<const char*>(krows_t[r0]);  // 16 consecutive rows of the pages
         stride = sh.s_row * 2;
       } else {
@@ -561,9 +578,10 @@ void decode_impl(const Meta& mt, const at::Tensor& k_pages, const at::Tensor& v_
     std::vector<const Page*> krows(2 * kTile), vrows(2 * kTile);
 #if defined(CHUNKATTN_AMX)
     std::optional<amx::Buffers> buffers;
+    std::optional<amx::TileScope> scope;
     if (tiles) {
       buffers.emplace(d, dv);
-      amx::configure();
+      scope.emplace();
     }
 #endif
     for (int64_t work = begin; work < end; ++work) {
@@ -611,9 +629,6 @@ void decode_impl(const Meta& mt, const at::Tensor& k_pages, const at::Tensor& v_
         }
       }
     }
-#if defined(CHUNKATTN_AMX)
-    if (tiles) _tile_release();
-#endif
   });
   if (splits == 1) return;
   at::parallel_for(0, tasks * g, 1, [&](int64_t begin, int64_t end) {
@@ -722,7 +737,8 @@ void table_row(const py::handle& table, int64_t first, int64_t last, int32_t* ds
 
 }  // namespace
 
-// q [S, H, D] float32 (scaled inside); pages [Hkv, num_blocks, bs, D] (float32, bfloat16, float16, float8
+// q [S, H, D] float32 (scaled inside; with a bfloat16 out its values are the compute's bfloat16 ones, which the
+// AMX tiles take as they are); pages [Hkv, num_blocks, bs, D] (float32, bfloat16, float16, float8
 // e4m3fn / e5m2 read as stored * k_scale or v_scale); tables [S, W] int32; key_start, key_end [S] int64;
 // out [S, H, D] of float32, bfloat16 or float16; lse [S, H] float32 (natural log); splits: parts per
 // sequence's keys (1: none; see split_for).
@@ -792,8 +808,8 @@ void store_and_decode(at::Tensor q, c10::optional<at::Tensor> k, c10::optional<a
   const int64_t hkv = k_pages.size(0), blocks = k_pages.size(1), bs = k_pages.size(2);
   TORCH_CHECK(heads % hkv == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out must be contiguous, q's shape");
-  TORCH_CHECK(out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kHalf,
-              "out must be float32, bfloat16 or float16 (checked before anything is written)");
+  TORCH_CHECK(out.scalar_type() == q.scalar_type(), "out must be q's dtype (the compute dtype), not ",
+              out.scalar_type());
   TORCH_CHECK(chunk_size >= 0, "chunk_size must be >= 0");
   TORCH_CHECK(static_cast<int64_t>(tables.size()) == static_cast<int64_t>(spans.size()),
               "one table per span: ", tables.size(), " tables for ", spans.size(), " spans");
