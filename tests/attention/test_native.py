@@ -37,7 +37,7 @@ def test_turned_off_the_native_backend_falls_back_to_torch_and_says_why(
 
 def test_an_unknown_isa_is_refused_with_the_choices(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CHUNKATTN_NATIVE_ISA", "SSE9")
-    with pytest.raises(build.NativeUnavailable, match="expected one of AVX512, AVX2, DEFAULT"):
+    with pytest.raises(build.NativeUnavailable, match="expected one of AMX, AVX512, AVX2, DEFAULT"):
         build.load()
 
 

@@ -3,8 +3,11 @@
 A decode (a one-token span) is served by the kernel: it reads the block table directly, visits only the
 current chunk's blocks, reads each K/V row once for all the query heads of its KV head, and dequantizes float8
 pages in registers. A decode whose key was not written (the block API's padding) reads the pages before its key
-and its own key last, converted as the pages would hold it. Prefill pieces stay on SDPA's CPU flash kernel
-through the torch backend's path (a tiled native prefill is not built yet).
+and its own key last, converted as the pages would hold it. Every other piece of a call (the prefill pieces) is
+one native call too, ``prefill`` (prefill.cpp): a tiled flash loop per piece x KV head x query tile over the
+piece's cached keys (read through its blocks, converted in the kernel) and its new ones (causal): bfloat16 on
+the AMX tiles in the AMX build, everything else on BLAS's sgemm in float32. ``prefill=False`` keeps them on
+SDPA's CPU flash kernel through the torch backend's path, for comparison.
 
 The fused path (the default): a step whose every span is a decode is one native call, ``store_and_decode``:
 the K/V written at their slots (float8: quantized over the layer's scales, as torchtypes.store does), the
@@ -17,6 +20,7 @@ the path before #37 (K/V written by torch, the kernel's metadata in numpy), for 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from types import ModuleType
 
@@ -34,12 +38,47 @@ class NativeBackend(TorchBackend):
 
     name = "native"
 
-    def __init__(self, device: torch.device, *, fused: bool = True) -> None:
+    def __init__(self, device: torch.device, *, fused: bool = True, prefill: bool = True) -> None:
         if device.type != "cpu":
             raise build.NativeUnavailable(f"the native kernels run on the CPU, not {device}")
         super().__init__(device)
         self._kernel: ModuleType = build.load()
         self.fused = fused  # the engine sends a step of decodes to store_and_decode (base.FusedDecodes)
+        self.prefill = prefill  # the prefill pieces in the native kernel (else SDPA, the torch backend's path)
+
+    def attend(self, batch: AttentionBatch, out: torch.Tensor) -> None:
+        if not self.prefill:
+            super().attend(batch, out)
+            return
+        decodes = self._decodes(batch, self._views(batch.k_pages), self._views(batch.v_pages), out)
+        if len(decodes) == len(batch.spans):
+            return
+        pieces = [p for p in batch.pieces if p.entry not in decodes]
+        meta = np.empty((len(pieces), 6), np.int64)
+        first = 0
+        for i, p in enumerate(pieces):
+            meta[i] = p.row, p.num_queries, p.position, p.key_start, p.cache_end, first
+            first += len(p.blocks)
+        blocks = np.fromiter(itertools.chain.from_iterable(p.blocks for p in pieces), np.int64, count=first)
+        direct = out.is_contiguous()
+        answer = out if direct else torch.empty(out.shape, dtype=out.dtype)
+        self._kernel.prefill(
+            batch.q.contiguous(),
+            batch.k.contiguous(),
+            batch.v.contiguous(),
+            batch.k_pages,
+            batch.v_pages,
+            torch.from_numpy(meta),
+            torch.from_numpy(blocks),
+            answer,
+            batch.scale,
+            batch.k_scale,
+            batch.v_scale,
+            batch.alibi_slopes,
+        )
+        if not direct:
+            rows = torch.from_numpy(np.concatenate([np.arange(p.row, p.row + p.num_queries) for p in pieces]))
+            out.index_copy_(0, rows, answer.index_select(0, rows))
 
     def store_and_decode(
         self,

@@ -30,7 +30,7 @@ import torch
 log = logging.getLogger("chunkattn_server")
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "decode.cpp", HERE / "prefill.cpp"]  # and their headers, pages.h and store.h
+SOURCES = [HERE / "decode.cpp", HERE / "prefill.cpp"]  # and their headers: pages.h, store.h, amx.h
 CLI = "python -m chunkattn_server.attention.backends.native.build"
 
 X86 = ("x86_64", "AMD64", "i686", "i386")

@@ -10,6 +10,7 @@
 // tables[s][p / bs - key_start[s] / bs], row p % bs, of the pages [Hkv, num_blocks, bs, D].
 
 #include "pages.h"
+#include "amx.h"
 #include "store.h"
 
 #include <pybind11/numpy.h>
@@ -18,10 +19,6 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(CHUNKATTN_AMX)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 namespace {
 
@@ -268,7 +265,7 @@ void attend_range(const Shape& sh, const Page* kp, const Page* vp, const int32_t
 // rounding to bfloat16 is below the output's. AMX flushes subnormal inputs and outputs to zero.
 namespace amx {
 
-bool ready = false;  // Linux gave this process the tiles' state (request_tiles at import); else AVX-512 serves
+bool ready = false;  // Linux gave this process the tiles' state (tiles_granted, at import); else AVX-512 serves
 // When the tiles serve (use_tiles; tests and benchmarks compare the paths): never, from kMinHeads query heads per
 // KV head (the default where ready), or always.
 enum Mode : int { kNever = 0, kAuto = 1, kAlways = 2 };
@@ -285,31 +282,7 @@ template <typename Page> constexpr int64_t kMinHeads = 8;
 template <> constexpr int64_t kMinHeads<E4M3> = 16;
 template <> constexpr int64_t kMinHeads<E5M2> = 16;
 
-// Asks Linux for the AMX tile data state (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA): without it the
-// first tile instruction kills the process.
-bool request_tiles() {
-  constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
-  return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
-}
-
-struct alignas(64) Config {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Tiles 0 S^T (C), 1 K (A), 2 Q^T (B), 3 O (C), 4 P (A), 5 V (B): all 16 rows of 64 bytes.
-inline void configure() {
-  Config c;
-  for (int t = 0; t < 6; ++t) {
-    c.colsb[t] = 64;
-    c.rows[t] = 16;
-  }
-  _tile_loadconfig(&c);
-}
-
+// Tiles (TileScope's configuration): 0 S^T (C), 1 K (A), 2 Q^T (B), 3 O (C), 4 P (A), 5 V (B).
 template <typename Page> constexpr bool kServes = false;
 template <> constexpr bool kServes<c10::BFloat16> = true;
 template <> constexpr bool kServes<E4M3> = true;
@@ -361,14 +334,6 @@ inline bool consecutive(const Page* const* rows, int64_t s_row) {
     if (rows[r] != rows[0] + r * s_row) return false;
   return true;
 }
-
-// The tiles configured on this thread for a scope, released when it ends (an exception included).
-struct TileScope {
-  TileScope() { configure(); }
-  ~TileScope() { _tile_release(); }
-  TileScope(const TileScope&) = delete;
-  TileScope& operator=(const TileScope&) = delete;
-};
 
 // Query heads [j0, j0 + gn) (gn <= 16) of one task against its keys [first, last), as attend_range does on the
 // vector units: leaves the unnormalized accumulators in acc [gn, dv] (row j at acc + j * dv) and the running max
@@ -578,7 +543,7 @@ void decode_impl(const Meta& mt, const at::Tensor& k_pages, const at::Tensor& v_
     std::vector<const Page*> krows(2 * kTile), vrows(2 * kTile);
 #if defined(CHUNKATTN_AMX)
     std::optional<amx::Buffers> buffers;
-    std::optional<amx::TileScope> scope;
+    std::optional<TileScope> scope;
     if (tiles) {
       buffers.emplace(d, dv);
       scope.emplace();
@@ -933,7 +898,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "store a step's K/V at their slots (float8: over the scales), then every decode of the step (decode.cpp)");
   chunkattn::bind_prefill(m);
 #if defined(CHUNKATTN_AMX)
-  amx::ready = amx::request_tiles();
+  amx::ready = tiles_granted();
   amx::mode = amx::ready ? amx::kAuto : amx::kNever;
 #endif
   m.def(
