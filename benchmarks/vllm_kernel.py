@@ -70,6 +70,7 @@ from vllm.v1.attention.backends.utils import make_local_attention_virtual_batche
 
 from chunkattn_client import BatchEntry
 from chunkattn_server import Engine, torchtypes
+from chunkattn_server.attention.backends.native.build import isa
 from chunkattn_server.kv.scales import KVScales
 
 import contenders  # benchmarks/contenders.py
@@ -367,7 +368,8 @@ def bench_decode(s: Shapes, dtype: str, cache: str, backends: tuple[str, ...], r
         steppers.update({name: contenders.Decoder(engine, q1, k1, v1, ctx - 1) for name, engine in ours.items()})
         first = {name: step().clone() for name, step in steppers.items()}  # position ctx - 1: over ctx keys
         times = rounds(steppers, repeats)
-        rows.append(_row("decode", dtype, cache, layout, theirs.isa, times, first, same))
+        path = ours_isa(ours, "decode", dtype, cache, h // hkv)
+        rows.append(_row("decode", dtype, cache, layout, theirs.isa, path, times, first, same))
         for engine in ours.values():  # back to the prefilled context for the next layout
             for i in range(b):
                 engine.kv.truncate(f"s{i}", ctx - 1, tenant="")
@@ -403,7 +405,24 @@ def bench_prefill(s: Shapes, dtype: str, backends: tuple[str, ...], repeats: int
     runs: dict[str, Callable[[], torch.Tensor]] = {"vllm": vllm_prefill}
     runs.update({name: functools.partial(ours, engine) for name, engine in engines.items()})
     first = {name: run().clone() for name, run in runs.items()}
-    return _row("prefill", dtype, "auto", "-", theirs.isa, rounds(runs, repeats), first, None)
+    ours_path = ours_isa(engines, "prefill", dtype, "auto", h // hkv)
+    return _row("prefill", dtype, "auto", "-", theirs.isa, ours_path, rounds(runs, repeats), first, None)
+
+
+def ours_isa(engines: dict[str, Engine], kind: str, dtype: str, cache: str, heads_per_kv: int) -> str:
+    """The native backend's path for a row, named as vLLM names its own: "amx" where the AMX tiles compute it (a
+    bfloat16 compute in the AMX build: a prefill always, a decode from the kernel's ``amx_min_heads`` query heads
+    per KV head for its page type), else "vec"; "-" without the native backend."""
+    engine = engines.get("native")
+    if engine is None:
+        return "-"
+    kernel = engine.backend._kernel  # type: ignore[attr-defined]
+    if not kernel.amx or dtype != "bfloat16":
+        return "vec"
+    if kind == "prefill":
+        return "amx"
+    page = {"auto": "bfloat16", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}[cache]
+    return "amx" if heads_per_kv >= kernel.amx_min_heads[page] else "vec"
 
 
 def _row(
@@ -412,20 +431,22 @@ def _row(
     cache: str,
     layout: str,
     isa: str,
+    ours: str,
     times: dict[str, float],
     outputs: dict[str, torch.Tensor],
     same_cache: bool | None,
 ) -> dict[str, Any]:
-    ours = [name for name in times if name != "vllm"]
-    checks = {name: _compare(outputs[name], outputs["vllm"], TOLERANCE[dtype]) for name in ours}
+    names = [name for name in times if name != "vllm"]
+    checks = {name: _compare(outputs[name], outputs["vllm"], TOLERANCE[dtype]) for name in names}
     return {
         "kind": kind,
         "compute": dtype,
         "cache": cache,
         "layout": layout,
         "isa": isa,  # vLLM's kernel ISA for this row's dtype and cache (its cache layout too)
+        "ours_isa": ours,  # the native backend's path for the row: "amx" (the AMX tiles) or "vec" (vector units)
         "seconds": times,
-        "vs_vllm": {name: times[name] / times["vllm"] for name in ours},
+        "vs_vllm": {name: times[name] / times["vllm"] for name in names},
         "max_abs_diff": {name: diff for name, (diff, _) in checks.items()},
         "tolerance": TOLERANCE[dtype],
         "agree": all(ok for _, ok in checks.values()),
@@ -442,11 +463,12 @@ def report(result: dict[str, Any]) -> str:
         f"vLLM's CPU attention kernel against chunkattn's engine, {result['date']}, {result['machine']}",
         f"vllm {result['vllm']} (its kernel's ISA per row; split KV {result['split_kv']}), blocks of {s['block_size']}"
         " in both caches; medians, ratios ours / vLLM (below 1: ours faster)",
+        f"ours: the native kernels' {result['native_build']} build (per row: its AMX tiles or vector units)",
     ]
     if result["native_unavailable"]:
         lines.append(f"native backend unavailable, torch only: {result['native_unavailable']}")
     header = (
-        f"{'compute':<9} {'cache':<9} {'layout':<10} {'ISA':<5} {'vLLM':>9} {'torch':>9} {'native':>9}"
+        f"{'compute':<9} {'cache':<9} {'layout':<10} {'ISA':<5} {'ours':<5} {'vLLM':>9} {'torch':>9} {'native':>9}"
         f" {'torch/vLLM':>10} {'native/vLLM':>11}  {'max |ours - vLLM| torch, native (tol)':<38} same cache"
     )
     for kind, title in (
@@ -469,7 +491,8 @@ def report(result: dict[str, Any]) -> str:
             check = f"{errors} ({r['tolerance']:.0e}) {'ok' if r['agree'] else 'DIFFER'}"
             same = {True: "yes", False: "NO", None: "-"}[r["same_cache"]]
             lines.append(
-                f"{r['compute']:<9} {r['cache']:<9} {r['layout']:<10} {r['isa']:<5} {_time(t['vllm'])}"
+                f"{r['compute']:<9} {r['cache']:<9} {r['layout']:<10} {r['isa']:<5} {r['ours_isa']:<5}"
+                f" {_time(t['vllm'])}"
                 f" {_time(t['torch'])}"
                 f" {_time(t['native']) if native else '-':>9} {ratio['torch']:>9.2f}x"
                 f" {(format(ratio['native'], '.2f') + 'x') if native else '-':>11}"
@@ -521,6 +544,7 @@ def main(argv: list[str] | None = None) -> int:
         "split_kv": bool(envs.VLLM_CPU_ATTN_SPLIT_KV),
         "shapes": asdict(shapes),
         "native_unavailable": unavailable,
+        "native_build": "-" if unavailable else isa(),
         "rows": rows,
         "duration_s": time.perf_counter() - started,
     }

@@ -20,9 +20,8 @@ import pytest
 
 from chunkattn_client import BatchEntry
 from chunkattn_server import LayerSpec, ModelShape
-from chunkattn_server.attention.backends.native import build
 from chunkattn_server.kv.scales import KVScales
-from tests.helpers.harness import MODELS, NATIVE_PROBLEM, Harness
+from tests.helpers.harness import MODELS, Harness
 
 pytestmark = pytest.mark.native
 
@@ -49,22 +48,6 @@ CASES = [
     ("wide", "bfloat16", "bfloat16", "fp8_e4m3"),
     ("wide", "bfloat16", "bfloat16", "fp8_e5m2"),
 ]
-
-
-@pytest.fixture(params=list(build.FLAGS), ids=str.lower)
-def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Each ISA in turn, forced with CHUNKATTN_NATIVE_ISA and compiled (not a prebuilt folder's); its module
-    built and loaded first, so that a build that fails is this test's failure, not a fallback."""
-    chosen: str = request.param
-    if NATIVE_PROBLEM:
-        pytest.skip(f"the native kernels do not build here: {NATIVE_PROBLEM}")
-    widest = build.cpu_isa()
-    if chosen not in build.runnable(widest):
-        pytest.skip(f"this CPU runs {widest} at widest: a {chosen} build would stop it (illegal instruction)")
-    monkeypatch.delenv("CHUNKATTN_NATIVE_DIR", raising=False)
-    monkeypatch.setenv("CHUNKATTN_NATIVE_ISA", chosen)
-    assert build.load().__name__ == build.module_name(chosen)
-    return chosen
 
 
 @pytest.mark.parametrize(("model", "dtype", "compute", "cache"), CASES)

@@ -33,21 +33,6 @@ FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, **FP8}
 
 
-@pytest.fixture(params=list(build.FLAGS), ids=str.lower)
-def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Each ISA this CPU runs, forced with CHUNKATTN_NATIVE_ISA (as test_native_isa does)."""
-    chosen: str = request.param
-    if NATIVE_PROBLEM:
-        pytest.skip(f"the native kernels do not build here: {NATIVE_PROBLEM}")
-    widest = build.cpu_isa()
-    if chosen not in build.runnable(widest):
-        pytest.skip(f"this CPU runs {widest} at widest: a {chosen} build would stop it (illegal instruction)")
-    monkeypatch.delenv("CHUNKATTN_NATIVE_DIR", raising=False)
-    monkeypatch.setenv("CHUNKATTN_NATIVE_ISA", chosen)
-    assert build.load().__name__ == build.module_name(chosen)
-    return chosen
-
-
 def _pieces(spans: Sequence[tuple[int, int]], chunk: int) -> list[tuple[int, int, int, int]]:
     """(row, num_queries, position, key_start) of each piece of prefills (position, new tokens), cut at chunk
     boundaries as attention/plan.py cuts them."""
@@ -197,6 +182,71 @@ def test_a_block_outside_the_pages_is_refused_before_anything_is_read() -> None:
     meta = torch.tensor([[1, 4, 4, 0, 4, 0]])
     with pytest.raises(RuntimeError, match="rows are not in q"):
         kernel.prefill(q, k, v, pages, pages, meta, torch.tensor([1]), torch.empty_like(q), 1.0, 1.0, 1.0, None)
+
+
+TOP = 2**63 - 1
+
+
+@pytest.mark.parametrize(
+    ("piece", "blocks", "message"),
+    [
+        ([TOP, 1, 0, 0, 0, 0], [0], "rows are not in q"),  # row + num_queries would wrap past int64
+        ([0, TOP, 0, 0, 0, 0], [0], "rows are not in q"),
+        ([0, 1, 1, 0, 1, TOP], [0], "blocks are not in blocks"),  # first block + count would wrap
+        ([0, 1, 2**63 - 2, 2**63 - 2, 2**63 - 2, 0], [0], r"is not in \[0, 2\^62\]"),
+        ([0, 1, -1, -1, -1, 0], [0], r"is not in \[0, 2\^62\]"),
+    ],
+)
+def test_pieces_near_int64s_end_are_refused(piece: list[int], blocks: list[int], message: str) -> None:
+    """Found by an independent review: sums of a piece's fields that wrapped past int64 passed the checks (a write
+    anywhere in memory, or another tenant's block read)."""
+    if NATIVE_PROBLEM:
+        pytest.skip(NATIVE_PROBLEM)
+    kernel = build.load()
+    q = torch.randn(2, 2, 8)
+    k = v = torch.randn(2, 1, 8)
+    pages = torch.zeros(1, 2, 4, 8)
+    with pytest.raises(RuntimeError, match=message):
+        kernel.prefill(
+            q, k, v, pages, pages, torch.tensor([piece]), torch.tensor(blocks), torch.empty_like(q), 1.0, 1.0, 1.0, None
+        )
+
+
+def test_empty_shapes_are_refused_not_divided_by() -> None:
+    if NATIVE_PROBLEM:
+        pytest.skip(NATIVE_PROBLEM)
+    kernel = build.load()
+    meta = torch.tensor([[0, 2, 2, 0, 2, 0]])
+    k = v = torch.randn(2, 1, 8)
+    no_rows = torch.zeros(1, 2, 0, 8)  # blocks of 0 tokens
+    q = torch.randn(2, 2, 8)
+    with pytest.raises(RuntimeError, match="a block size"):
+        kernel.prefill(q, k, v, no_rows, no_rows, meta, torch.tensor([0]), torch.empty_like(q), 1.0, 1.0, 1.0, None)
+    headless = torch.randn(2, 0, 8)
+    pages = torch.zeros(1, 2, 4, 8)
+    with pytest.raises(RuntimeError, match="heads and a head size"):
+        kernel.prefill(
+            headless, k, v, pages, pages, meta, torch.tensor([0]), torch.empty_like(headless), 1.0, 1.0, 1.0, None
+        )
+
+
+@pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16])
+def test_a_nan_key_makes_the_queries_that_see_it_nan(compute: torch.dtype) -> None:
+    """Found by an independent review: the bfloat16 path on the AMX tiles clamped a NaN score to a zero weight. A
+    NaN in the first key (seen by every query) now makes every row NaN on every path, as in float32 and SDPA."""
+    if NATIVE_PROBLEM:
+        pytest.skip(NATIVE_PROBLEM)
+    kernel = build.load()
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(5, 4, 32, generator=gen).to(compute)
+    k = torch.randn(5, 2, 32, generator=gen).to(compute)
+    v = torch.randn(5, 2, 32, generator=gen).to(compute)
+    k[0] = float("nan")
+    pages = torch.zeros(2, 1, 4, 32, dtype=compute)
+    out = torch.empty_like(q)
+    meta = torch.tensor([[0, 5, 0, 0, 0, 0]])
+    kernel.prefill(q, k, v, pages, pages, meta, torch.zeros(0, dtype=torch.int64), out, 32**-0.5, 1.0, 1.0, None)
+    assert out.float().isnan().all()
 
 
 WIDE = ModelShape(

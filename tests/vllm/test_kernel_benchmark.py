@@ -56,5 +56,10 @@ def test_kernel_benchmark_smoke_run_agrees_with_vllm_on_every_row(tmp_path: Path
         assert set(r["seconds"]) == {"vllm"} | ours, r
         assert r["agree"], r
         assert r["isa"] == isa(r["compute"], r["cache"]), r  # the ISA the row ran with: bfloat16 on AMX where there is
+        # ours too: "amx" only in a bfloat16 compute with the AMX build loaded, "-" without the native backend
+        assert r["ours_isa"] in ({"-"} if data["native_unavailable"] else {"amx", "vec"}), r
+        if r["ours_isa"] == "amx":
+            assert r["compute"] == "bfloat16", r
+            assert data["native_build"] == "AMX", r
         # every decode row's caches compared bit for bit, whatever the ISA's layout (the benchmark learns it)
         assert r["same_cache"] is (True if r["kind"] == "decode" else None), r

@@ -274,7 +274,9 @@ inline float row_max(const float* x, int64_t n) {
 // 2^t for t <= 0 (-inf: 0), relative error under 1e-4 (a cubic on the fraction; the probabilities are rounded
 // to bfloat16, 4e-3, after): for the bfloat16 engine only.
 __attribute__((always_inline)) inline __m512 exp2_bf16(__m512 t) {
-  t = _mm512_max_ps(t, _mm512_set1_ps(-200.0f));  // 2^-200 is 0 in float32; -inf would make the fraction NaN
+  // 2^-200 is 0 in float32; -inf would make the fraction NaN. A NaN score stays NaN (max_ps returns its second
+  // operand when either is NaN), so its row's output is NaN, as in float32 and in SDPA.
+  t = _mm512_max_ps(_mm512_set1_ps(-200.0f), t);
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
   __m512 p = _mm512_fmadd_ps(f, _mm512_set1_ps(0.07705805f), _mm512_set1_ps(0.22764558f));
@@ -510,6 +512,7 @@ void prefill(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor k_pages, at::T
                   k_pages.strides() == v_pages.strides() && k_pages.sizes() == v_pages.sizes() &&
                   k_pages.scalar_type() == v_pages.scalar_type(), "pages must be [Hkv, blocks, bs, D], K and V alike");
   const int64_t hkv = k_pages.size(0), nblocks = k_pages.size(1), bs = k_pages.size(2);
+  TORCH_CHECK(heads > 0 && d > 0 && bs > 0, "q must have heads and a head size, the pages a block size");
   TORCH_CHECK(hkv > 0 && heads % hkv == 0, "query heads must be a multiple of KV heads");
   for (const at::Tensor* x : {&k, &v})
     TORCH_CHECK(x->is_contiguous() && x->dim() == 3 && x->size(0) == t && x->size(1) == hkv && x->size(2) == d &&
@@ -523,20 +526,29 @@ void prefill(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor k_pages, at::T
   TORCH_CHECK(!alibi.has_value() || (alibi->scalar_type() == at::kFloat && alibi->is_contiguous() &&
                                      alibi->numel() == heads), "alibi slopes must be float32 [H]");
   const int64_t* pm = pieces.data_ptr<int64_t>();
-  const int64_t* bp = blocks.data_ptr<int64_t>();
+  // The block ids, copied: they are checked here and read after the GIL is released, and must not change between.
+  const int64_t* given = blocks.data_ptr<int64_t>();
+  const int64_t nb = blocks.numel();
+  const std::vector<int64_t> block_ids(given, given + nb);
+  const int64_t* bp = block_ids.data();
+  // Positions stay far from int64's end, so that no sum of a position and a count below can overflow.
+  constexpr int64_t kMaxPosition = int64_t{1} << 62;
   std::vector<Piece> list;
   for (int64_t p = 0; p < pieces.size(0); ++p) {
     const int64_t* r = pm + p * 6;
     Piece pc{r[0], r[1], r[2], r[3], r[4], r[5]};
-    TORCH_CHECK(pc.nq >= 1 && pc.row >= 0 && pc.row + pc.nq <= t, "piece ", p, ": its rows are not in q");
+    TORCH_CHECK(pc.row >= 0 && pc.row <= t && pc.nq >= 1 && pc.nq <= t - pc.row, "piece ", p,
+                ": its rows are not in q");
+    TORCH_CHECK(0 <= pc.position && pc.position <= kMaxPosition, "piece ", p, ": position ", pc.position,
+                " is not in [0, 2^62]");
     TORCH_CHECK(0 <= pc.key_start && pc.key_start <= pc.position && pc.key_start <= pc.cache_end &&
                     pc.position <= pc.cache_end && pc.cache_end <= pc.position + pc.nq,
                 "piece ", p, ": keys [", pc.key_start, ", ", pc.cache_end, ") cached before queries from ", pc.position,
                 " are not a piece's");
     if (pc.cache_end > pc.key_start) {
       const int64_t count = (pc.cache_end - 1) / bs - pc.key_start / bs + 1;
-      TORCH_CHECK(pc.block_off >= 0 && pc.block_off + count <= blocks.numel(), "piece ", p, ": its ", count,
-                  " blocks are not in blocks");
+      TORCH_CHECK(pc.block_off >= 0 && pc.block_off <= nb && count <= nb - pc.block_off, "piece ", p, ": its ",
+                  count, " blocks are not in blocks");
       for (int64_t b = 0; b < count; ++b)
         TORCH_CHECK(0 <= bp[pc.block_off + b] && bp[pc.block_off + b] < nblocks, "piece ", p, ": block ",
                     bp[pc.block_off + b], " is not in the pages (", nblocks, " blocks)");
