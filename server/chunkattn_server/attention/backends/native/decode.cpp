@@ -178,6 +178,33 @@ inline void tile_rows(const Shape& sh, const Page* kp, const Page* vp, const int
   }
 }
 
+// A task's keys [first, last) of KV head h, tile by tile (kTile keys): body(t0, rows, krows, vrows, next_k,
+// next_v, pf_rows) with this tile's K and V rows and the next tile's, whose first pf_rows are in the pages (to be
+// prefetched while this tile is computed: one core's demand misses alone leave the memory idle much of the time,
+// and a block of another sequence's, in a scattered pool, is a new page the hardware prefetcher cannot guess).
+// krows, vrows [2 * kTile]: the two tiles' rows, swapped per tile.
+template <typename Page, typename Body>
+inline void walk_tiles(const Shape& sh, const Page* kp, const Page* vp, const int32_t* table, int64_t base_block,
+                       int64_t h, int64_t first, int64_t last, int64_t pos, const Page* own_k, const Page* own_v,
+                       const Page** krows, const Page** vrows, Body&& body) {
+  const int64_t head_off = h * sh.s_head;
+  own_k = own_k != nullptr ? own_k + h * sh.d : nullptr;
+  own_v = own_v != nullptr ? own_v + h * sh.d : nullptr;
+  const Page **cur_k = krows, **cur_v = vrows, **next_k = krows + kTile, **next_v = vrows + kTile;
+  if (first < last)
+    tile_rows(sh, kp, vp, table, base_block, head_off, first, std::min(kTile, last - first), pos, own_k, own_v,
+              cur_k, cur_v);
+  for (int64_t t0 = first; t0 < last; t0 += kTile, std::swap(cur_k, next_k), std::swap(cur_v, next_v)) {
+    const int64_t rows = std::min(kTile, last - t0);
+    const int64_t next_rows = std::max<int64_t>(0, std::min(kTile, last - t0 - kTile));
+    if (next_rows > 0)
+      tile_rows(sh, kp, vp, table, base_block, head_off, t0 + kTile, next_rows, pos, own_k, own_v, next_k, next_v);
+    const int64_t pf_rows = next_rows - (own_k != nullptr && t0 + kTile + next_rows - 1 == pos ? 1 : 0);
+    body(t0, rows, static_cast<const Page* const*>(cur_k), static_cast<const Page* const*>(cur_v),
+         static_cast<const Page* const*>(next_k), static_cast<const Page* const*>(next_v), pf_rows);
+  }
+}
+
 // One task: query heads [h * g, h * g + g) of decode s over its keys [first, last). Leaves the unnormalized
 // accumulators in acc [g, dv] and the running max and sum in m, l [g].
 template <typename Page>
@@ -189,25 +216,10 @@ void attend_range(const Shape& sh, const Page* kp, const Page* vp, const int32_t
   std::fill(acc, acc + g * dv, 0.0f);
   std::fill(m, m + g, kNegInf);
   std::fill(l, l + g, 0.0f);
-  const int64_t head_off = h * sh.s_head;
-  own_k = own_k != nullptr ? own_k + h * d : nullptr;
-  own_v = own_v != nullptr ? own_v + h * d : nullptr;
-  // krows, vrows [2 * kTile]: this tile's rows and the next's, swapped per tile
-  const Page **cur_k = krows, **cur_v = vrows, **next_k = krows + kTile, **next_v = vrows + kTile;
-  if (first < last)
-    tile_rows(sh, kp, vp, table, base_block, head_off, first, std::min(kTile, last - first), pos, own_k, own_v,
-              cur_k, cur_v);
-  for (int64_t t0 = first; t0 < last; t0 += kTile, std::swap(cur_k, next_k), std::swap(cur_v, next_v)) {
-    const int64_t rows = std::min(kTile, last - t0);
-    // The next tile's K and V rows, asked for while this tile's K rows are scored (two rows' lines per
-    // row pair): one core's demand misses alone leave the memory idle much of the time, and a block of
-    // another sequence's (a scattered pool) is a new page the hardware prefetcher cannot guess.
-    const int64_t next_rows = std::max<int64_t>(0, std::min(kTile, last - t0 - kTile));
-    if (next_rows > 0)
-      tile_rows(sh, kp, vp, table, base_block, head_off, t0 + kTile, next_rows, pos, own_k, own_v, next_k, next_v);
-    const int64_t pf_rows = next_rows - (own_k != nullptr && t0 + kTile + next_rows - 1 == pos ? 1 : 0);
-    const Page* const* krows_t = cur_k;
-    const Page* const* vrows_t = cur_v;
+  // the next tile's rows prefetched while this tile's K rows are scored (two rows' lines per row pair)
+  walk_tiles(sh, kp, vp, table, base_block, h, first, last, pos, own_k, own_v, krows, vrows,
+             [&](int64_t t0, int64_t rows, const Page* const* krows_t, const Page* const* vrows_t,
+                 const Page* const* next_k, const Page* const* next_v, int64_t pf_rows) {
     // scores[j * kTile + r] = q_j . k_r (q pre-scaled), all heads of the group per K row read
     for (int64_t j0 = 0; j0 < g; j0 += kHeadsAtOnce)
       with_heads(std::min(kHeadsAtOnce, g - j0), [&](auto gn) {
@@ -247,7 +259,7 @@ void attend_range(const Shape& sh, const Page* kp, const Page* vp, const int32_t
       with_heads(std::min(kHeadsAtOnce, g - j0), [&](auto gn) {
         accumulate_rows<Page, decltype(gn)::value>(vrows_t, rows, scores + j0 * kTile, dv, d, acc + j0 * dv);
       });
-  }
+  });
 }
 
 #if defined(CHUNKATTN_AMX)
@@ -374,27 +386,15 @@ void attend_range(const Shape& sh, const Page* kp, const Page* vp, const int32_t
     even_odd[0] = _mm512_load_si512(idx[0]);
     even_odd[1] = _mm512_load_si512(idx[1]);
   }
-  const int64_t head_off = h * sh.s_head;
-  own_k = own_k != nullptr ? own_k + h * d : nullptr;
-  own_v = own_v != nullptr ? own_v + h * d : nullptr;
-  const Page **cur_k = krows, **cur_v = vrows, **next_k = krows + kTile, **next_v = vrows + kTile;
-  if (first < last)
-    tile_rows(sh, kp, vp, table, base_block, head_off, first, std::min(kTile, last - first), pos, own_k, own_v,
-              cur_k, cur_v);
-  for (int64_t t0 = first; t0 < last; t0 += kTile, std::swap(cur_k, next_k), std::swap(cur_v, next_v)) {
-    const int64_t rows = std::min(kTile, last - t0);
+  walk_tiles(sh, kp, vp, table, base_block, h, first, last, pos, own_k, own_v, krows, vrows,
+             [&](int64_t t0, int64_t rows, const Page* const* krows_t, const Page* const* vrows_t,
+                 const Page* const* next_k, const Page* const* next_v, int64_t pf_rows) {
     // the next tile's rows into L2 while this one is computed (see score_rows)
-    const int64_t next_rows = std::max<int64_t>(0, std::min(kTile, last - t0 - kTile));
-    if (next_rows > 0)
-      tile_rows(sh, kp, vp, table, base_block, head_off, t0 + kTile, next_rows, pos, own_k, own_v, next_k, next_v);
-    const int64_t pf_rows = next_rows - (own_k != nullptr && t0 + kTile + next_rows - 1 == pos ? 1 : 0);
     for (int64_t r = 0; r < pf_rows; ++r)
       for (int64_t b = 0; b < row_bytes; b += 64) {
         __builtin_prefetch(reinterpret_cast<const char*>(next_k[r]) + b, 0, 2);
         __builtin_prefetch(reinterpret_cast<const char*>(next_v[r]) + b, 0, 2);
       }
-    const Page* const* krows_t = cur_k;
-    const Page* const* vrows_t = cur_v;
     // S^T, 16 keys at a time
     for (int64_t r0 = 0; r0 < rows; r0 += kKeys) {
       const int64_t n = std::min(kKeys, rows - r0);
@@ -466,7 +466,7 @@ void attend_range(const Shape& sh, const Page* kp, const Page* vp, const int32_t
       _tile_dpbf16ps(3, 4, 5);
       _tile_stored(3, o + s * kV, dv * 4);
     }
-  }
+  });
   std::copy(o, o + gn * dv, acc);
 }
 
