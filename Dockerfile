@@ -32,7 +32,7 @@ COPY server/ server/
 RUN pip install --no-cache-dir --disable-pip-version-check \
         ${TORCH_INDEX:+--extra-index-url $TORCH_INDEX} ${TORCH_FIND_LINKS:+--find-links $TORCH_FIND_LINKS} \
         -c requirements/constraints.txt ./client ./server
-# The native kernels for every ISA the builder's CPU runs (AVX512, AVX2, DEFAULT on an AVX512 builder), one
+# The native kernels for every ISA the builder's CPU runs (AMX too where it has the tiles; AVX512, AVX2, DEFAULT on an AVX512 builder), one
 # shared object each: the server loads the widest its CPU runs from CHUNKATTN_NATIVE_DIR and never compiles. pip leaves with the build: the image keeps only what runs.
 RUN python -m chunkattn_server.attention.backends.native.build --out /opt/chunkattn-native \
     && pip uninstall -y -q pip \
