@@ -24,6 +24,7 @@ from chunkattn_client import BatchEntry
 from chunkattn_client.reference import within_tolerance
 from chunkattn_server import LayerSpec, ModelShape, torchtypes
 from chunkattn_server.attention.backends.native import build
+from chunkattn_server.attention.backends.native.backend import NativeBackend
 from chunkattn_server.kv.scales import KVScales
 from tests.helpers.harness import MODELS, NATIVE_PROBLEM, Harness
 
@@ -290,3 +291,35 @@ def test_the_sdpa_path_is_kept_behind_a_flag() -> None:
     backend.prefill = False
     h.step([BatchEntry("a", 0, 21)])
     h.step([BatchEntry("a", 21, 9)])
+
+
+class _Counting:
+    """The kernel module, its prefill calls counted."""
+
+    def __init__(self, kernel: object) -> None:
+        self.kernel = kernel
+        self.prefills = 0
+
+    def __getattr__(self, name: str) -> object:
+        if name == "prefill":
+            self.prefills += 1
+        return getattr(self.kernel, name)
+
+
+def test_a_piece_too_big_to_pack_goes_to_sdpa_over_views() -> None:
+    """A piece whose keys would pack into more than max_packed_bytes (a few queries over a long global context)
+    is served by SDPA over views of the pages, not copied: the same answers (the harness checks every call
+    against the reference), and the kernel's prefill called only for the pieces under the bound."""
+    if NATIVE_PROBLEM:
+        pytest.skip(NATIVE_PROBLEM)
+    h = Harness.build(MODELS["gqa"], impl="native")
+    backend = h.engine.backend
+    assert isinstance(backend, NativeBackend)
+    counted = _Counting(backend._kernel)
+    backend._kernel = counted  # type: ignore[assignment]
+    h.step([BatchEntry("a", 0, 12)])
+    packed = counted.prefills
+    assert packed > 0
+    backend.max_packed_bytes = 0  # every piece over the bound
+    h.step([BatchEntry("a", 12, 5), BatchEntry("b", 0, 3)])
+    assert counted.prefills == packed

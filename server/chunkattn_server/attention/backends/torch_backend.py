@@ -94,18 +94,23 @@ class TorchBackend:
         if len(decodes) == len(batch.spans):
             return
         for piece in batch.pieces:
-            if piece.entry in decodes:
-                continue
-            parts = self._cache_parts(batch, pages, piece)
-            first_new = piece.row + piece.cache_end - piece.position
-            last = piece.row + piece.num_queries
-            if first_new < last:
-                q = batch.q[piece.row : last]
-                k = batch.k[first_new:last].transpose(0, 1)
-                v = batch.v[first_new:last].transpose(0, 1)
-                keys = np.arange(piece.cache_end, piece.position + piece.num_queries)
-                parts.append(self._part(batch, q, k, v, piece.position, keys, causal=True))
-            out[piece.row : last] = _merge(parts)
+            if piece.entry not in decodes:
+                self._attend_piece(batch, pages, piece, out)
+
+    def _attend_piece(
+        self, batch: AttentionBatch, pages: tuple[torch.Tensor, torch.Tensor], piece: Piece, out: torch.Tensor
+    ) -> None:
+        """One piece's rows of ``out``: its cache part and its own new keys (causal), merged."""
+        parts = self._cache_parts(batch, pages, piece)
+        first_new = piece.row + piece.cache_end - piece.position
+        last = piece.row + piece.num_queries
+        if first_new < last:
+            q = batch.q[piece.row : last]
+            k = batch.k[first_new:last].transpose(0, 1)
+            v = batch.v[first_new:last].transpose(0, 1)
+            keys = np.arange(piece.cache_end, piece.position + piece.num_queries)
+            parts.append(self._part(batch, q, k, v, piece.position, keys, causal=True))
+        out[piece.row : last] = _merge(parts)
 
     def _views(self, pages: torch.Tensor) -> _Views:
         """The views of a page tensor the hot paths use, made once per page tensor (the engine passes the same

@@ -7,7 +7,9 @@ and its own key last, converted as the pages would hold it. Every other piece of
 one native call too, ``prefill`` (prefill.cpp): a tiled flash loop per piece x KV head x query tile over the
 piece's cached keys (read through its blocks, converted in the kernel) and its new ones (causal): bfloat16 on
 the AMX tiles in the AMX build, everything else on BLAS's sgemm in float32. ``prefill=False`` keeps them on
-SDPA's CPU flash kernel through the torch backend's path, for comparison.
+SDPA's CPU flash kernel through the torch backend's path, for comparison. A piece whose keys the kernel would
+pack into more than ``max_packed_bytes`` (a few queries over a long global context) takes that path too: it reads
+long runs of the pages as views instead of copying them.
 
 The fused path (the default): a step whose every span is a decode is one native call, ``store_and_decode``:
 the K/V written at their slots (float8: quantized over the layer's scales, as torchtypes.store does), the
@@ -38,22 +40,39 @@ class NativeBackend(TorchBackend):
 
     name = "native"
 
-    def __init__(self, device: torch.device, *, fused: bool = True, prefill: bool = True) -> None:
+    def __init__(
+        self, device: torch.device, *, fused: bool = True, prefill: bool = True, max_packed_bytes: int = 256 << 20
+    ) -> None:
         if device.type != "cpu":
             raise build.NativeUnavailable(f"the native kernels run on the CPU, not {device}")
         super().__init__(device)
         self._kernel: ModuleType = build.load()
         self.fused = fused  # the engine sends a step of decodes to store_and_decode (base.FusedDecodes)
         self.prefill = prefill  # the prefill pieces in the native kernel (else SDPA, the torch backend's path)
+        # A piece whose keys the native prefill would pack into more than this goes to SDPA, which reads long runs
+        # of the pages as views: a few queries over a long global context would otherwise copy it all per call.
+        self.max_packed_bytes = max_packed_bytes
 
     def attend(self, batch: AttentionBatch, out: torch.Tensor) -> None:
         if not self.prefill:
             super().attend(batch, out)
             return
-        decodes = self._decodes(batch, self._views(batch.k_pages), self._views(batch.v_pages), out)
+        k_views, v_views = self._views(batch.k_pages), self._views(batch.v_pages)
+        decodes = self._decodes(batch, k_views, v_views, out)
         if len(decodes) == len(batch.spans):
             return
-        pieces = [p for p in batch.pieces if p.entry not in decodes]
+        pieces = []
+        hkv, _, _, dim = batch.k_pages.shape
+        for p in batch.pieces:
+            if p.entry in decodes:
+                continue
+            # the native prefill converts each of a piece's keys, K and V, into its GEMMs' layout (float32 at most)
+            if (p.position + p.num_queries - p.key_start) * hkv * dim * 8 > self.max_packed_bytes:
+                self._attend_piece(batch, (k_views.flat, v_views.flat), p, out)  # SDPA over views of the pages
+            else:
+                pieces.append(p)
+        if not pieces:
+            return
         meta = np.empty((len(pieces), 6), np.int64)
         first = 0
         for i, p in enumerate(pieces):
