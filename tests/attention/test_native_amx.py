@@ -1,7 +1,7 @@
-"""The AMX build's tile path (native/decode.cpp, amx::attend_range): decodes in a bfloat16 compute over bfloat16
-and float8 caches, on the tiles where a KV head has enough query heads (the module's ``amx_min_heads``), against
-the float64 reference through the harness; and a padded block-API decode (its own key read from the call, not the
-pages) through the tiles against the vector units of the same build.
+"""The AMX build's tile path (attention/backends/native/decode.cpp, amx::attend_range): decodes in a bfloat16
+compute over bfloat16 and float8 caches, on the tiles where a KV head has enough query heads (the module's
+``amx_min_heads``), against the float64 reference through the harness; and a padded block-API decode (its own key
+read from the call, not the pages) through the tiles against the vector units of the same build.
 
 The shapes reach the tile path's cases: a head size that is a multiple of 32 over blocks of 16 (16 keys of one
 block are loaded into a tile straight from the pages) and one that is not (20: rows copied into a scratch tile,
@@ -31,9 +31,10 @@ pytestmark = [
     pytest.mark.native,
     pytest.mark.skipif(bool(NATIVE_PROBLEM), reason=NATIVE_PROBLEM or "built"),
     pytest.mark.skipif(
-        not NATIVE_PROBLEM and build.cpu_isa() != "AMX",
-        reason="this CPU has no AMX tiles for bfloat16 (or Linux refuses them to this process): the tile path"
-        " cannot run here",
+        not NATIVE_PROBLEM and build.isa() != "AMX",
+        reason=f"this process loads the {build.isa()} build (this CPU runs {build.cpu_isa()} at widest: without AMX"
+        " tiles for bfloat16, or Linux refusing them, or CHUNKATTN_NATIVE_ISA forcing a narrower build): the tile"
+        " path cannot run here",
     ),
 ]
 

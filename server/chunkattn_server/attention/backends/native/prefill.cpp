@@ -46,7 +46,7 @@ constexpr int64_t kN = 256;                 // keys per tile (faster than 128 an
 // in different sets of the L1 cache.
 constexpr int64_t kLdS = kN + 16, kLdP = kN + 32, kPadO = 16;
 constexpr int64_t kRound = 32;              // a cut diagonal tile's keys are a multiple of this
-constexpr int64_t kPackBytes = 256 << 20;   // packed K/V of one group of pieces, at most (one piece: any size)
+constexpr int64_t kPackBytes = 64 << 20;    // packed K/V of one group of pieces, at most (one piece: any size)
 static_assert(kN % kRound == 0 && kRound % 16 == 0, "tiles are read in whole vectors");
 
 // One piece, from the caller's metadata.
@@ -268,8 +268,6 @@ inline float row_max(const float* x, int64_t n) {
 #endif
 }
 
-// p[c] = exp(s[c] * mul - mx) for c < n (n a multiple of kRound), as In into p; returns their sum (float32,
-// before rounding). Where In is float, p may be s itself.
 #if defined(CHUNKATTN_AMX)
 // 2^t for t <= 0 (-inf: 0), relative error under 1e-4 (a cubic on the fraction; the probabilities are rounded
 // to bfloat16, 4e-3, after): for the bfloat16 engine only.
@@ -287,7 +285,10 @@ __attribute__((always_inline)) inline __m512 exp2_bf16(__m512 t) {
 #endif
 
 // p[c] = exp(s[c] * mul - mx) for c < n (n a multiple of kRound), as In into p; returns their sum (float32,
-// before rounding).
+// before rounding). Where In is float, p may be s itself. The exponent is clamped to 0 (mx is the scaled
+// maximum): a fused multiply-add's unrounded product can pass the rounded one mx was taken from by half an ulp,
+// thousands for scores near the value bounds (2^100), and exp of that is inf. A NaN stays NaN (min_ps returns
+// its second operand then).
 template <typename In>
 inline float exp_row(const float* s, In* p, int64_t n, float mul, float mx) {
 #if defined(CHUNKATTN_AMX)
@@ -296,8 +297,9 @@ inline float exp_row(const float* s, In* p, int64_t n, float mul, float mx) {
     const __m512 vm = _mm512_set1_ps(mul * kLog2e), vmx = _mm512_set1_ps(-mx * kLog2e);
     __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
     for (int64_t c = 0; c < n; c += 32) {
-      const __m512 e0 = exp2_bf16(_mm512_fmadd_ps(_mm512_loadu_ps(s + c), vm, vmx));
-      const __m512 e1 = exp2_bf16(_mm512_fmadd_ps(_mm512_loadu_ps(s + c + 16), vm, vmx));
+      const __m512 zero = _mm512_setzero_ps();
+      const __m512 e0 = exp2_bf16(_mm512_min_ps(zero, _mm512_fmadd_ps(_mm512_loadu_ps(s + c), vm, vmx)));
+      const __m512 e1 = exp2_bf16(_mm512_min_ps(zero, _mm512_fmadd_ps(_mm512_loadu_ps(s + c + 16), vm, vmx)));
       sum0 = _mm512_add_ps(sum0, e0);
       sum1 = _mm512_add_ps(sum1, e1);
       _mm512_storeu_si512(p + c, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
@@ -305,11 +307,11 @@ inline float exp_row(const float* s, In* p, int64_t n, float mul, float mx) {
     return _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1));
   }
 #endif
-  const Vec vm(mul), vmx(-mx);
+  const Vec vm(mul), vmx(-mx), zero(0.0f);
   Vec sum0(0.0f), sum1(0.0f);
   for (int64_t c = 0; c < n; c += 2 * kV) {
-    const Vec e0 = at::vec::fmadd(Vec::loadu(s + c), vm, vmx).exp_u20();
-    const Vec e1 = at::vec::fmadd(Vec::loadu(s + c + kV), vm, vmx).exp_u20();
+    const Vec e0 = at::vec::minimum(at::vec::fmadd(Vec::loadu(s + c), vm, vmx), zero).exp_u20();
+    const Vec e1 = at::vec::minimum(at::vec::fmadd(Vec::loadu(s + c + kV), vm, vmx), zero).exp_u20();
     sum0 = sum0 + e0;
     sum1 = sum1 + e1;
     if constexpr (std::is_same_v<In, float>) {
