@@ -66,6 +66,10 @@ class ServerInfo:
     # The most query-key pairs one Attend call may compute (0: no bound, or a server older than the field).
     max_call_work: int = 0
 
+    def pool_blocks_per_space_block(self, planes: int) -> int:
+        """Pool blocks one block of a block space of ``planes`` planes takes: ceil(planes / planes_per_block)."""
+        return max(1, -(-planes // max(1, self.planes_per_block)))
+
     @classmethod
     def from_pb(cls, r: pb.InfoResponse) -> ServerInfo:
         """A newer server's dtype this client does not know is reported ("unknown(N)"), not fatal."""

@@ -39,6 +39,8 @@ QUOTE_CHARS = 64
 QUOTE_IDS = 3
 # No status message is longer (gRPC's trailers must fit 16 KiB, and a message is read by people).
 MAX_MESSAGE_CHARS = 2048
+# Block spaces one tenant may hold open at once (a serving engine needs one per instance).
+MAX_BLOCK_SPACES = 64
 
 
 def quote(s: object) -> str:

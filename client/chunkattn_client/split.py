@@ -16,6 +16,7 @@ from typing import NamedTuple
 import numpy as np
 
 from chunkattn_client import work
+from chunkattn_client.batch import BlockRows
 
 # A request's bytes beyond its tensors (and, in the block API, its tables): its other fields and framing.
 MESSAGE_HEADROOM = 64 << 10
@@ -103,3 +104,35 @@ def block_part(starts: np.ndarray, seq_lens: np.ndarray, first: int, last: int) 
     cut = seq_lens[rows] - (ends[rows] - hi)  # keys up to the range's last token of the row
     bounds = np.concatenate([[0], np.cumsum(hi - lo)]).astype(np.int64)
     return BlockPart(rows, bounds, cut)
+
+
+def block_calls(
+    space_id: str,
+    slots: np.ndarray,
+    starts: np.ndarray,
+    seq_lens: np.ndarray,
+    tables: np.ndarray,
+    *,
+    block_size: int,
+    per_token: int,
+    limit: int,
+    max_work: int = 0,
+) -> list[tuple[int, int, BlockRows]]:
+    """One layer's step of a serving engine (its attention metadata: ``slots`` [T], ``starts`` [R + 1] =
+    query_start_loc, ``seq_lens`` [R], ``tables`` [R, >= W] block ids) as the block calls that carry it:
+    (first token, last token, rows) per call, in token order. The tables are cut to the widest row's blocks
+    (W = ceil(max seq_len / block_size): columns past it are never read); a call carries at most what a message
+    of ``limit`` bytes holds (``per_token`` bytes of tensors per token, beside the rows' fields and tables) and
+    at most ``max_work`` work (Info's max_call_work). Written once for the vLLM plugin and the bench's engine."""
+    rows = len(seq_lens)
+    widest = -(-int(seq_lens.max(initial=0)) // block_size)
+    tables = tables[:rows, :widest]
+    budget = max(1, tokens_per_call(per_token + 8, limit, fixed=rows * (4 * widest + 16)))
+    ranges = token_ranges(work.token_work(starts, seq_lens), starts, budget, max_work)
+    calls = []
+    for first, last in ranges:
+        part = block_part(starts, seq_lens, first, last)
+        calls.append(
+            (first, last, BlockRows(space_id, slots[first:last], part.starts, part.seq_lens, tables[part.rows]))
+        )
+    return calls

@@ -17,7 +17,6 @@ from chunkattn_client.vllm.offload import (
     Offload,
     OffloadError,
     PluginConfig,
-    pool_blocks_per_space_block,
     space_blocks,
 )
 from tests.helpers.server_process import SMALL, ServerProcess
@@ -73,7 +72,7 @@ def test_a_byte_budget_is_whole_space_blocks_of_the_servers_bytes(server: Server
     with ChunkAttnClient(server.target, token=TOKEN) as c:
         info = c.info()
     planes = max(PLANES) + 1
-    per_block = pool_blocks_per_space_block(info, planes)
+    per_block = info.pool_blocks_per_space_block(planes)
     cost = per_block * info.bytes_per_block
     config = _config(CHUNKATTN_VLLM_TARGET=server.target, CHUNKATTN_VLLM_KV_BYTES=str(5 * cost + cost - 1))
     assert space_blocks(config, info, planes) == 5
@@ -87,7 +86,7 @@ def test_a_space_past_the_servers_free_pool_is_refused_before_vllm_sizes_anythin
     with ChunkAttnClient(server.target, token=TOKEN) as c:
         info = c.info()
     planes = max(PLANES) + 1
-    per_block = pool_blocks_per_space_block(info, planes)
+    per_block = info.pool_blocks_per_space_block(planes)
     fits = info.free_blocks // per_block
     with pytest.raises(OffloadError) as e:
         space_blocks(_config(CHUNKATTN_VLLM_KV_BLOCKS=str(fits + 1)), info, planes)

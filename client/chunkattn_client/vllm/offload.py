@@ -21,13 +21,13 @@ from typing import Any, Literal, Protocol
 import numpy as np
 import torch
 
-from chunkattn_client import dtypes, work
+from chunkattn_client import dtypes
 from chunkattn_client._torch import to_torch
 from chunkattn_client._types import BlockSpace
 from chunkattn_client.batch import BlockRows
 from chunkattn_client.client import ChunkAttnClient, ChunkAttnError, ServerInfo
 from chunkattn_client.limits import MAX_LEASE_S, MIN_LEASE_S
-from chunkattn_client.split import block_part, message_limit, token_ranges, tokens_per_call
+from chunkattn_client.split import block_calls, message_limit
 
 Transport = Literal["stream", "unary"]
 # The client's data plane setting (ChunkAttnClient's data_plane), from the variable the client reads too.
@@ -270,18 +270,13 @@ def server_info(config: PluginConfig) -> ServerInfo:
         raise OffloadError(f"the chunkattn server at {config.target}: {e}") from None
 
 
-def pool_blocks_per_space_block(info: ServerInfo, planes: int) -> int:
-    """Pool blocks one space block of ``planes`` planes takes: ceil(planes / Info's planes_per_block)."""
-    return max(1, math.ceil(planes / max(1, info.planes_per_block)))
-
-
 def space_blocks(config: PluginConfig, info: ServerInfo, planes: int) -> int:
     """The blocks of the space the plugin sizes (its sizes_kv property): CHUNKATTN_VLLM_KV_BLOCKS, or
-    CHUNKATTN_VLLM_KV_BYTES over one space block's bytes on the server (``pool_blocks_per_space_block`` blocks
-    of Info's bytes_per_block). OffloadError when that is no block, or more than the server's pool has free
-    (the message says how many it has and what to set); the tenant's quota is the server's to check, when the
-    space opens."""
-    per_block = pool_blocks_per_space_block(info, planes)
+    CHUNKATTN_VLLM_KV_BYTES over one space block's bytes on the server
+    (``ServerInfo.pool_blocks_per_space_block`` blocks of Info's bytes_per_block). OffloadError when that is no
+    block, or more than the server's pool has free (the message says how many it has and what to set); the
+    tenant's quota is the server's to check, when the space opens."""
+    per_block = info.pool_blocks_per_space_block(planes)
     if config.kv_blocks is not None:
         blocks, asked = config.kv_blocks, f"CHUNKATTN_VLLM_KV_BLOCKS={config.kv_blocks}"
     elif config.kv_bytes is not None:
@@ -368,7 +363,7 @@ class Offload:
             return f"{server} refused a block space for now: {message}"
         if "block spaces open" in message:
             return f"{server} refused a block space: {message} (ListBlockSpaces lists them)"
-        per_block = pool_blocks_per_space_block(self.info, max(planes) + 1 if planes else 1)
+        per_block = self.info.pool_blocks_per_space_block(max(planes) + 1 if planes else 1)
         smaller = (
             "set CHUNKATTN_VLLM_KV_BLOCKS (or _KV_BYTES) smaller"
             if self.config.sizes_kv
@@ -418,23 +413,24 @@ class Offload:
         seq_lens = metadata.seq_lens.cpu().numpy().astype(np.int64)
         rows = len(seq_lens)
         starts = metadata.query_start_loc[: rows + 1].cpu().numpy().astype(np.int64)
-        slots = metadata.slot_mapping[:n].cpu().numpy()
-        widest = -(-int(seq_lens.max(initial=0)) // self.info.block_size)  # columns past it are not read
-        tables = metadata.block_table[:rows, :widest].cpu().numpy()
-        per_token = (q.shape[1] + (0 if k is None else 2 * k.shape[1])) * q.shape[2] * q.element_size() + 8
-        limit = message_limit(self.info.max_message_bytes, self.client.max_message_bytes)
-        budget = max(1, tokens_per_call(per_token, limit, fixed=rows * (4 * widest + 16)))
         if int(starts[-1]) != n:
             raise OffloadError(
                 f"layer {layer}: vLLM's rows hold {int(starts[-1])} tokens (query_start_loc), its step {n}"
                 " (num_actual_tokens): the plugin sends the rows as they are, and cannot tell which to drop"
             )
-        costs = work.token_work(starts, seq_lens)
-        ranges = token_ranges(costs, starts, budget, self.info.max_call_work)
+        calls = block_calls(
+            self.space_id,
+            metadata.slot_mapping[:n].cpu().numpy(),
+            starts,
+            seq_lens,
+            metadata.block_table[:rows].cpu().numpy(),
+            block_size=self.info.block_size,
+            per_token=(q.shape[1] + (0 if k is None else 2 * k.shape[1])) * q.shape[2] * q.element_size(),
+            limit=message_limit(self.info.max_message_bytes, self.client.max_message_bytes),
+            max_work=self.info.max_call_work,
+        )
         prepared = time.perf_counter()
-        for first, last in ranges:
-            part = block_part(starts, seq_lens, first, last)
-            block_rows = BlockRows(self.space_id, slots[first:last], part.starts, part.seq_lens, tables[part.rows])
+        for first, last, block_rows in calls:
             qs = q[first:last]
             ks = None if k is None else k[first:last]
             vs = None if v is None else v[first:last]
@@ -447,7 +443,7 @@ class Offload:
                 raise OffloadError(f"layer {layer}: the chunkattn server at {self.config.target}: {e}") from None
             output[first:last].copy_(to_torch(np.asarray(out), output.dtype))
         p = self.profile
-        p["calls"] += len(ranges)
+        p["calls"] += len(calls)
         p["tokens"] += n
         p["metadata_s"] += prepared - started
         p["call_s"] += time.perf_counter() - prepared

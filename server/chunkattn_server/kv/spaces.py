@@ -36,12 +36,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from chunkattn_client.limits import MAX_LEASE_S, MIN_LEASE_S
+from chunkattn_client.limits import MAX_BLOCK_SPACES, MAX_LEASE_S, MIN_LEASE_S
 from chunkattn_server.config import ModelShape
 from chunkattn_server.errors import InvalidArgument, OutOfBlocks, QuotaExceeded, UnknownSpace
 from chunkattn_server.kv.block_pool import BlockPool
 
-MAX_SPACES_PER_TENANT = 64  # open spaces one tenant may hold (a serving engine needs one per instance)
+MAX_SPACES_PER_TENANT = MAX_BLOCK_SPACES  # open spaces one tenant may hold (the client's limits say it too)
 SPACE_ID_CHARS = 32  # hex digits of a space id
 OPEN_WINDOW_S = 10.0  # a tenant opens at most the pool's size (or OPEN_FLOOR) in pool blocks per this long
 OPEN_FLOOR = 1 << 16  # a small pool's allowance: that many blocks cost the engine ~20-40 ms to open and close
