@@ -15,10 +15,10 @@ import numpy as np
 import numpy.typing as npt
 
 from chunkattn_client import dtypes
-from chunkattn_client.batch import BatchEntry
+from chunkattn_client.batch import BatchEntry, BlockRows
 from chunkattn_client.client import ServerInfo
 
-__all__ = ["ReferenceModel", "as_cached", "chunked_attention", "visible", "within_tolerance"]
+__all__ = ["BlockReference", "ReferenceModel", "as_cached", "chunked_attention", "visible", "within_tolerance"]
 
 FloatArray = npt.NDArray[np.float64]
 
@@ -229,3 +229,60 @@ class ReferenceModel:
             k64 = np.concatenate([old[0], k64])
             v64 = np.concatenate([old[1], v64])
         self._kv[(seq_id, layer)] = (k64, v64)
+
+
+class BlockReference:
+    """The block API's reference: keeps the K/V each writing layer stored at each slot of one block space and
+    answers a block call as the server should (each row: causal attention of its new tokens over the keys its
+    block table gives, its first ``seq_len - q_len`` keys before them; a chunked layer's caller windows the rows).
+
+    A KV-sharing layer reads its source layer's slots and stores none.
+    """
+
+    def __init__(self, info: ServerInfo) -> None:
+        self.block_size = info.block_size
+        self._model = ReferenceModel.for_server(info)
+        self._kv: dict[tuple[int, int], tuple[FloatArray, FloatArray]] = {}  # (layer, slot) -> (k, v) [Hkv, D]
+
+    def attend(
+        self,
+        layer: int,
+        rows: BlockRows,
+        q: npt.ArrayLike,
+        k: npt.ArrayLike | None = None,
+        v: npt.ArrayLike | None = None,
+    ) -> FloatArray:
+        """Expected output [T, num_heads, head_size] float64 of one block call; stores the new k/v at their slots
+        (a negative slot: not stored). KeyError when a row reads a slot no call has written."""
+        m = self._model
+        source = m.kv_sources[layer]
+        owner = layer if source is None else source
+        slots = np.asarray(rows.slot_mapping, dtype=np.int64)
+        if source is None:
+            if k is None or v is None:
+                raise ValueError(f"layer {layer} writes its own KV: k and v are required")
+            k64, v64 = np.asarray(k, dtype=np.float64), np.asarray(v, dtype=np.float64)
+            for t, slot in enumerate(slots.tolist()):
+                if slot >= 0:
+                    self._kv[(owner, slot)] = (k64[t], v64[t])
+        q64 = np.asarray(q, dtype=np.float64)
+        starts = np.asarray(rows.query_start_loc, dtype=np.int64)
+        seq_lens = np.asarray(rows.seq_lens, dtype=np.int64)
+        tables = np.asarray(rows.block_table, dtype=np.int64).reshape(len(seq_lens), -1)
+        out = np.zeros(q64.shape, dtype=np.float64)
+        bs = self.block_size
+        for r, seq_len in enumerate(seq_lens.tolist()):
+            first, last = int(starts[r]), int(starts[r + 1])
+            if last == first:
+                continue
+            keys = [self._kv[(owner, int(tables[r, j // bs]) * bs + j % bs)] for j in range(seq_len)]
+            out[first:last] = chunked_attention(
+                q64[first:last],
+                np.stack([kv[0] for kv in keys]),
+                np.stack([kv[1] for kv in keys]),
+                np.arange(seq_len - (last - first), seq_len),
+                chunk_size=0,
+                scale=m.scales[layer],
+                alibi_slopes=m.alibi_slopes[layer],
+            )
+        return out
