@@ -134,6 +134,44 @@ def test_the_bench_through_envoy_verifies_and_spreads(cluster: Cluster, capsys: 
     assert all(a > b for a, b in zip(served(), before, strict=True))  # each sequence routed by its id: both served
 
 
+@pytest.mark.parametrize("engines", [1, 2, 4])
+def test_engines_through_envoy_run_verified_each_on_one_replica(
+    cluster: Cluster, capsys: pytest.CaptureFixture[str], engines: int
+) -> None:
+    """The engine workload through Envoy: each engine's space and calls carry its routing key, so every block
+    call reaches the replica that holds its space (a call that did not would fail NOT_FOUND); every call checked;
+    the replicas' block calls add up to the bench's, and no replica keeps a space."""
+
+    def block_calls() -> list[float]:
+        return [
+            counter(metrics_at(r.metrics_port), "chunkattn_attend_calls_total", mode="blocks") for r in cluster.replicas
+        ]
+
+    before = block_calls()
+    argv = [
+        "bench",
+        "--target",
+        cluster.target,
+        "--workload",
+        "engine",
+        "--engines",
+        str(engines),
+        "--progress",
+        "none",
+    ]
+    argv += ["--sequences", str(4 * engines), "--concurrency", "3", "--prompt-len", "10:40", "--output-len", "2:6"]
+    argv += ["--max-num-batched-tokens", "32", "--verify", "30", "--transport", "stream"]
+    assert cli(argv) == 0
+    out = capsys.readouterr().out
+    for said in ("errors: none", "30 of 30 calls checked", "0 mismatches"):
+        assert said in out, out
+    calls = int(out.split("; calls ")[1].split()[0])
+    assert sum(a - b for a, b in zip(block_calls(), before, strict=True)) == calls
+    for r in cluster.replicas:
+        with ChunkAttnClient(r.target, timeout_s=10) as direct:
+            assert direct.info().block_spaces == 0
+
+
 def test_a_killed_replica_fails_only_its_own_sessions() -> None:
     with make_cluster(2) as c, ChunkAttnClient(c.target, timeout_s=10) as envoy:
         doomed, kept = keys_on(c, 0, envoy, "doomed"), keys_on(c, 1, envoy, "kept")

@@ -7,9 +7,11 @@ from typing import Any
 
 from chunkattn_client.bench.workload import Lengths, SequenceSpec, WorkloadError
 from chunkattn_client.dataplane import SETTINGS as DATA_PLANES
-from chunkattn_client.limits import route_problem
+from chunkattn_client.limits import MAX_BLOCK_SPACES, route_problem
 
 TRANSPORTS = ("unary", "stream")
+WORKLOADS = ("sequences", "engine")  # one model runner per sequence; or serving engines that batch them
+APIS = ("blocks", "sequence")  # how an engine addresses KV: its own block space, or the server's sequences
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,16 @@ class BenchConfig:
     route: str | None = None  # every sequence's x-chunkattn-route; None: each sequence's id
     spec_tokens: int = 0  # speculative decoding: drafts per verify call (0: plain one-token decode steps)
     accept_rate: float = 0.7  # the probability that each draft is accepted (while every earlier one was)
+    # The engine workload (docs/bench.md, "The engine workload"): --engines serving engines, each scheduling its
+    # requests as vLLM does; concurrency and rate are per engine, sequences (requests) over all of them.
+    workload: str = "sequences"
+    engines: int = 1
+    api: str = "blocks"
+    max_num_batched_tokens: int = 2048  # vLLM's token budget per step
+    max_num_seqs: int = 256  # vLLM's most requests running at once
+    async_scheduling: bool = False  # vLLM's async scheduling (its default on GPUs; its CPU platform turns it off)
+    kv_blocks: int | None = None  # blocks of each engine's space (None: what max_num_seqs requests need)
+    model_step_ms: float = 0.0  # the model's non-attention time per step, spread before its layers' calls
 
     def check(self) -> None:
         """Raise WorkloadError naming the first option that cannot work."""
@@ -66,8 +78,47 @@ class BenchConfig:
             raise WorkloadError(
                 f"--spec-tokens must be >= 0 and --accept-rate in [0, 1], got {self.spec_tokens} and {self.accept_rate}"
             )
+        if self.workload not in WORKLOADS:
+            raise WorkloadError(f"--workload must be one of {WORKLOADS}, got {self.workload!r}")
+        if self.workload == "engine":
+            self._check_engine()
+        elif (self.engines, self.api, self.kv_blocks, self.async_scheduling) != (1, "blocks", None, False):
+            raise WorkloadError(
+                "--engines, --api, --kv-blocks and --async-scheduling describe serving engines: add --workload engine"
+            )
         if self.warmup_s < 0 or self.verify < 0 or self.timeout_s <= 0 or self.max_errors < 1:
             raise WorkloadError("--warmup and --verify must be >= 0, --timeout > 0 and --max-errors >= 1")
+
+    def _check_engine(self) -> None:
+        if not 1 <= self.engines <= MAX_BLOCK_SPACES:
+            raise WorkloadError(
+                f"--engines must be 1 to {MAX_BLOCK_SPACES} (a tenant holds at most {MAX_BLOCK_SPACES} block spaces"
+                f" on a server, one per engine), got {self.engines}"
+            )
+        if self.api not in APIS:
+            raise WorkloadError(f"--api must be one of {APIS}, got {self.api!r}")
+        if self.max_num_batched_tokens < 1:
+            raise WorkloadError(
+                "--max-num-batched-tokens is an engine step's token budget: at least 1 token, got"
+                f" {self.max_num_batched_tokens}"
+            )
+        if self.max_num_seqs < 1:
+            raise WorkloadError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+        if self.kv_blocks is not None and self.kv_blocks < 2:
+            raise WorkloadError(f"--kv-blocks must be >= 2 (block 0 is the engine's null block), got {self.kv_blocks}")
+        if self.model_step_ms < 0:
+            raise WorkloadError(f"--model-step-ms must be >= 0, got {self.model_step_ms}")
+        if self.spec_tokens or self.prefill_chunk:
+            raise WorkloadError(
+                "--spec-tokens and --prefill-chunk are the sequences workload's: an engine chunks prefills to its"
+                " --max-num-batched-tokens"
+            )
+        if self.output.low < 1:
+            raise WorkloadError(f"--output-len: an engine's request generates at least 1 token, got {self.output}")
+        if self.trace and min(s.output_len for s in self.trace) < 1:
+            raise WorkloadError(
+                f"the trace {self.trace_path}: an engine's request generates at least 1 token (output_len >= 1)"
+            )
 
     def max_sequences(self) -> int | None:
         """The measured phase's sequence count: --sequences, else one pass over a trace without --duration."""
@@ -80,7 +131,12 @@ class BenchConfig:
     def params(self) -> dict[str, Any]:
         return {
             "target": self.target,
-            "mode": f"open loop, {self.rate}/s" if self.rate else f"closed loop, concurrency {self.concurrency}",
+            "mode": (f"open loop, {self.rate}/s" if self.rate else f"closed loop, concurrency {self.concurrency}")
+            + (
+                f" per engine, {self.engines} engine{'s' if self.engines > 1 else ''}"
+                if self.workload == "engine"
+                else ""
+            ),
             "concurrency": None if self.rate else self.concurrency,
             "rate": self.rate,
             "max_concurrency": self.max_concurrency if self.rate else None,
@@ -99,4 +155,18 @@ class BenchConfig:
             "timeout_s": self.timeout_s,
             "spec_tokens": self.spec_tokens,
             "accept_rate": self.accept_rate if self.spec_tokens else None,
+            "workload": self.workload,
+            **(
+                {
+                    "engines": self.engines,
+                    "api": self.api,
+                    "max_num_batched_tokens": self.max_num_batched_tokens,
+                    "max_num_seqs": self.max_num_seqs,
+                    "async_scheduling": self.async_scheduling,
+                    "kv_blocks": self.kv_blocks,
+                    "model_step_ms": self.model_step_ms,
+                }
+                if self.workload == "engine"
+                else {}
+            ),
         }

@@ -40,6 +40,14 @@ class Recorder:
     steps: list[tuple[float, str, int, float]] = field(default_factory=list)  # (end time, kind, tokens, s)
     sequence_latency: list[float] = field(default_factory=list)
     arrival_wait: list[float] = field(default_factory=list)  # open loop: arrival to start (no free slot)
+    # The engine workload: per engine step (end time, engine, tokens, rows of its first layer, decodes, its layer
+    # calls' seconds summed, the step's seconds), every layer call's seconds, and what the engine's users saw
+    # (time to first token, time per output token after it, per finished request), and preemptions.
+    engine_steps: list[tuple[float, int, int, int, int, float, float]] = field(default_factory=list)
+    layer_latency: list[float] = field(default_factory=list)
+    ttft: list[float] = field(default_factory=list)
+    tpot: list[float] = field(default_factory=list)
+    preemptions: int = 0
     last_answer: float = 0.0  # when the last call was answered
     end: float | None = None
 
@@ -61,8 +69,12 @@ class Recorder:
         return [s for _, k, _, s in self.steps if k == kind]
 
     def recent_p50_ms(self, window_s: float = 5.0) -> float | None:
-        """p50 of the decode steps (else prefill pieces) that ended in the last ``window_s`` seconds."""
+        """p50 of the decode steps (else prefill pieces; engine steps in the engine workload) that ended in the
+        last ``window_s`` seconds."""
         since = self.now() - window_s
+        if self.engine_steps:
+            recent_steps = [x[6] for x in reversed(self.engine_steps) if x[0] >= since]
+            return 1000 * percentile(sorted(recent_steps), 50) if recent_steps else None
         recent: dict[str, list[float]] = {"decode": [], "prefill": []}
         for t, kind, _, s in reversed(self.steps):  # appended as they end: the newest are last
             if t < since:
@@ -84,6 +96,7 @@ class RunResult:
     server: dict[str, Any] | None
     server_series: list[tuple[float, float, float]]
     aborted: str | None
+    engine: dict[str, Any] | None = None  # the engine workload: what its engines were (``EngineBench.layout``)
 
 
 Progress = Callable[[Recorder, bool], None]  # (the phase's recorder, whether this is the final call)

@@ -62,6 +62,21 @@ class Bench:
         self._lengths = LengthSource(config.prompt, config.output, config.trace, config.seed)
         if config.dtype not in info.dtypes:
             raise WorkloadError(f"--dtype {config.dtype}: the server takes {', '.join(info.dtypes)}")
+        self._prepare()
+        self._run_id = uuid.uuid4().hex[:8]
+        self._arrivals = random.Random(config.seed + 1)
+        self._seq_no = 0
+        self._stop_at: float | None = None
+        self._max_sequences: int | None = None
+        self._started = 0
+        self._aborted: str | None = None
+        self.interrupted = False
+        self._rec = Recorder()
+        self._checking: Verifier | None = None
+
+    def _prepare(self) -> None:
+        """The workload's own checks and state (here: one model runner per sequence)."""
+        config, info, client = self.config, self.info, self.client
         biggest = min(config.prefill_chunk or self._lengths.max_prompt, self._lengths.max_prompt)
         biggest = max(biggest, config.spec_tokens + 1)  # a verify call's tokens
         self._speculation = Speculation(config.spec_tokens, config.accept_rate) if config.spec_tokens else None
@@ -86,18 +101,22 @@ class Bench:
         self._verifier = (
             Verifier(info, config.dtype, config.verify, config.seed, client.info) if config.verify else None
         )
-        self._run_id = uuid.uuid4().hex[:8]
-        self._arrivals = random.Random(config.seed + 1)
-        self._seq_no = 0
-        self._stop_at: float | None = None
-        self._max_sequences: int | None = None
-        self._started = 0
-        self._aborted: str | None = None
-        self.interrupted = False
-        self._rec = Recorder()
-        self._checking: Verifier | None = None
 
     async def run(self, progress: Progress | None = None, progress_interval_s: float = 1.0) -> RunResult:
+        """The run: the warm-up, then the measured phase (and the server's metrics around it)."""
+        await self._open()
+        try:
+            return await self._run(progress, progress_interval_s)
+        finally:
+            await self._close()
+
+    async def _open(self) -> None:
+        """What the workload holds on the server for the whole run (nothing here: each sequence is its own)."""
+
+    async def _close(self) -> None:
+        """Give back what ``_open`` took."""
+
+    async def _run(self, progress: Progress | None, progress_interval_s: float) -> RunResult:
         cfg = self.config
         watch = MetricsWatch(cfg.metrics_url) if cfg.metrics_url else None
         if watch:
@@ -138,7 +157,12 @@ class Bench:
             server,
             watch.series if watch else [],
             self._aborted,
+            self.layout(),
         )
+
+    def layout(self) -> dict[str, Any] | None:
+        """What the workload's engines were, for the report (none here)."""
+        return None
 
     def stop(self, reason: str) -> None:
         """End the run early (e.g. on Ctrl-C): no new sequences; those in flight are cut before their next call."""

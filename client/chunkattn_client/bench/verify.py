@@ -1,5 +1,5 @@
 """``--verify N``: sampled calls recomputed with the float64 reference and compared (Verifier, and
-SequenceCheck for one sampled sequence)."""
+SequenceCheck for one sampled sequence, EngineCheck for one engine's calls)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,12 @@ import random
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import numpy as np
+
 from chunkattn_client import codec
-from chunkattn_client.batch import BatchEntry
+from chunkattn_client.batch import BatchEntry, BlockRows
 from chunkattn_client.client import ServerInfo
-from chunkattn_client.reference import ReferenceModel, as_cached, within_tolerance
+from chunkattn_client.reference import BlockReference, ReferenceModel, as_cached, within_tolerance
 
 
 class Verifier:
@@ -55,6 +57,37 @@ class Verifier:
         self._unreserved -= n
         return SequenceCheck(self, n)
 
+    def reserve(self) -> bool:
+        """One call of the budget (an engine's next call), or False when it is spent."""
+        if self._unreserved <= 0:
+            return False
+        self._unreserved -= 1
+        return True
+
+    async def compare(
+        self,
+        layer: int,
+        q: Any,
+        k: Any,
+        v: Any,
+        out: Any,
+        expect: Callable[[Any, Any, Any], Any],
+        where: dict[str, Any],
+    ) -> None:
+        """One call's answer ``out`` against ``expect(q64, k64, v64)`` (the reference, which records the call's
+        K/V as the server's cache gives them back: float8 quantized), counted and, when off, kept (``where``)."""
+        q64, k64, v64 = (None if x is None else codec.to_float64(x, self.dtype) for x in (q, k, v))
+        if k64 is not None and v64 is not None:
+            k_scale, v_scale = await self.scales(layer)
+            k64 = as_cached(k64, self.info.cache_dtype, k_scale)
+            v64 = as_cached(v64, self.info.cache_dtype, v_scale)
+        want = await asyncio.to_thread(expect, q64, k64, v64)
+        ok, err = within_tolerance(codec.to_float64(out, self.dtype), want, self.dtype)
+        self.checked += 1
+        self.max_error = max(self.max_error, err)
+        if not ok:
+            self.mismatches.append(where | {"error": err})
+
     def refund(self, calls: int) -> None:
         self._unreserved += calls
 
@@ -81,22 +114,15 @@ class SequenceCheck:
         if self._left <= 0:
             return
         self._left -= 1
-        dtype = self._v.dtype
-        q64, k64, v64 = (None if x is None else codec.to_float64(x, dtype) for x in (q, k, v))
-        assert q64 is not None
-        if k64 is not None and v64 is not None:  # what the server's cache gives back (float8: quantized)
-            k_scale, v_scale = await self._v.scales(layer)
-            k64 = as_cached(k64, self._v.info.cache_dtype, k_scale)
-            v64 = as_cached(v64, self._v.info.cache_dtype, v_scale)
-        want = await asyncio.to_thread(self._ref.attend, layer, [entry], q64, k64, v64)
-        ok, err = within_tolerance(codec.to_float64(out, dtype), want, dtype)
-        self._v.checked += 1
-        self._v.max_error = max(self._v.max_error, err)
-        if not ok:
-            self._v.mismatches.append(
-                {"seq_id": entry.seq_id, "layer": layer, "position": entry.position, "tokens": entry.num_tokens}
-                | {"error": err}
-            )
+        await self._v.compare(
+            layer,
+            q,
+            k,
+            v,
+            out,
+            lambda q64, k64, v64: self._ref.attend(layer, [entry], q64, k64, v64),
+            {"seq_id": entry.seq_id, "layer": layer, "position": entry.position, "tokens": entry.num_tokens},
+        )
 
     def truncate(self, seq_id: str, length: int) -> None:
         """The sequence was truncated on the server: the reference follows."""
@@ -106,3 +132,45 @@ class SequenceCheck:
         """The sequence ended: calls it reserved but did not check go back to the budget."""
         self._v.refund(self._left)
         self._left = 0
+
+
+class EngineCheck:
+    """The reference of one engine (the engine workload), for its calls from its first on while the run's budget
+    lasts (``Verifier.reserve``): a block space's slots (``BlockReference``) or its sequences
+    (``ReferenceModel``). It stops for good at the first call the budget does not cover, or that failed: a
+    later call reads K/V the reference did not see."""
+
+    def __init__(self, verifier: Verifier, api: str) -> None:
+        self._v = verifier
+        self._blocks = BlockReference(verifier.info) if api == "blocks" else None
+        self._sequences = ReferenceModel.for_server(verifier.info) if api != "blocks" else None
+        self.active = True
+
+    def take(self) -> bool:
+        """Whether the engine's next call is checked."""
+        self.active = self.active and self._v.reserve()
+        return self.active
+
+    def stop(self) -> None:
+        self.active = False
+
+    async def check_blocks(self, engine: int, layer: int, rows: BlockRows, q: Any, k: Any, v: Any, out: Any) -> None:
+        assert self._blocks is not None
+        ref = self._blocks
+        where = {"engine": engine, "layer": layer, "rows": len(np.asarray(rows.seq_lens)), "tokens": len(q)}
+        await self._v.compare(layer, q, k, v, out, lambda q64, k64, v64: ref.attend(layer, rows, q64, k64, v64), where)
+
+    async def check_entries(
+        self, engine: int, layer: int, entries: list[BatchEntry], q: Any, k: Any, v: Any, out: Any
+    ) -> None:
+        assert self._sequences is not None
+        ref = self._sequences
+        where = {"engine": engine, "layer": layer, "rows": len(entries), "tokens": len(q)}
+        await self._v.compare(
+            layer, q, k, v, out, lambda q64, k64, v64: ref.attend(layer, entries, q64, k64, v64), where
+        )
+
+    def release(self, seq_id: str) -> None:
+        """A sequence the engine released (finished or preempted): the reference forgets it too."""
+        if self._sequences is not None:
+            self._sequences.release(seq_id)

@@ -18,7 +18,15 @@ from typing import Any
 from chunkattn_client.aio import AsyncChunkAttnClient
 from chunkattn_client.cli.common import EXIT_FAILED, EXIT_MISMATCH, EXIT_OK, credentials
 
-SWEEPABLE = {"concurrency": int, "rate": float, "prefill_chunk": int, "max_concurrency": int}
+SWEEPABLE = {
+    "concurrency": int,
+    "rate": float,
+    "prefill_chunk": int,
+    "max_concurrency": int,
+    "engines": int,
+    "max_num_batched_tokens": int,
+    "max_num_seqs": int,
+}
 
 
 def bench(args: argparse.Namespace) -> int:
@@ -52,6 +60,14 @@ def bench(args: argparse.Namespace) -> int:
         route=args.route,
         spec_tokens=args.spec_tokens,
         accept_rate=args.accept_rate,
+        workload=args.workload,
+        engines=args.engines,
+        api=args.api,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        async_scheduling=args.async_scheduling,
+        kv_blocks=args.kv_blocks,
+        model_step_ms=args.model_step_ms,
     )
     param, values = _sweep(args.sweep, open_loop=args.rate is not None) if args.sweep else (None, [None])
     configs = [config if v is None else dataclasses.replace(config, **{param: v}) for v in values]  # type: ignore[arg-type]
@@ -112,6 +128,7 @@ def _label(value: Any) -> str:
 async def _run_all(configs: Sequence[Any], progress_mode: str, creds: dict[str, Any]) -> list[Any]:
     """Run each config in turn on one channel. The first Ctrl-C ends the current run (it is still reported)
     and the sweep; a second one quits at once."""
+    from chunkattn_client.bench.engine import EngineBench
     from chunkattn_client.bench.progress import make_progress
     from chunkattn_client.bench.runner import Bench
 
@@ -124,7 +141,7 @@ async def _run_all(configs: Sequence[Any], progress_mode: str, creds: dict[str, 
         used = await client.open_data_plane()  # each sequence's routed client opens its own, of this kind
         loop = asyncio.get_running_loop()
         for cfg in (dataclasses.replace(c, data_plane_used=used) for c in configs):
-            bench = Bench(cfg, client, info)
+            bench = (EngineBench if cfg.workload == "engine" else Bench)(cfg, client, info)
             total, unit = (cfg.duration_s, "s") if cfg.duration_s else (cfg.max_sequences(), "seq")
             progress = make_progress(progress_mode, total, unit)
 

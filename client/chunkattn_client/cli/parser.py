@@ -71,8 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = command("bench", "Load-test the server with a synthetic model-runner workload.")
     w = c.add_argument_group("workload")
-    w.add_argument("--concurrency", type=int, default=1, help="closed loop: sequences in flight (default 1)")
-    w.add_argument("--rate", type=float, help="open loop: Poisson arrivals, sequences per second")
+    w.add_argument(
+        "--concurrency", type=int, default=1, help="closed loop: sequences in flight (per engine; default 1)"
+    )
+    w.add_argument("--rate", type=float, help="open loop: Poisson arrivals, sequences per second (per engine)")
     w.add_argument("--max-concurrency", type=int, default=256, help="open loop: cap on sequences in flight")
     w.add_argument("--prompt-len", default="128", metavar="N|LO:HI", help="prompt tokens (default %(default)s)")
     w.add_argument("--output-len", default="32", metavar="N|LO:HI", help="decode steps (default %(default)s)")
@@ -93,6 +95,52 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.7,
         metavar="P",
         help="with --spec-tokens: each draft is accepted with probability P while the earlier ones were (default 0.7)",
+    )
+    e = c.add_argument_group(
+        "engine workload (--workload engine: serving engines that batch their requests, as vLLM does; docs/bench.md)"
+    )
+    e.add_argument(
+        "--workload",
+        choices=("sequences", "engine"),
+        default="sequences",
+        help="sequences: one model runner per sequence, a call per sequence per layer (default); engine: --engines"
+        " engines, a call per layer per step carrying every request the engine scheduled",
+    )
+    e.add_argument("--engines", type=int, default=1, help="engines at once, each its own space and route (default 1)")
+    e.add_argument(
+        "--api",
+        choices=("blocks", "sequence"),
+        default="blocks",
+        help="how an engine addresses KV: blocks (its own block space, as the vLLM plugin; default) or sequence",
+    )
+    e.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        metavar="N",
+        help="an engine step's token budget, prefills chunked to it (vLLM's; default %(default)s)",
+    )
+    e.add_argument(
+        "--max-num-seqs", type=int, default=256, metavar="N", help="requests an engine runs at once (default 256)"
+    )
+    e.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="schedule as vLLM does on GPUs (step N + 1 before step N's tokens: a finished request holds its seat"
+        " and blocks a step longer, a new one starts a step later); default: synchronous, as vLLM on the CPU",
+    )
+    e.add_argument(
+        "--kv-blocks",
+        type=int,
+        metavar="N",
+        help="blocks of each engine's KV cache (default: room for its running requests at their longest)",
+    )
+    e.add_argument(
+        "--model-step-ms",
+        type=float,
+        default=0.0,
+        metavar="MS",
+        help="the model's non-attention time per step, spread before its layers' calls (default 0)",
     )
     w.add_argument("--transport", choices=("unary", "stream"), default="unary")
     w.add_argument(
