@@ -367,3 +367,237 @@ def test_server_summary_divides_by_the_layers_called() -> None:
     assert report.server_summary({"error": "unreachable"}, 4) == {"error": "unreachable"}
     assert (report.fmt_tokens(2.5), report.fmt_tokens(0.75), report.fmt_tokens(18_000)) == ("2.50", "0.75", "18000")
     assert report.server_tokens_unit(1) == "chunkattn_tokens_total / 1 layer"
+
+
+# -- the engine workload's report ---------------------------------------------------------------------------
+
+# Four engine steps of two engines over layers 0 and 1 (2 layer calls each): (end s, engine, tokens, rows,
+# decodes, attention s, step s). Prefill tokens 10 + 4 + 0 + 0 = 14, decodes 0 + 2 + 3 + 1 = 6.
+ENGINE_STEPS = [
+    (0.2, 0, 10, 2, 0, 0.010, 0.012),
+    (0.5, 1, 6, 3, 2, 0.020, 0.025),
+    (1.2, 0, 3, 3, 3, 0.004, 0.005),
+    (2.5, 1, 1, 1, 1, 0.002, 0.003),
+]
+LAYOUT = {"kv_blocks": 10, "groups": [{"chunk_size": 4, "layers": [0, 1]}], "planes": 1, "spaces": ["a", "b"]}
+
+
+def _engine_run(
+    engines: int = 2, slower: float = 1.0, steps: list[tuple[float, int, int, int, int, float, float]] | None = None
+) -> tuple[RunResult, dict[str, Any]]:
+    """A 2.8 s engine run: ENGINE_STEPS (their attention and layer calls ``slower`` times as long), 3 requests."""
+    rec = Recorder()
+    given = ENGINE_STEPS if steps is None else steps
+    rec.engine_steps = [(t, e, n, r, d, a * slower, s * slower) for t, e, n, r, d, a, s in given]
+    rec.layer_latency = [slower * ms / 1000 for ms in range(1, 9)]  # 1..8 ms
+    rec.ttft, rec.tpot = [0.1, 0.3, 0.2], [0.01, 0.03]
+    rec.sequence_latency = [0.5, 0.9, 1.0]
+    rec.tokens = Counter(prefill=14, decode=6)
+    rec.layer_tokens = Counter(prefill=2 * 14, decode=2 * 6)
+    rec.calls, rec.sequences, rec.preemptions, rec.end = 8, 3, 2, 2.8
+    config = BenchConfig(target="x", sequences=3, workload="engine", engines=engines, kv_blocks=10)
+    result = RunResult(config, _info(), (0, 1), rec, None, None, [], None, LAYOUT)
+    return result, report.summary(result)
+
+
+def test_engine_summary_from_known_steps() -> None:
+    _, s = _engine_run()
+    e = s["engine"]
+    assert (e["engines"], e["api"], e["kv_blocks"], e["groups"], e["planes"]) == (2, "blocks", 10, LAYOUT["groups"], 1)
+    assert e["steps"] == 4
+    assert e["steps_per_s"] == pytest.approx(4 / 2.8)
+    assert (e["tokens_per_step"], e["rows_per_step"], e["decodes_per_step"]) == (5.0, 2.25, 1.5)
+    assert e["tokens_per_call"] == 40 / 8  # layer tokens over calls
+    assert e["preemptions"] == 2
+    lc = e["layer_call_ms"]
+    assert (lc["count"], lc["p50"], lc["p99"], lc["max"]) == (8, pytest.approx(4.5), pytest.approx(7.93), 8.0)
+    att = e["step_attention_ms"]  # 2, 4, 10, 20 ms
+    assert (att["count"], att["p50"], att["p99"], att["max"]) == (4, pytest.approx(7.0), pytest.approx(19.7), 20.0)
+    assert e["step_ms"]["p50"] == pytest.approx(8.5)  # 3, 5, 12, 25 ms
+    assert (e["ttft_ms"]["count"], e["ttft_ms"]["p50"], e["ttft_ms"]["max"]) == (3, pytest.approx(200), 300)
+    assert (e["tpot_ms"]["count"], e["tpot_ms"]["p50"]) == (2, pytest.approx(20))
+    # Each engine's own steps: engine 0's attention 10 and 4 ms, engine 1's 20 and 2 ms.
+    assert e["per_engine"] == [
+        {"engine": 0, "steps": 2, "tokens": 13, "step_attention_ms": {"p50": 7.0, "p99": pytest.approx(9.94)}},
+        {"engine": 1, "steps": 2, "tokens": 7, "step_attention_ms": {"p50": 11.0, "p99": pytest.approx(19.82)}},
+    ]
+    # The per-sequence kinds are empty (an engine step batches many requests' prefills and decodes): honest zeros.
+    assert (s["latency_ms"]["prefill"]["count"], s["latency_ms"]["decode"]["count"]) == (0, 0)
+    assert s["latency_ms"]["sequence"]["p50"] == pytest.approx(900)
+    # The timeline's tokens/s come from the engine steps: [0, 1) and [1, 2.8).
+    t = s["timeline"]
+    assert t["prefill_tokens_per_s"] == [14.0, 0.0]
+    assert t["decode_tokens_per_s"] == [2.0, pytest.approx(4 / 1.8)]
+
+
+def test_an_engine_that_made_no_step_is_listed_with_no_latency() -> None:
+    _, s = _engine_run(engines=3)
+    assert s["engine"]["per_engine"][2] == {"engine": 2, "steps": 0, "tokens": 0,
+                                            "step_attention_ms": {"p50": None, "p99": None}}  # fmt: skip
+    empty = report.engine_summary(_engine_run(steps=[])[0])
+    assert empty is not None
+    assert (empty["steps"], empty["tokens_per_step"], empty["step_attention_ms"]["p50"]) == (0, None, None)
+
+
+def _row(table: str, name: str) -> list[str]:
+    line = next(x for x in table.splitlines() if x.startswith(name + "  "))
+    return line[len(name) :].split()
+
+
+def test_engine_table_shows_the_engines_and_their_latencies() -> None:
+    _, s = _engine_run()
+    out = report.table(s)
+    assert "requests 3 done, 0 cut at the end" in out
+    assert "engines: 2, blocks API, 10 KV blocks each, 1 plane(s); KV cache groups 1 (chunk 4: layers 0-1)" in out
+    assert "engine steps: 4 (1.4/s); per step 5.0 tokens, 2.2 rows, 1.5 decodes (means); 5.0 tokens per call;" in out
+    assert "2 preemptions" in out
+    assert "per engine (steps, tokens, step attention p50/p99 ms): 0: 2, 13, 7.00/9.94; 1: 2, 7, 11.00/19.82" in out
+    # The latency table: the engine's rows instead of the (empty) prefill piece and decode step rows.
+    assert "prefill piece" not in out
+    assert "decode step" not in out
+    assert _row(out, "layer call") == ["8", "4.50", "7.30", "7.65", "7.93", "8.00"]
+    assert _row(out, "step attention") == ["4", "7.00", "17.00", "18.50", "19.70", "20.00"]
+    assert _row(out, "TTFT") == ["3", "200", "280", "290", "298", "300"]
+    assert _row(out, "TPOT") == ["2", "20.00", "28.00", "29.00", "29.80", "30.00"]
+    assert _row(out, "request")[:2] == ["3", "900"]
+    one = report.table(_engine_run(engines=1, steps=ENGINE_STEPS[:1])[1])
+    assert "per engine (" not in one  # one engine: the run's numbers are its own
+
+
+def test_a_sequences_run_has_no_engine_parts() -> None:
+    result, s = _run(None)
+    assert s["engine"] is None
+    out = report.table(s)
+    assert "engine" not in out
+    assert _row(out, "decode step")[0] == "102"
+    assert "sequences 2 done" in out
+    csv_out = io.StringIO()
+    report.write_csv([("run", s)], csv_out)
+    header, row = (line.split(",") for line in csv_out.getvalue().splitlines())
+    cells = dict(zip(header, row, strict=True))
+    assert cells["decode_p50_ms"] == "10.000"
+    assert all(cells[c] == "" for c in header[header.index("engines") :])
+    page = html.render([("", result, s)])
+    for chart_id in ("engine-cdf", "users-cdf", "engine-attention"):
+        assert f'id="{chart_id}"' not in page
+    assert 'id="latency-cdf"' in page
+    assert "step attention" not in page
+
+
+def test_engine_csv_columns() -> None:
+    _, s = _engine_run()
+    out = io.StringIO()
+    report.write_csv([("2", s)], out)
+    header, row = (line.split(",") for line in out.getvalue().splitlines())
+    assert header == list(report.CSV_COLUMNS)
+    cells = dict(zip(header, row, strict=True))
+    assert (cells["engines"], cells["engine_steps"], cells["engine_preemptions"]) == ("2", "4", "2")
+    assert (cells["engine_tokens_per_step"], cells["engine_tokens_per_call"]) == ("5.000", "5.000")
+    assert (cells["layer_call_p50_ms"], cells["layer_call_p99_ms"]) == ("4.500", "7.930")
+    assert (cells["step_attention_p99_ms"], cells["engine_step_p50_ms"]) == ("19.700", "8.500")
+    assert (cells["ttft_p50_ms"], cells["tpot_max_ms"]) == ("200.000", "30.000")
+    assert cells["decode_p50_ms"] == ""  # no per-sequence decode steps in an engine run
+    assert cells["sequence_p50_ms"] == "900.000"
+
+
+def _points(chart: str) -> list[list[tuple[float, float]]]:
+    return [
+        [(float(x), float(y)) for x, y in (p.split(",") for p in m.split())]
+        for m in re.findall(r'<polyline[^>]*points="([^"]+)"', chart)
+    ]
+
+
+def test_engine_html_run_page() -> None:
+    result, s = _engine_run()
+    page = html.render([("", result, s)])
+    assert "<script" not in page
+    assert 'id="latency-cdf"' not in page  # its prefill and decode kinds are empty: the engine's CDFs instead
+    calls = _chart(page, "engine-cdf")
+    for kind, n in (("layer_call", 8), ("step_attention", 4), ("step", 4)):
+        line = re.search(r'points="([^"]+)"[^>]*stroke="{}"'.format(html.COLORS[f"cdf_{kind}"]), calls)
+        assert line is not None, kind
+        assert len(line.group(1).split()) == n  # one point per value
+    users = _chart(page, "users-cdf")
+    for color, name in (("cdf_ttft", "TTFT"), ("cdf_tpot", "TPOT"), ("cdf_sequence", "whole request")):
+        assert f'data-name="{name}"' in users
+        assert f'stroke="{html.COLORS[color]}"' in users
+    over_time = _chart(page, "engine-attention")
+    assert [len(p) for p in _points(over_time)] == [2, 2]  # each engine's two steps
+    assert 'data-name="engine 0"' in over_time
+    assert 'data-name="engine 1"' in over_time
+    assert '<th class="k">engine steps (per s)</th><td class="k">4 (1.4)</td>' in page
+    assert '<th class="k">step attention (ms)</th><td>4</td><td>7.00</td>' in page
+    assert '<th class="k">TTFT (ms)</th><td>3</td><td>200</td>' in page
+    assert '<td class="k">1</td><td>2</td><td>7</td><td>11.00</td><td>19.82</td>' in page  # engine 1's row
+    assert "prefill piece (ms)" not in page
+    # The timeline's tokens/s from the engine steps: decode's chart tops out near its 2.2 tokens/s.
+    assert max(_y_ticks(_chart(page, "throughput-decode"))) == 2.5
+
+
+def test_engine_attention_over_a_long_run_is_a_mean_per_bin() -> None:
+    steps = [(i / 1000, 0, 1, 1, 1, 0.001 * (1 + i % 2), 0.003) for i in range(2800)]  # 1 and 2 ms, alternating
+    result, s = _engine_run(engines=1, steps=steps)
+    chart = _chart(html.render([("", result, s)]), "engine-attention")
+    (line,) = _points(chart)
+    assert len(line) == 200
+    assert "mean per bin" in chart
+    assert max(_y_ticks(chart)) == 1.5  # the means (1.5 ms), not the 2 ms steps
+    ys = {y for _, y in line}
+    assert len(ys) == 1  # every bin holds as many 1 ms as 2 ms steps
+
+
+def test_many_engines_show_the_slowest() -> None:
+    # 10 engines, engine i's one step taking i + 1 ms: the 8 slowest are 2..9.
+    steps = [(0.1 * i, i, 1, 1, 1, 0.001 * (i + 1), 0.001 * (i + 1)) for i in range(10)]
+    result, s = _engine_run(engines=10, steps=steps)
+    shown = report.shown_engines(s["engine"])
+    assert [x["engine"] for x in shown] == list(range(2, 10))
+    assert "per engine (steps, tokens, step attention p50/p99 ms), the 8 of 10 with the highest p99: 2: 1" in (
+        report.table(s)
+    )
+    page = html.render([("", result, s)])
+    assert "The 8 of 10 engines with the highest step attention p99." in page
+    assert 'data-name="engine 0"' not in _chart(page, "engine-attention")
+    assert 'data-name="engine 9"' in _chart(page, "engine-attention")
+
+
+def test_engine_sweep_table_and_page() -> None:
+    points = [(str(n), *_engine_run(engines=n, slower=n)) for n in (1, 2, 4)]
+    table = report.sweep_table("engines", [(label, s) for label, _, s in points])
+    head, *rows = table.splitlines()
+    assert head.split() == ["engines", "seq/s", "tok/s", "layer", "p50", "layer", "p99", "attn", "p99", "TTFT", "p99",
+                            "TPOT", "p99", "preempt", "errors"]  # fmt: skip
+    assert rows[0].split() == ["1", "1.07", "7", "4.50", "7.93", "19.70", "298", "29.80", "2", "0"]
+    assert rows[2].split()[:6] == ["4", "1.07", "7", "18.00", "31.72", "78.80"]  # layer calls and steps 4x as long
+    page = html.render(points, "engines")
+    assert "Throughput against p99 engine step attention" in _chart(page, "sweep")
+    assert "<td>7.93</td><td>19.70</td><td>298</td><td>29.80</td><td>2</td><td>0</td>" in page
+    layer = _chart(page, "sweep-layer")
+    assert 'stroke="{}"'.format(html.COLORS["sweep_layer_p50"]) in layer
+    assert 'stroke="{}"'.format(html.COLORS["sweep_layer_p99"]) in layer
+    assert [len(p) for p in _points(layer)] == [3, 3]
+    assert re.findall(r'class="x-tick"[^>]*>([^<]+)<', layer) == ["1", "2", "3", "4"]  # the values
+    assert max(_y_ticks(layer)) == 40  # p99 at 4 engines: 31.72 ms
+    for chart_id in ("sweep-ttft", "sweep-tpot"):
+        assert len(_points(_chart(page, chart_id))) == 1
+    assert "Engine step attention CDF" in _chart(page, "sweep-cdf")
+    assert len(_points(_chart(page, "sweep-cdf"))) == 3
+    # A sweep of the sequences workload keeps its table.
+    result, s = _run(None)
+    assert report.sweep_table("concurrency", [("1", s)]).split("\n")[0].split()[3:5] == ["decode", "p50"]
+    assert 'id="sweep-layer"' not in html.render([("1", result, s)], "concurrency")
+
+
+def test_chart_colours_are_far_apart() -> None:
+    """No two chart colours within the screenshot test's tolerance of each other (colour_pixels: 12)."""
+    colours = [*html.COLORS.values(), *html._POINT_COLORS]
+    rgb = [tuple(int(c[i : i + 2], 16) for i in (1, 3, 5)) for c in colours]
+    for i in range(len(rgb)):
+        for j in range(i):
+            assert sum(abs(a - b) for a, b in zip(rgb[i], rgb[j], strict=True)) > 36, (colours[i], colours[j])
+
+
+def test_describe_groups() -> None:
+    groups = [{"chunk_size": 16, "layers": [i]} for i in (0, 1, 2, 4)] + [{"chunk_size": 0, "layers": [3]}]
+    assert report.describe_groups(groups) == "5 (chunk 16: layers 0-2, 4, 4 groups; full: layer 3)"
+    assert report.describe_groups(None) == "-"

@@ -10,10 +10,25 @@ from typing import Any, TextIO
 
 from chunkattn_client import __version__
 from chunkattn_client.bench.recorder import RunResult
-from chunkattn_client.bench.stats import PERCENTILES, summarize
+from chunkattn_client.bench.stats import PERCENTILES, percentile, summarize
 
 KINDS = ("prefill", "decode", "sequence")  # latency kinds: prefill piece, decode step, whole sequence
 LATENCY_KEYS = (*(f"p{p}" for p in PERCENTILES), "max")
+# The engine workload's latencies (its summary's "engine" key, each ``<kind>_ms``): each layer call, an engine
+# step's layer calls summed, the whole step (with --model-step-ms), and what its users saw: time to first token,
+# time per output token after it. Its requests' latency stays under latency_ms "sequence".
+ENGINE_KINDS = ("layer_call", "step_attention", "step", "ttft", "tpot")
+TABLE_NAMES = {  # the latency table's rows
+    "prefill": "prefill piece",
+    "decode": "decode step",
+    "sequence": "sequence",
+    "layer_call": "layer call",
+    "step_attention": "step attention",
+    "step": "engine step",
+    "ttft": "TTFT",
+    "tpot": "TPOT",
+    "request": "request",
+}
 
 
 def summary(result: RunResult) -> dict[str, Any]:
@@ -68,6 +83,7 @@ def summary(result: RunResult) -> dict[str, Any]:
         },
         "verify": result.verify,
         "speculation": speculation(result),
+        "engine": engine_summary(result),
         "server": server_summary(result.server, len(result.layers)),
         "timeline": timeline(result),
     }
@@ -87,6 +103,58 @@ def speculation(result: RunResult) -> dict[str, Any] | None:
         "acceptance": rec.accepted / rec.drafts if rec.drafts else None,
         "truncations": rec.truncations,
     }
+
+
+def engine_summary(result: RunResult) -> dict[str, Any] | None:
+    """The engine workload's numbers (None for the sequences workload): what its engines were, their steps
+    (tokens, rows of the first layer's call and decodes per step, means), each layer call's, step's and user's
+    latencies (ENGINE_KINDS, in ms) and each engine's own steps, so that one slow engine shows."""
+    if result.config.workload != "engine":
+        return None
+    rec, cfg = result.recorder, result.config
+    layout = result.engine or {}
+    steps = rec.engine_steps
+    duration = max(rec.duration_s, 1e-9)
+    seconds = {
+        "layer_call": rec.layer_latency,
+        "step_attention": [x[5] for x in steps],
+        "step": [x[6] for x in steps],
+        "ttft": rec.ttft,
+        "tpot": rec.tpot,
+    }
+    per_engine = []
+    for i in range(cfg.engines):
+        mine = [x for x in steps if x[1] == i]
+        attention = sorted(1000 * x[5] for x in mine)
+        per_engine.append(
+            {
+                "engine": i,
+                "steps": len(mine),
+                "tokens": sum(x[2] for x in mine),
+                "step_attention_ms": {f"p{p}": percentile(attention, p) if attention else None for p in (50, 99)},
+            }
+        )
+    layer_tokens = sum(rec.layer_tokens.values())
+    return {
+        "engines": cfg.engines,
+        "api": cfg.api,
+        "kv_blocks": layout.get("kv_blocks"),
+        "groups": layout.get("groups"),
+        "planes": layout.get("planes"),
+        "steps": len(steps),
+        "steps_per_s": len(steps) / duration,
+        "tokens_per_step": _mean([x[2] for x in steps]),
+        "rows_per_step": _mean([x[3] for x in steps]),
+        "decodes_per_step": _mean([x[4] for x in steps]),
+        "tokens_per_call": layer_tokens / rec.calls if rec.calls else None,
+        **{f"{kind}_ms": _ms_summary(seconds[kind]) for kind in ENGINE_KINDS},
+        "preemptions": rec.preemptions,
+        "per_engine": per_engine,
+    }
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return math.fsum(values) / len(values) if values else None
 
 
 def server_summary(server: dict[str, Any] | None, layers: int) -> dict[str, Any] | None:
@@ -130,7 +198,8 @@ def _ms_summary(seconds: list[float]) -> dict[str, float | int | None]:
 
 
 def timeline(result: RunResult) -> dict[str, list[float]]:
-    """Per second of the run: tokens/s by kind (by when each step ended), and the server's KV blocks used.
+    """Per second of the run: tokens/s by kind (by when each step ended; an engine step's decodes are decode
+    tokens, the rest of its tokens prefill), and the server's KV blocks used.
 
     Bucket i covers [i, i + 1) seconds; the last one runs to the end of the run (from 1 to 2 s long), so
     no bucket is a sliver whose rate means nothing.
@@ -142,6 +211,9 @@ def timeline(result: RunResult) -> dict[str, list[float]]:
     prefill, decode = [0.0] * buckets, [0.0] * buckets
     for t, kind, n, _ in rec.steps:
         (prefill if kind == "prefill" else decode)[min(int(t), buckets - 1)] += n
+    for t, _, n, _, decodes, _, _ in rec.engine_steps:
+        prefill[min(int(t), buckets - 1)] += n - decodes
+        decode[min(int(t), buckets - 1)] += decodes
     return {
         "t": [float(i) for i in range(buckets)],
         "prefill_tokens_per_s": [n / w for n, w in zip(prefill, widths, strict=True)],
@@ -163,10 +235,15 @@ def mismatched(s: dict[str, Any]) -> bool:
 
 # -- CSV ----------------------------------------------------------------------------------------------
 
+_CSV_KIND = {"step": "engine_step"}
 CSV_COLUMNS = (
     "point", "duration_s", "sequences", "sequences_cut", "calls", "errors", "tokens_prefill", "tokens_decode",
     "tokens_per_s", "sequences_per_s", "sent_mb_per_s", "received_mb_per_s",
     *(f"{kind}_{k}_ms" for kind in KINDS for k in LATENCY_KEYS),
+    # The engine workload's (empty for the sequences workload): its summary's "engine" numbers.
+    "engines", "engine_steps", "engine_steps_per_s", "engine_tokens_per_step", "engine_rows_per_step",
+    "engine_decodes_per_step", "engine_tokens_per_call", "engine_preemptions",
+    *(f"{_CSV_KIND.get(kind, kind)}_{k}_ms" for kind in ENGINE_KINDS for k in LATENCY_KEYS),
 )  # fmt: skip
 
 
@@ -190,8 +267,25 @@ def write_csv(rows: Sequence[tuple[str, dict[str, Any]]], out: TextIO) -> None:
                 f"{s['payload_mb_per_s']['sent']:.2f}",
                 f"{s['payload_mb_per_s']['received']:.2f}",
                 *(_fmt(s["latency_ms"][kind][k]) for kind in KINDS for k in LATENCY_KEYS),
+                *_engine_csv(s.get("engine")),
             ]
         )
+
+
+def _engine_csv(e: dict[str, Any] | None) -> list[str]:
+    if e is None:
+        return [""] * (8 + len(ENGINE_KINDS) * len(LATENCY_KEYS))
+    return [
+        str(e["engines"]),
+        str(e["steps"]),
+        f"{e['steps_per_s']:.3f}",
+        _fmt(e["tokens_per_step"]),
+        _fmt(e["rows_per_step"]),
+        _fmt(e["decodes_per_step"]),
+        _fmt(e["tokens_per_call"]),
+        str(e["preemptions"]),
+        *(_fmt(e[f"{kind}_ms"][k]) for kind in ENGINE_KINDS for k in LATENCY_KEYS),
+    ]
 
 
 def _fmt(x: float | None) -> str:
@@ -204,21 +298,23 @@ def _fmt(x: float | None) -> str:
 def table(s: dict[str, Any]) -> str:
     """The human summary of one run."""
     p = s["params"]
+    unit = "sequences" if s.get("engine") is None else "requests"  # an engine's sequences: its requests
     lines = [
         f"chunkattn bench: {p['target']}, {p['mode']}, {p['transport']} over {p['data_plane']}, {p['dtype']},"
         f" prompt {p['prompt_len']}, output {p['output_len']}, layers {p['layers']}",
-        f"duration {s['duration_s']:.1f} s; sequences {s['sequences']} done, {s['sequences_cut']} cut at the"
+        f"duration {s['duration_s']:.1f} s; {unit} {s['sequences']} done, {s['sequences_cut']} cut at the"
         f" end, {s['sequences_failed']} failed; at most {s['max_in_flight']} in flight; calls {s['calls']}",
         f"throughput: {s['sequences_per_s']:.2f} seq/s; tokens/s prefill {s['tokens_per_s']['prefill']:.0f},"
         f" decode {s['tokens_per_s']['decode']:.0f}; payload MB/s sent {s['payload_mb_per_s']['sent']:.1f},"
         f" received {s['payload_mb_per_s']['received']:.1f}",
+        *engine_lines(s.get("engine")),
         "",
         f"{'latency (ms)':<18}{'n':>8}" + "".join(f"{k:>10}" for k in LATENCY_KEYS),
     ]
-    names = {"prefill": "prefill piece", "decode": "decode step", "sequence": "sequence"}
-    for kind in KINDS:
-        lat = s["latency_ms"][kind]
-        lines.append(f"{names[kind]:<18}{lat['count']:>8}" + "".join(f"{fmt_ms(lat[k]):>10}" for k in LATENCY_KEYS))
+    for kind, lat in latency_rows(s):
+        lines.append(
+            f"{TABLE_NAMES[kind]:<18}{lat['count']:>8}" + "".join(f"{fmt_ms(lat[k]):>10}" for k in LATENCY_KEYS)
+        )
     ol = s["open_loop"]
     if ol:
         wait = ol["arrival_wait_ms"]
@@ -270,8 +366,92 @@ def table(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def latency_rows(s: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """The latency table's rows (kind, ms summary): prefill pieces, decode steps and whole sequences; for the
+    engine workload (whose steps batch prefills and decodes of many requests) its ENGINE_KINDS and whole
+    requests ("request")."""
+    lat, e = s["latency_ms"], s.get("engine")
+    if e is None:
+        return [(kind, lat[kind]) for kind in KINDS]
+    return [*((kind, e[f"{kind}_ms"]) for kind in ENGINE_KINDS), ("request", lat["sequence"])]
+
+
+PER_ENGINE_SHOWN = 8  # engines listed on stdout and in the HTML table: the slowest by step attention p99
+
+
+def shown_engines(e: dict[str, Any]) -> list[dict[str, Any]]:
+    """The engines a table lists: all of them, or the PER_ENGINE_SHOWN with the highest step attention p99
+    (in engine order)."""
+    engines: list[dict[str, Any]] = e["per_engine"]
+    if len(engines) <= PER_ENGINE_SHOWN:
+        return engines
+    slowest = sorted(engines, key=lambda x: -(x["step_attention_ms"]["p99"] or 0.0))[:PER_ENGINE_SHOWN]
+    return sorted(slowest, key=lambda x: int(x["engine"]))
+
+
+def describe_groups(groups: Sequence[dict[str, Any]] | None) -> str:
+    """KV cache groups, by chunk size: "4 (chunk 16: layers 0-2, 3 groups; full: layer 3)"."""
+    if not groups:
+        return "-"
+    by_chunk: dict[int, list[list[int]]] = {}
+    for g in groups:
+        by_chunk.setdefault(int(g["chunk_size"]), []).append(list(g["layers"]))
+    parts = []
+    for chunk, of in by_chunk.items():
+        layers = [layer for g in of for layer in g]
+        parts.append(
+            f"{f'chunk {chunk}' if chunk else 'full'}: layer{'s' if len(layers) > 1 else ''} {_ranges(layers)}"
+            + (f", {len(of)} groups" if len(of) > 1 else "")
+        )
+    return f"{len(groups)} ({'; '.join(parts)})"
+
+
+def _ranges(values: Sequence[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] as "0-2, 5, 7-8"."""
+    runs: list[list[int]] = []
+    for v in sorted(values):
+        if runs and v == runs[-1][1] + 1:
+            runs[-1][1] = v
+        else:
+            runs.append([v, v])
+    return ", ".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in runs)
+
+
+def engine_lines(e: dict[str, Any] | None) -> list[str]:
+    """The engine workload's lines of the table: its engines, their steps, and each engine's step attention."""
+    if e is None:
+        return []
+    n = e["engines"]
+    lines = [
+        f"engines: {n}, {e['api']} API, {e['kv_blocks']} KV blocks each, {e['planes']} plane(s);"
+        f" KV cache groups {describe_groups(e['groups'])}",
+        f"engine steps: {e['steps']} ({e['steps_per_s']:.1f}/s); per step {_fmt1(e['tokens_per_step'])} tokens,"
+        f" {_fmt1(e['rows_per_step'])} rows, {_fmt1(e['decodes_per_step'])} decodes (means);"
+        f" {_fmt1(e['tokens_per_call'])} tokens per call; {e['preemptions']} preemptions",
+    ]
+    if n > 1:
+        shown = shown_engines(e)
+        lines.append(
+            "per engine (steps, tokens, step attention p50/p99 ms)"
+            + (f", the {len(shown)} of {n} with the highest p99" if len(shown) < n else "")
+            + ": "
+            + "; ".join(
+                f"{x['engine']}: {x['steps']}, {x['tokens']}, {fmt_ms(x['step_attention_ms']['p50'])}"
+                f"/{fmt_ms(x['step_attention_ms']['p99'])}"
+                for x in shown
+            )
+        )
+    return lines
+
+
+def _fmt1(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
 def sweep_table(param: str, rows: Sequence[tuple[str, dict[str, Any]]]) -> str:
     """One line per sweep point."""
+    if any(s.get("engine") for _, s in rows):
+        return _engine_sweep_table(param, rows)
     head = f"{param:>12}{'seq/s':>9}{'tok/s':>10}{'decode p50':>12}{'decode p99':>12}{'prefill p99':>13}{'errors':>8}"
     lines = [head]
     for point, s in rows:
@@ -280,6 +460,24 @@ def sweep_table(param: str, rows: Sequence[tuple[str, dict[str, Any]]]) -> str:
             f"{point:>12}{s['sequences_per_s']:>9.2f}{s['tokens_per_s']['total']:>10.0f}"
             f"{fmt_ms(lat['decode']['p50']):>12}{fmt_ms(lat['decode']['p99']):>12}{fmt_ms(lat['prefill']['p99']):>13}"
             f"{sum(s['errors'].values()):>8}"
+        )
+    return "\n".join(lines)
+
+
+def _engine_sweep_table(param: str, rows: Sequence[tuple[str, dict[str, Any]]]) -> str:
+    head = (
+        f"{param:>12}{'seq/s':>9}{'tok/s':>10}{'layer p50':>11}{'layer p99':>11}{'attn p99':>10}{'TTFT p99':>10}"
+        f"{'TPOT p99':>10}{'preempt':>9}{'errors':>8}"
+    )
+    lines = [head]
+    for point, s in rows:
+        e = s["engine"] or {}
+        p99 = {kind: (e.get(f"{kind}_ms") or {}).get("p99") for kind in ENGINE_KINDS}
+        lines.append(
+            f"{point:>12}{s['sequences_per_s']:>9.2f}{s['tokens_per_s']['total']:>10.0f}"
+            f"{fmt_ms((e.get('layer_call_ms') or {}).get('p50')):>11}{fmt_ms(p99['layer_call']):>11}"
+            f"{fmt_ms(p99['step_attention']):>10}{fmt_ms(p99['ttft']):>10}{fmt_ms(p99['tpot']):>10}"
+            f"{e.get('preemptions', '-'):>9}{sum(s['errors'].values()):>8}"
         )
     return "\n".join(lines)
 
