@@ -15,6 +15,7 @@ import pytest
 from chunkattn_client import ChunkAttnClient
 from chunkattn_client.cli import main
 from chunkattn_client.limits import MAX_BLOCK_SPACES
+from tests.client.test_bench_cli import CHROMIUM, NO_CHROMIUM, colour_pixels, screenshot
 from tests.helpers.server_process import SMALL, ServerProcess, counter
 
 pytestmark = pytest.mark.server
@@ -203,3 +204,39 @@ def test_verify_fails_an_engine_run_whose_answers_are_off(
     assert s["verify"]["mismatches"] == 10  # every fourth call of the first 40: layer 2's
     assert {m["layer"] for m in s["verify"]["first_mismatches"]} == {2}
     assert s["verify"]["first_mismatches"][0]["engine"] == 0
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason=NO_CHROMIUM)
+def test_the_engine_reports_render_with_their_plots_in_chromium(
+    server: ServerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    page, sweep_page = tmp_path / "engine.html", tmp_path / "engines.html"
+    rc, _, printed = bench(
+        capsys, server.target, tmp_path, "--engines", "2", "--duration", "3", "--concurrency", "3",
+        "--prompt-len", "8:40", "--output-len", "4:16", "--max-num-batched-tokens", "32",
+        "--model-step-ms", "3", "--metrics-url", server.metrics_url, "--html", str(page),
+    )  # fmt: skip
+    assert rc == 0, printed
+    rc, _, printed = bench(
+        capsys, server.target, tmp_path, "--sweep", "engines=1,2", "--sequences", "4", "--prompt-len", "8:30",
+        "--output-len", "4", "--html", str(sweep_page),
+    )  # fmt: skip
+    assert rc == 0, printed
+    screenshot(page, tmp_path / "engine.png", 3400)
+    screenshot(sweep_page, tmp_path / "engines.png", 3000)
+    seen = colour_pixels(tmp_path / "engine.png")
+    # The run page's charts: its calls' and steps' CDF (a step is its attention and --model-step-ms: apart), its
+    # users' CDF (and whole requests), the tokens over time.
+    for name in (
+        "cdf_layer_call",
+        "cdf_step_attention",
+        "cdf_step",
+        "cdf_ttft",
+        "cdf_tpot",
+        "cdf_sequence",
+        "tput_prefill",
+    ):
+        assert seen[name] >= 150, (name, seen)
+    swept = colour_pixels(tmp_path / "engines.png")
+    for name in ("sweep_layer_p50", "sweep_layer_p99", "sweep_ttft", "sweep_tpot"):
+        assert swept[name] >= 100, (name, swept)
