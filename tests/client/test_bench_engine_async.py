@@ -153,7 +153,7 @@ def test_async_scheduling_plays_by_vllms_rules(w: dict[str, Any]) -> None:
     chunks, bs = w["chunks"], w["block_size"]
     probe = KVBlocks(chunks, [None] * len(chunks), 2, bs)
     longest = max(p + o for p, o in w["lengths"])
-    num_blocks = probe.blocks_for(longest, w["budget"]) + 1 + w["spare"]
+    num_blocks = probe.blocks_for(longest, 2 * w["budget"]) + 1 + w["spare"]  # two steps in flight
     blocks = KVBlocks(chunks, [None] * len(chunks), num_blocks, bs)
     sched = Scheduler(blocks, w["budget"], w["max_seqs"], async_scheduling=True)
     requests = [Request(i, p, o) for i, (p, o) in enumerate(w["lengths"])]
@@ -254,7 +254,9 @@ class _VllmAsync:
                 i += 1
                 continue
             n = min(r.prompt + r.sampled - r.computed, budget)
-            while not self.blocks.allocate(r, r.computed, n):
+            # chunked-local blocks are freed on the processed tokens: not those of the step in flight
+            flying = sum(m for x, _, m in in_flight if x is r)
+            while not self.blocks.allocate(r, r.computed, n, r.computed - flying):
                 preempted = True
                 victim = self.running.pop()
                 self.blocks.free(victim)
@@ -276,6 +278,9 @@ class _VllmAsync:
             assert r.sampled < r.output
             assert all(r is not x for x, _, _ in in_flight)
             n = min(r.prompt + r.sampled - r.computed, budget)
+            # admitted only when its whole sequence fits (scheduler_reserve_full_isl), in-flight cap of two steps
+            if not self.blocks.admits(r.prompt + r.sampled, 2 * self.budget):
+                break
             if not self.blocks.allocate(r, r.computed, n):
                 break
             self.running.append(self.waiting.popleft())
@@ -303,7 +308,7 @@ def test_async_scheduling_schedules_the_steps_vllms_own_structure_does(w: dict[s
     same preemptions, every block back; and where neither seats nor blocks are short, the synchronous steps."""
     chunks, bs = w["chunks"], w["block_size"]
     probe = KVBlocks(chunks, [None] * len(chunks), 2, bs)
-    num_blocks = probe.blocks_for(max(p + o for p, o in w["lengths"]), w["budget"]) + 1 + w["spare"]
+    num_blocks = probe.blocks_for(max(p + o for p, o in w["lengths"]), 2 * w["budget"]) + 1 + w["spare"]
 
     def blocks() -> KVBlocks:
         return KVBlocks(chunks, [None] * len(chunks), num_blocks, bs)

@@ -90,23 +90,32 @@ class KVBlocks:
     def free_blocks(self) -> int:
         return len(self._free)
 
-    def blocks_for(self, tokens: int, step_tokens: int) -> int:
-        """Blocks one request of ``tokens`` tokens holds at most, over every group, when a step brings it at most
-        ``step_tokens`` (a chunked group holds the blocks from its current chunk's start to its step's last
-        token: at most ceil((C - 1 + step_tokens) / block_size))."""
+    def blocks_for(self, tokens: int, in_flight_tokens: int) -> int:
+        """Blocks a request of ``tokens`` tokens may hold, over every group, when at most ``in_flight_tokens`` are
+        scheduled and not yet processed (vLLM's ``max_in_flight_tokens``: its token budget times the steps in
+        flight): a chunked group holds at most ceil((C + in_flight_tokens) / block_size), the cap vLLM's
+        ``ChunkedLocalAttentionSpec.max_admission_blocks_per_request`` sets."""
         per = -(-tokens // self.block_size)
         return sum(
-            per if not g.chunk_size else min(per, -(-(g.chunk_size - 1 + step_tokens) // self.block_size))
+            per if not g.chunk_size else min(per, -(-(g.chunk_size + in_flight_tokens) // self.block_size))
             for g in self.groups
         )
 
-    def allocate(self, request: Hashable, computed: int, new: int) -> bool:
-        """Blocks for a request's tokens [0, computed + new) in every group, the blocks before the current chunk of
-        a chunked group freed first (vLLM's allocate_slots); False, nothing changed, when the space has too few."""
+    def admits(self, tokens: int, in_flight_tokens: int) -> bool:
+        """Whether a waiting request of ``tokens`` tokens (holding none) may be admitted: vLLM admits one only when
+        its whole sequence's blocks (``blocks_for``) are free (its scheduler_reserve_full_isl, on by default)."""
+        return self.blocks_for(tokens, in_flight_tokens) <= len(self._free)
+
+    def allocate(self, request: Hashable, computed: int, new: int, processed: int | None = None) -> bool:
+        """Blocks for a request's tokens [0, computed + new) in every group, the blocks of a chunked group before
+        the chunk of its ``processed`` tokens (default: all ``computed``; fewer while a step is in flight) freed
+        first, whether or not the rest fit (vLLM's allocate_slots); False, no block taken, when the space has too
+        few."""
         tables = self._tables.setdefault(request, [[] for _ in self.groups])
+        done = computed if processed is None else processed
         for group, table in zip(self.groups, tables, strict=True):
             if group.chunk_size:
-                skipped = computed // group.chunk_size * group.chunk_size // self.block_size
+                skipped = done // group.chunk_size * group.chunk_size // self.block_size
                 for i in range(min(skipped, len(table))):
                     if table[i] != NULL_BLOCK:
                         self._free.append(table[i])

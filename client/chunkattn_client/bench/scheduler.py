@@ -7,7 +7,9 @@
 - blocks are allocated as a request is scheduled (``KVBlocks.allocate``); when a running request finds too few,
   the request admitted last is preempted (its blocks freed, back to the front of the queue, to be recomputed
   from its first token, its prompt and the tokens it had generated) until it fits, and no waiting request is
-  admitted that step; a waiting request that does not fit waits;
+  admitted that step; a waiting request is admitted only when the blocks of its whole sequence are free (vLLM's
+  scheduler_reserve_full_isl, its default; a chunked group's capped at its chunk and the tokens in flight,
+  ``KVBlocks.blocks_for``), else it waits;
 - a request samples a token in each step that computes its last known token (the step that ends its prompt
   gives its first output token), and finishes when it has ``output_len`` of them (its blocks freed).
 
@@ -49,6 +51,7 @@ class Request:
     first_token_at: float | None = None
     token_times: list[float] = field(default_factory=list)
     admitted: int = 0  # the scheduler's count of admissions when it was last admitted: its place among the seated
+    in_flight: int = 0  # async scheduling: its tokens of the step in flight (computed, not yet processed)
 
     @property
     def tokens(self) -> int:
@@ -91,6 +94,8 @@ class Scheduler:
         self.preempted: list[Request] = []  # by the last step
         self.arriving: list[Request] = []  # added since the last step was scheduled (async scheduling)
         self._admissions = 0
+        # vLLM's max_in_flight_tokens: its budget times the steps in flight (two with async scheduling).
+        self.in_flight_tokens = max_num_batched_tokens * (2 if async_scheduling else 1)
 
     def add(self, request: Request) -> None:
         """A new request. With async scheduling it arrives while the next step is already scheduled (vLLM
@@ -134,7 +139,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             n = min(request.tokens - request.computed, budget)
-            while not self.blocks.allocate(request, request.computed, n):
+            while not self.blocks.allocate(request, request.computed, n, request.computed - request.in_flight):
                 preempting = True
                 if self.leaving and self.leaving[-1].admitted > self.running[-1].admitted:
                     self.blocks.free(self.leaving.pop())  # finished: it leaves early
@@ -152,6 +157,8 @@ class Scheduler:
         ):
             request = self.waiting[0]
             n = min(request.tokens - request.computed, budget)
+            if not self.blocks.admits(request.tokens, self.in_flight_tokens):
+                break  # vLLM admits a request only when its whole sequence fits
             if not self.blocks.allocate(request, request.computed, n):
                 break
             self.waiting.popleft()
@@ -160,13 +167,17 @@ class Scheduler:
             self.running.append(request)
             out.append(Scheduled(request, request.computed, n))
             budget -= n
+        for request in self.running:  # async: what this step computes is in flight while the next is scheduled
+            request.in_flight = 0
         for s in out:
             s.request.computed += s.num_tokens
+            s.request.in_flight = s.num_tokens if self.async_scheduling else 0
         return out
 
     def _preempt(self, request: Request) -> None:
         self.blocks.free(request)
         request.computed = 0
+        request.in_flight = 0
         request.preemptions += 1
         self.waiting.appendleft(request)
         self.preempted.append(request)
