@@ -82,10 +82,18 @@ class BenchConfig:
             raise WorkloadError(f"--workload must be one of {WORKLOADS}, got {self.workload!r}")
         if self.workload == "engine":
             self._check_engine()
-        elif (self.engines, self.api, self.kv_blocks, self.async_scheduling) != (1, "blocks", None, False):
-            raise WorkloadError(
-                "--engines, --api, --kv-blocks and --async-scheduling describe serving engines: add --workload engine"
-            )
+        else:
+            engine_flags = {
+                "--engines": self.engines != 1,
+                "--api": self.api != "blocks",
+                "--kv-blocks": self.kv_blocks is not None,
+                "--async-scheduling": self.async_scheduling,
+                "--max-num-batched-tokens": self.max_num_batched_tokens != 2048,
+                "--max-num-seqs": self.max_num_seqs != 256,
+                "--model-step-ms": self.model_step_ms != 0,
+            }
+            if given := [flag for flag, set_ in engine_flags.items() if set_]:
+                raise WorkloadError(f"{', '.join(given)}: the engine workload's, add --workload engine")
         if self.warmup_s < 0 or self.verify < 0 or self.timeout_s <= 0 or self.max_errors < 1:
             raise WorkloadError("--warmup and --verify must be >= 0, --timeout > 0 and --max-errors >= 1")
 
@@ -108,6 +116,11 @@ class BenchConfig:
             raise WorkloadError(f"--kv-blocks must be >= 2 (block 0 is the engine's null block), got {self.kv_blocks}")
         if self.model_step_ms < 0:
             raise WorkloadError(f"--model-step-ms must be >= 0, got {self.model_step_ms}")
+        if self.max_concurrency != 256:
+            raise WorkloadError(
+                "--max-concurrency is the sequences workload's: an engine's open loop queues every arrival (its"
+                " --max-num-seqs run at once)"
+            )
         if self.spec_tokens or self.prefill_chunk:
             raise WorkloadError(
                 "--spec-tokens and --prefill-chunk are the sequences workload's: an engine chunks prefills to its"
@@ -139,7 +152,7 @@ class BenchConfig:
             ),
             "concurrency": None if self.rate else self.concurrency,
             "rate": self.rate,
-            "max_concurrency": self.max_concurrency if self.rate else None,
+            "max_concurrency": self.max_concurrency if self.rate and self.workload != "engine" else None,
             "prompt_len": f"trace {self.trace_path}" if self.trace else str(self.prompt),
             "output_len": f"trace {self.trace_path}" if self.trace else str(self.output),
             "layers": self.layers,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import re
 import time
 import uuid
 from collections.abc import Awaitable
@@ -35,7 +36,7 @@ from chunkattn_client.bench.runner import Bench, Stream
 from chunkattn_client.bench.runner import _close as close_stream
 from chunkattn_client.bench.scheduler import Request, Scheduled, Scheduler
 from chunkattn_client.bench.verify import EngineCheck, Verifier
-from chunkattn_client.bench.workload import RandomTensors, WorkloadError, call_bytes
+from chunkattn_client.bench.workload import LengthSource, RandomTensors, WorkloadError, call_bytes
 from chunkattn_client.client import ChunkAttnError
 from chunkattn_client.limits import MAX_BLOCK_SPACES
 from chunkattn_client.split import block_calls, entry_calls, message_limit, tokens_per_call
@@ -58,6 +59,8 @@ class Engine:
     arrivals: random.Random = field(default_factory=random.Random)
     next_arrival: float = 0.0  # open loop: perf_counter time of its next request's arrival
     verify_s: float = 0.0  # seconds its --verify checks took: left out of its clock (``EngineBench._clock``)
+    model_owed_s: float = 0.0  # --model-step-ms not yet slept (sleeps are coarse: owed time is slept in lumps)
+    lengths: LengthSource | None = None
     renewer: asyncio.Task[None] | None = None
 
 
@@ -91,13 +94,14 @@ class EngineBench(Bench):
         requests of the longest length hold at once, and the null block; within the pool's free blocks."""
         cfg, info = self.config, self.info
         blocks = self._model_blocks
-        one = blocks.blocks_for(self._longest, min(self._longest, cfg.max_num_batched_tokens))
+        one = blocks.blocks_for(self._longest, cfg.max_num_batched_tokens * (2 if cfg.async_scheduling else 1))
         running = cfg.max_num_seqs if cfg.rate else min(cfg.max_num_seqs, cfg.concurrency)
         want = cfg.kv_blocks or one * running + 1
         if want - 1 < one:
             raise WorkloadError(
                 f"--kv-blocks {want}: one request of {self._longest} tokens takes {one} blocks of {info.block_size}"
-                f" tokens (over the model's {len(blocks.groups)} KV cache group(s)), and block 0 is the null block"
+                f" tokens (over the model's {len(blocks.groups)} KV cache group(s)), and block 0 is the null block:"
+                f" pass --kv-blocks {one + 1} or more"
             )
         planes = max(blocks.planes) + 1
         cost = info.pool_blocks_per_space_block(planes)
@@ -121,28 +125,52 @@ class EngineBench(Bench):
             )
         num_blocks = self._space_blocks()
         run = uuid.uuid4().hex[:8]
-        try:
-            for i in range(cfg.engines):
-                route = f"engine-{run}-{i}" if cfg.route is None else cfg.route
-                client = self.client.with_route(route)
-                chunks, sources = [x.chunk_size for x in info.layers], [x.kv_source for x in info.layers]
-                engine = Engine(i, client, route, KVBlocks(chunks, sources, num_blocks, info.block_size))
-                engine.arrivals = random.Random(cfg.seed * 1000 + i)
-                self._engines.append(engine)
+        chunks, sources = [x.chunk_size for x in info.layers], [x.kv_source for x in info.layers]
+        for i in range(cfg.engines):
+            route = f"engine-{run}-{i}" if cfg.route is None else cfg.route
+            engine = Engine(
+                i, self.client.with_route(route), route, KVBlocks(chunks, sources, num_blocks, info.block_size)
+            )
+            engine.arrivals = random.Random(cfg.seed * 1000 + i)
+            # Sampled lengths per engine (its own seed); a trace's lines in order over all of them.
+            engine.lengths = (
+                self._lengths if cfg.trace else LengthSource(cfg.prompt, cfg.output, None, cfg.seed + 7919 * (i + 1))
+            )
+            self._engines.append(engine)
+            try:
                 if cfg.api == "blocks":
-                    space = await client.open_block_space(
-                        num_blocks, layer_planes=engine.blocks.planes, lease_s=LEASE_S
-                    )
-                    engine.space_id = space.space_id
-                    if space.lease_s:
-                        engine.renewer = asyncio.create_task(self._renew(engine, space.lease_s / 3))
+                    await self._open_space(engine, num_blocks)
                 if cfg.transport == "stream":
-                    engine.stream = client.stream()
-        except ChunkAttnError as e:
-            await self._close()
-            raise WorkloadError(
-                f"engine {len(self._engines) - 1} could not open its block space: {e.message}"
-            ) from None
+                    engine.stream = engine.client.stream()
+            except (ChunkAttnError, WorkloadError) as e:
+                await self._close()
+                why = e.message if isinstance(e, ChunkAttnError) else str(e)
+                raise WorkloadError(f"engine {i} could not open its block space: {why}") from None
+
+    async def _open_space(self, engine: Engine, num_blocks: int) -> None:
+        """The engine's space; a refusal for the tenant's opening rate ("retry in N s") waited out, up to a minute;
+        one for its block quota said in the bench's words."""
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                space = await engine.client.open_block_space(
+                    num_blocks, layer_planes=engine.blocks.planes, lease_s=LEASE_S
+                )
+                break
+            except ChunkAttnError as e:
+                wait = _retry_in(e.message) if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED else None
+                if wait is not None and time.monotonic() + wait < deadline:
+                    await asyncio.sleep(wait + 0.05)
+                    continue
+                if "max_kv_blocks" in e.message:
+                    raise WorkloadError(
+                        f"{e.message}: your tenant's block quota holds fewer than --engines {self.config.engines} x"
+                        f" {num_blocks} blocks; pass a smaller --kv-blocks or fewer --engines"
+                    ) from None
+                raise
+        engine.space_id = space.space_id
+        if space.lease_s:
+            engine.renewer = asyncio.create_task(self._renew(engine, space.lease_s / 3))
 
     def layout(self) -> dict[str, Any] | None:
         """Each engine's KV cache: its blocks (the null block among them), KV cache groups (chunk size and layers,
@@ -164,18 +192,22 @@ class EngineBench(Bench):
                 await engine.client.renew_block_space(engine.space_id)
 
     async def _close(self) -> None:
-        for engine in self._engines:
-            if engine.stream is not None:
-                await close_stream(engine.stream, failed=False)
-            if engine.renewer is not None:
-                engine.renewer.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await engine.renewer
-            if engine.space_id:
-                with contextlib.suppress(ChunkAttnError, TimeoutError):
-                    await asyncio.wait_for(engine.client.close_block_space(engine.space_id), 10)
-            await engine.client.close()
-        self._engines = []
+        """Every engine's stream, lease renewal and space closed at once (a hung server costs one deadline, not one
+        per engine)."""
+        engines, self._engines = self._engines, []
+        await asyncio.gather(*(self._close_engine(engine) for engine in engines))
+
+    async def _close_engine(self, engine: Engine) -> None:
+        if engine.stream is not None:
+            await close_stream(engine.stream, failed=False)
+        if engine.renewer is not None:
+            engine.renewer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await engine.renewer
+        if engine.space_id:
+            with contextlib.suppress(ChunkAttnError, TimeoutError):
+                await asyncio.wait_for(engine.client.close_block_space(engine.space_id), 10)
+        await engine.client.close()
 
     # -- one phase ---------------------------------------------------------------------------------
 
@@ -218,7 +250,8 @@ class EngineBench(Bench):
                 engine.next_arrival += engine.arrivals.expovariate(cfg.rate)
             self._started += 1
             self._seq_no += 1
-            spec = self._lengths.next()
+            assert engine.lengths is not None
+            spec = engine.lengths.next()
             sched.add(Request(self._seq_no, spec.prompt_len, spec.output_len, arrived=arrived))
             rec.in_flight += 1
             rec.max_in_flight = max(rec.max_in_flight, rec.in_flight)
@@ -253,7 +286,7 @@ class EngineBench(Bench):
             rec.in_flight -= len(left)
             for request in left:
                 engine.blocks.free(request)  # the space outlives the phase (a warm-up's requests leave it)
-                await self._forget(engine, request)
+            await asyncio.gather(*(self._forget(engine, request) for request in left))  # at once: one deadline
             sched.running.clear()
             sched.waiting.clear()
             sched.arriving.clear()
@@ -270,7 +303,7 @@ class EngineBench(Bench):
         try:
             for j, layer in enumerate(self.layers):
                 if self._model_step_s:
-                    await asyncio.sleep(self._model_step_s / len(self.layers))
+                    await self._model(engine)
                 t, v = time.perf_counter(), engine.verify_s
                 if cfg.api == "blocks":
                     group = engine.blocks.group_of[layer]
@@ -311,6 +344,9 @@ class EngineBench(Bench):
         rec.error(e.code.name, e.message)
         if engine.check is not None:
             engine.check.stop()
+        if engine.stream is not None:  # a failed call ends its stream: the engine goes on over a new one
+            engine.stream.cancel()
+            engine.stream = engine.client.stream()
         for s in step:
             if s.request in sched.running:
                 sched.running.remove(s.request)
@@ -340,7 +376,7 @@ class EngineBench(Bench):
         for first, last, block_rows in calls:
             qs, ks, vs = (None if x is None else x[first:last] for x in (q, k, v))
             out = await self._send(engine, "attend_blocks", layer, block_rows, qs, ks, vs)
-            self._count(last - first, writes)
+            self._count(np.diff(np.asarray(block_rows.query_start_loc)).tolist(), writes)
             if engine.check is not None and engine.check.take():
                 await self._verify(engine, engine.check.check_blocks(engine.index, layer, block_rows, qs, ks, vs, out))
         return len(rows.seq_lens)
@@ -365,7 +401,7 @@ class EngineBench(Bench):
             rows = [slice(int(starts[r]) + lo, int(starts[r]) + lo + c) for r, lo, c in call]
             qs, ks, vs = (None if x is None else np.concatenate([x[r] for r in rows]) for x in (q, k, v))
             out = await self._send(engine, "attend", layer, entries, qs, ks, vs, end_of_sequence=ends)
-            self._count(sum(e.num_tokens for e in entries), writes)
+            self._count([e.num_tokens for e in entries], writes)
             if engine.check is not None and engine.check.take():
                 await self._verify(engine, engine.check.check_entries(engine.index, layer, entries, qs, ks, vs, out))
         return len(step)
@@ -378,34 +414,43 @@ class EngineBench(Bench):
         return q, data.take(tokens, info.num_kv_heads), data.take(tokens, info.num_kv_heads)
 
     async def _send(self, engine: Engine, method: str, *args: Any, **options: Any) -> Any:
-        """One call (``attend`` or ``attend_blocks``) on the engine's stream, or unary; its latency recorded."""
+        """One call (``attend`` or ``attend_blocks``) on the engine's stream, or unary, each with the client's
+        deadline (--timeout); its latency recorded."""
         t = time.perf_counter()
-        options["dtype"] = self.config.dtype
-        if engine.stream is None:
-            out = await getattr(engine.client, method)(*args, **options)  # the client's deadline: --timeout
-        else:
-            try:
-                out = await asyncio.wait_for(getattr(engine.stream, method)(*args, **options), self.config.timeout_s)
-            except TimeoutError:
-                raise ChunkAttnError(
-                    grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer on the stream within {self.config.timeout_s} s"
-                ) from None
+        out = await getattr(engine.stream or engine.client, method)(*args, dtype=self.config.dtype, **options)
         self._rec.layer_latency.append(time.perf_counter() - t)
         return out
 
-    def _count(self, tokens: int, writes: bool) -> None:
+    def _count(self, rows: list[int], writes: bool) -> None:
+        """An answered call of rows of ``rows`` tokens each: its tokens filed as the server files them (a row of
+        one token under decode), its tensor bytes."""
         rec = self._rec
         rec.calls += 1
-        rec.layer_tokens["prefill" if tokens > 1 else "decode"] += tokens
-        sent, received = call_bytes(self.info, self.config.dtype, tokens, writes)
+        ones = sum(1 for n in rows if n == 1)
+        rec.layer_tokens["decode"] += ones
+        rec.layer_tokens["prefill"] += sum(rows) - ones
+        sent, received = call_bytes(self.info, self.config.dtype, sum(rows), writes)
         rec.bytes_sent += sent
         rec.bytes_received += received
 
+    async def _model(self, engine: Engine) -> None:
+        """A layer's share of --model-step-ms: owed time is slept once it reaches 2 ms (an event loop's sleep
+        overshoots by about a millisecond, which per layer would double a 48-layer model's step), and what a sleep
+        overshoots is owed less after it."""
+        engine.model_owed_s += self._model_step_s / len(self.layers)
+        if engine.model_owed_s >= 0.002:
+            t = time.perf_counter()
+            await asyncio.sleep(engine.model_owed_s)
+            engine.model_owed_s -= time.perf_counter() - t
+
     async def _verify(self, engine: Engine, check: Awaitable[None]) -> None:
-        """A --verify check, its time left out of the engine's clock."""
+        """A --verify check, its time left out of the engine's clock (its arrivals wait as long: the open loop's
+        arrivals follow the engine's clock)."""
         t = time.perf_counter()
         await check
-        engine.verify_s += time.perf_counter() - t
+        took = time.perf_counter() - t
+        engine.verify_s += took
+        engine.next_arrival += took
 
     @staticmethod
     def _seq_id(engine: Engine, request: Request) -> str:
@@ -427,3 +472,9 @@ class EngineBench(Bench):
 def _ends(s: Scheduled) -> bool:
     """Whether the request's step makes its last token (scheduled: its computed tokens already counted)."""
     return s.request.computed >= s.request.tokens and s.request.generated + 1 >= s.request.output_len
+
+
+def _retry_in(message: str) -> float | None:
+    """The seconds a RESOURCE_EXHAUSTED for the tenant's opening rate says to wait ("... retry in 1.3 s"), or None."""
+    match = re.search(r"retry in ([0-9.]+) s", message)
+    return float(match.group(1)) if match else None

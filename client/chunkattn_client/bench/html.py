@@ -150,9 +150,10 @@ def _summary_table(s: dict[str, Any]) -> str:
     if s["open_loop"]:
         ol = s["open_loop"]
         facts["open loop: offered / achieved seq/s"] = f"{ol['offered_per_s']:g} / {ol['achieved_per_s']:.2f}"
-        facts["open loop: wait for a slot p50 / max (ms)"] = (
-            f"{fmt_ms(ol['arrival_wait_ms']['p50'])} / {fmt_ms(ol['arrival_wait_ms']['max'])}"
-        )
+        if ol["arrival_wait_ms"]["count"]:  # an engine queues its arrivals: no slot to wait for
+            facts["open loop: wait for a slot p50 / max (ms)"] = (
+                f"{fmt_ms(ol['arrival_wait_ms']['p50'])} / {fmt_ms(ol['arrival_wait_ms']['max'])}"
+            )
     if s["release_errors"]:
         facts["failed releases"] = ", ".join(f"{c}: {n}" for c, n in s["release_errors"].items())
     if s["aborted"]:

@@ -77,7 +77,8 @@ def summary(result: RunResult) -> dict[str, Any]:
         "open_loop": None
         if result.config.rate is None
         else {
-            "offered_per_s": result.config.rate,
+            # the engine workload's --rate is each engine's: offered over all of them
+            "offered_per_s": result.config.rate * (result.config.engines if result.config.workload == "engine" else 1),
             "achieved_per_s": rec.sequences / duration,
             "arrival_wait_ms": _ms_summary(rec.arrival_wait),
         },
@@ -318,9 +319,10 @@ def table(s: dict[str, Any]) -> str:
     ol = s["open_loop"]
     if ol:
         wait = ol["arrival_wait_ms"]
+        slot = f"; wait for a free slot p50 {fmt_ms(wait['p50'])} ms, max {fmt_ms(wait['max'])} ms"
         lines.append(
-            f"open loop: offered {ol['offered_per_s']:g} seq/s, achieved {ol['achieved_per_s']:.2f};"
-            f" wait for a free slot p50 {fmt_ms(wait['p50'])} ms, max {fmt_ms(wait['max'])} ms"
+            f"open loop: offered {ol['offered_per_s']:g} seq/s, achieved {ol['achieved_per_s']:.2f}"
+            + (slot if wait["count"] else "")  # an engine queues its arrivals: no slot to wait for
         )
     lines.append("")
     if s["errors"]:
