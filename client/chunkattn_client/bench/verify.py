@@ -4,8 +4,9 @@ SequenceCheck for one sampled sequence, EngineCheck for one engine's calls)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -73,16 +74,22 @@ class Verifier:
         out: Any,
         expect: Callable[[Any, Any, Any], Any],
         where: dict[str, Any],
+        rows: Sequence[int] = (),
     ) -> None:
         """One call's answer ``out`` against ``expect(q64, k64, v64)`` (the reference, which records the call's
-        K/V as the server's cache gives them back: float8 quantized), counted and, when off, kept (``where``)."""
+        K/V as the server's cache gives them back: float8 quantized), counted and, when off, kept (``where``).
+        ``rows``: the tokens of each of its rows (a batch of several sequences), each judged on its own scale, so
+        that a row of small outputs (a long decode) is not judged by a prefill's large ones beside it."""
         q64, k64, v64 = (None if x is None else codec.to_float64(x, self.dtype) for x in (q, k, v))
         if k64 is not None and v64 is not None:
             k_scale, v_scale = await self.scales(layer)
             k64 = as_cached(k64, self.info.cache_dtype, k_scale)
             v64 = as_cached(v64, self.info.cache_dtype, v_scale)
         want = await asyncio.to_thread(expect, q64, k64, v64)
-        ok, err = within_tolerance(codec.to_float64(out, self.dtype), want, self.dtype)
+        got = codec.to_float64(out, self.dtype)
+        bounds = np.cumsum([0, *rows]) if rows else np.array([0, len(want)])
+        judged = [within_tolerance(got[a:b], want[a:b], self.dtype) for a, b in itertools.pairwise(bounds.tolist())]
+        ok, err = all(x for x, _ in judged), max((e for _, e in judged), default=0.0)
         self.checked += 1
         self.max_error = max(self.max_error, err)
         if not ok:
@@ -157,8 +164,11 @@ class EngineCheck:
     async def check_blocks(self, engine: int, layer: int, rows: BlockRows, q: Any, k: Any, v: Any, out: Any) -> None:
         assert self._blocks is not None
         ref = self._blocks
-        where = {"engine": engine, "layer": layer, "rows": len(np.asarray(rows.seq_lens)), "tokens": len(q)}
-        await self._v.compare(layer, q, k, v, out, lambda q64, k64, v64: ref.attend(layer, rows, q64, k64, v64), where)
+        sizes = np.diff(np.asarray(rows.query_start_loc)).tolist()
+        where = {"engine": engine, "layer": layer, "rows": len(sizes), "tokens": len(q)}
+        await self._v.compare(
+            layer, q, k, v, out, lambda q64, k64, v64: ref.attend(layer, rows, q64, k64, v64), where, sizes
+        )
 
     async def check_entries(
         self, engine: int, layer: int, entries: list[BatchEntry], q: Any, k: Any, v: Any, out: Any
@@ -166,8 +176,9 @@ class EngineCheck:
         assert self._sequences is not None
         ref = self._sequences
         where = {"engine": engine, "layer": layer, "rows": len(entries), "tokens": len(q)}
+        sizes = [e.num_tokens for e in entries]
         await self._v.compare(
-            layer, q, k, v, out, lambda q64, k64, v64: ref.attend(layer, entries, q64, k64, v64), where
+            layer, q, k, v, out, lambda q64, k64, v64: ref.attend(layer, entries, q64, k64, v64), where, sizes
         )
 
     def release(self, seq_id: str) -> None:
