@@ -94,6 +94,9 @@ def test_engines_run_verified_and_the_servers_counts_agree(
     assert s["calls"] == d("chunkattn_attend_calls_total", mode=mode) > 0
     assert d("chunkattn_attend_calls_total") == s["calls"]
     assert sum(s["layer_tokens"].values()) == LAYERS * sum(s["tokens"].values())
+    # the server's queue and compute time per call, streamed or not
+    assert s["server"]["queue_ms_mean"] is not None
+    assert s["server"]["compute_ms_mean"] > 0
     for kind in ("prefill", "decode"):  # filed as the server files them: a row of one token is a decode
         assert s["layer_tokens"][kind] == d("chunkattn_tokens_total", kind=kind), kind
     # A request of P prompt and O output tokens is P + O - 1 tokens of forward passes (no preemption here).

@@ -47,8 +47,9 @@ class MetricsWatch:
             return promtext.delta(a, b, name, **match)
 
         def mean_ms(name: str) -> float | None:
-            n = d(f"{name}_count", rpc="Attend")
-            return 1000 * d(f"{name}_sum", rpc="Attend") / n if n else None
+            """Per Attend call, unary or on a stream (--transport stream's calls are AttendStream's)."""
+            n = sum(d(f"{name}_count", rpc=rpc) for rpc in ("Attend", "AttendStream"))
+            return 1000 * sum(d(f"{name}_sum", rpc=rpc) for rpc in ("Attend", "AttendStream")) / n if n else None
 
         used = [u for _, u, _ in self.series] + [promtext.total(x, "chunkattn_kv_blocks_used") for x in (a, b)]
         codes = sorted(promtext.label_values(a, "chunkattn_requests_total", "code"))
