@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from chunkattn_client.bench.kvblocks import KVBlocks
 from chunkattn_client.bench.scheduler import Request, Scheduled, Scheduler
-from tests.client.test_bench_engine_sched import _no_block_held_twice, _rows_read_their_chunk, workloads
+from tests.client.test_bench_engine_sched import _a_good_step, _step_reads_its_chunks, workloads
 
 Step = list[tuple[int, int, int]]  # (request, position, tokens)
 
@@ -178,26 +178,11 @@ def test_async_scheduling_plays_by_vllms_rules(w: dict[str, Any]) -> None:
             assert sched.idle, "a request that fits alone must be scheduled"
             assert pending
             continue
-        assert sum(s.num_tokens for s in step) <= w["budget"]
-        assert len(sched.running) <= w["max_seqs"]
-        assert len({s.request.id for s in step}) == len(step)
+        _a_good_step(sched, step, w, forward)
         for s in step:
             assert not s.request.done
             assert s.request not in leaving
-            assert s.num_tokens >= 1
-            assert s.position + s.num_tokens <= s.request.tokens
-            forward[s.request.id] += s.num_tokens
-        _no_block_held_twice(blocks)
-        entries = [(s.request, s.position, s.num_tokens) for s in step]
-        for g, group in enumerate(blocks.groups):
-            rows = blocks.rows(g, entries)
-            assert rows.num_tokens == len(rows.slots) == sum(s.num_tokens for s in step)
-            t = 0
-            for s in step:
-                for p in range(s.position, s.position + s.num_tokens):
-                    written[g][int(rows.slots[t])] = (s.request.id, p)
-                    t += 1
-            _rows_read_their_chunk(rows, step, group.chunk_size, bs, written[g])
+        _step_reads_its_chunks(blocks, step, written)
         done = sched.finish(step)
         assert all(r.done for r in done)
         assert sched.leaving == ([] if sched.idle else done)

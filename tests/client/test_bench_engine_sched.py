@@ -5,13 +5,15 @@ its chunk (a fake cache that records, per slot, which request's which position w
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from chunkattn_client.batch import BatchEntry, BlockRows
 from chunkattn_client.bench.kvblocks import NULL_BLOCK, Group, KVBlocks, kv_groups
-from chunkattn_client.bench.scheduler import Request, Scheduler
+from chunkattn_client.bench.scheduler import Request, Scheduled, Scheduler
 from chunkattn_client.client import LayerInfo, ServerInfo
 from chunkattn_client.reference import BlockReference, ReferenceModel
 
@@ -98,24 +100,8 @@ def test_every_row_reads_its_own_requests_chunk_and_the_engine_plays_by_vllms_ru
             assert sched.idle, "a request that fits alone must be scheduled"
             assert pending
             continue
-        assert sum(s.num_tokens for s in step) <= w["budget"]
-        assert len(sched.running) <= w["max_seqs"]
-        assert len({s.request.id for s in step}) == len(step)
-        for s in step:
-            assert s.num_tokens >= 1
-            assert s.position + s.num_tokens <= s.request.tokens
-            forward[s.request.id] += s.num_tokens
-        _no_block_held_twice(blocks)
-        entries = [(s.request, s.position, s.num_tokens) for s in step]
-        for g, group in enumerate(blocks.groups):
-            rows = blocks.rows(g, entries)
-            assert rows.num_tokens == len(rows.slots) == sum(s.num_tokens for s in step)
-            t = 0
-            for s in step:  # the new tokens' K/V go to the request's slots
-                for p in range(s.position, s.position + s.num_tokens):
-                    written[g][int(rows.slots[t])] = (s.request.id, p)
-                    t += 1
-            _rows_read_their_chunk(rows, step, group.chunk_size, bs, written[g])
+        _a_good_step(sched, step, w, forward)
+        _step_reads_its_chunks(blocks, step, written)
         finished += sched.finish(step)
     assert sorted(r.id for r in finished) == [r.id for r in requests]
     for r in requests:
@@ -124,6 +110,34 @@ def test_every_row_reads_its_own_requests_chunk_and_the_engine_plays_by_vllms_ru
         assert forward[r.id] >= r.prompt_len + r.output_len - 1
         assert r.preemptions or forward[r.id] == r.prompt_len + r.output_len - 1
     assert blocks.free_blocks == num_blocks - 1  # every block back; block 0 never handed out
+
+
+def _a_good_step(sched: Scheduler, step: list[Scheduled], w: dict[str, Any], forward: dict[int, int]) -> None:
+    """Within the budget and the seats, each request once, each part within the tokens it has; ``forward``
+    counts each request's tokens of forward passes."""
+    assert sum(s.num_tokens for s in step) <= w["budget"]
+    assert len(sched.running) <= w["max_seqs"]
+    assert len({s.request.id for s in step}) == len(step)
+    for s in step:
+        assert s.num_tokens >= 1
+        assert s.position + s.num_tokens <= s.request.tokens
+        forward[s.request.id] += s.num_tokens
+
+
+def _step_reads_its_chunks(blocks: KVBlocks, step: list[Scheduled], written: list[dict[int, tuple[int, int]]]) -> None:
+    """No block held twice; each group's rows of ``step`` write their tokens' slots into the fake cache
+    ``written`` (group -> slot -> (request, position)) and read exactly their request's chunk from it."""
+    _no_block_held_twice(blocks)
+    entries = [(s.request, s.position, s.num_tokens) for s in step]
+    for g, group in enumerate(blocks.groups):
+        rows = blocks.rows(g, entries)
+        assert rows.num_tokens == len(rows.slots) == sum(s.num_tokens for s in step)
+        t = 0
+        for s in step:  # the new tokens' K/V go to the request's slots
+            for p in range(s.position, s.position + s.num_tokens):
+                written[g][int(rows.slots[t])] = (s.request.id, p)
+                t += 1
+        _rows_read_their_chunk(rows, step, group.chunk_size, blocks.block_size, written[g])
 
 
 def _no_block_held_twice(blocks: KVBlocks) -> None:
