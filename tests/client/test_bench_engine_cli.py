@@ -295,7 +295,7 @@ def test_model_step_ms_is_slept_as_asked_over_many_layers(tmp_path: Path, capsys
     assert rc == 0, printed
     e = s["engine"]
     model = (e["step_ms"]["p50"] or 0) - (e["step_attention_ms"]["p50"] or 0)
-    assert 10 <= model <= 25, e  # 48 sleeps of ~1.1 ms each would be ~53
+    assert 10 <= model <= 35, e  # 48 sleeps of ~1.1 ms each would be ~53
 
 
 @pytest.mark.slow

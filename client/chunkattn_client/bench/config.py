@@ -52,7 +52,7 @@ class BenchConfig:
     max_num_seqs: int = 256  # vLLM's most requests running at once
     async_scheduling: bool = False  # vLLM's async scheduling (its default on GPUs; its CPU platform turns it off)
     kv_blocks: int | None = None  # blocks of each engine's space (None: what max_num_seqs requests need)
-    model_step_ms: float = 0.0  # the model's non-attention time per step, spread before its layers' calls
+    model_step_ms: float = 0.0  # the model's non-attention time per step, slept before layers' calls (>= 2 ms lumps)
 
     def check(self) -> None:
         """Raise WorkloadError naming the first option that cannot work."""

@@ -10,7 +10,8 @@ With ``--api sequence`` the same steps go as sequence entries (the server keeps 
 
 Requests come closed-loop (``--concurrency`` per engine in the system at once) or as a Poisson process
 (``--rate`` per engine). ``--model-step-ms`` spreads the model's other work over each step (a pause before each
-layer's call), so that what users see (time to first token, time per output token) is an engine's.
+layer's call, slept once at least 2 ms is owed), so that what users see (time to first token, time per output
+token) is an engine's.
 """
 
 from __future__ import annotations
@@ -132,9 +133,10 @@ class EngineBench(Bench):
                 i, self.client.with_route(route), route, KVBlocks(chunks, sources, num_blocks, info.block_size)
             )
             engine.arrivals = random.Random(cfg.seed * 1000 + i)
-            # Sampled lengths per engine (its own seed); a trace's lines in order over all of them.
+            # Sampled lengths per engine (its own seed: engine 0 draws what the sequences workload draws with the
+            # same --seed); a trace's lines in order over all of them.
             engine.lengths = (
-                self._lengths if cfg.trace else LengthSource(cfg.prompt, cfg.output, None, cfg.seed + 7919 * (i + 1))
+                self._lengths if cfg.trace else LengthSource(cfg.prompt, cfg.output, None, cfg.seed + 7919 * i)
             )
             self._engines.append(engine)
             try:
@@ -142,8 +144,7 @@ class EngineBench(Bench):
                     await self._open_space(engine, num_blocks)
                 if cfg.transport == "stream":
                     engine.stream = engine.client.stream()
-            except (ChunkAttnError, WorkloadError) as e:
-                await self._close()
+            except (ChunkAttnError, WorkloadError) as e:  # the spaces opened so far: Bench.run closes them
                 why = e.message if isinstance(e, ChunkAttnError) else str(e)
                 raise WorkloadError(f"engine {i} could not open its block space: {why}") from None
 
@@ -159,13 +160,16 @@ class EngineBench(Bench):
                 break
             except ChunkAttnError as e:
                 wait = _retry_in(e.message) if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED else None
-                if wait is not None and time.monotonic() + wait < deadline:
+                if wait is not None and time.monotonic() + wait < deadline and not self._aborted:
                     await asyncio.sleep(wait + 0.05)
                     continue
                 if "max_kv_blocks" in e.message:
+                    cost = self.info.pool_blocks_per_space_block(max(engine.blocks.planes) + 1)
                     raise WorkloadError(
-                        f"{e.message}: your tenant's block quota holds fewer than --engines {self.config.engines} x"
-                        f" {num_blocks} blocks; pass a smaller --kv-blocks or fewer --engines"
+                        f"{e.message}: each engine's space of {num_blocks} blocks takes {num_blocks * cost} of the"
+                        f" server's, {self.config.engines * num_blocks * cost} for --engines {self.config.engines},"
+                        " past what your tenant's block quota has left (spaces it already holds count too); pass"
+                        " a smaller --kv-blocks or fewer --engines"
                     ) from None
                 raise
         engine.space_id = space.space_id
@@ -272,9 +276,8 @@ class EngineBench(Bench):
                     await asyncio.sleep(min(max(0.0, engine.next_arrival - time.perf_counter()), 0.05))
                     continue
                 step = sched.schedule()
-                for request in sched.preempted:
-                    rec.preemptions += 1
-                    await self._forget(engine, request)
+                rec.preemptions += len(sched.preempted)
+                await asyncio.gather(*(self._forget(engine, request) for request in sched.preempted))
                 if not step:  # KVBlocks sizes a space to hold the longest request: never, unless that is wrong
                     self._aborted = self._aborted or f"engine {engine.index}: no request fits its space"
                     break
@@ -353,7 +356,7 @@ class EngineBench(Bench):
             engine.blocks.free(s.request)
             rec.sequences_failed += 1
             rec.in_flight -= 1
-            await self._forget(engine, s.request)
+        await asyncio.gather(*(self._forget(engine, s.request) for s in step))  # at once: one deadline
         if sum(rec.errors.values()) >= self.config.max_errors and not self._aborted:
             self._aborted = f"stopped after {self.config.max_errors} failed calls (--max-errors)"
 

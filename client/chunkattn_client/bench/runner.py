@@ -104,11 +104,11 @@ class Bench:
 
     async def run(self, progress: Progress | None = None, progress_interval_s: float = 1.0) -> RunResult:
         """The run: the warm-up, then the measured phase (and the server's metrics around it)."""
-        await self._open()
         try:
+            await self._open()
             return await self._run(progress, progress_interval_s)
         finally:
-            await self._close()
+            await self._close()  # whatever _open took, also when it failed part way
 
     async def _open(self) -> None:
         """What the workload holds on the server for the whole run (nothing here: each sequence is its own)."""

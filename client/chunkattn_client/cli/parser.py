@@ -140,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=0.0,
         metavar="MS",
-        help="the model's non-attention time per step, spread before its layers' calls (default 0)",
+        help="the model's non-attention time per step, slept before its layers' calls in pauses of at least 2 ms"
+        " (default 0)",
     )
     w.add_argument("--transport", choices=("unary", "stream"), default="unary")
     w.add_argument(

@@ -405,7 +405,7 @@ class Offload:
         """One layer's step: vLLM's attention metadata (query_start_loc, seq_lens, block_table, slot_mapping,
         num_actual_tokens) and its q/k/v rows; the answer goes into ``output``'s first rows, in place. A step
         larger than a message (the server's or the client's limit), or than the work the server takes in one call
-        (Info's max_call_work), goes in several calls, in token order (``split.token_ranges``)."""
+        (Info's max_call_work), goes in several calls, in token order (``split.block_calls``)."""
         started = time.perf_counter()
         n = int(metadata.num_actual_tokens)
         if n == 0:
@@ -423,7 +423,8 @@ class Offload:
             metadata.slot_mapping[:n].cpu().numpy(),
             starts,
             seq_lens,
-            metadata.block_table[:rows].cpu().numpy(),
+            # the columns past the widest row's blocks are never read: not copied from the device
+            metadata.block_table[:rows, : -(-int(seq_lens.max(initial=0)) // self.info.block_size)].cpu().numpy(),
             block_size=self.info.block_size,
             per_token=(q.shape[1] + (0 if k is None else 2 * k.shape[1])) * q.shape[2] * q.element_size(),
             limit=message_limit(self.info.max_message_bytes, self.client.max_message_bytes),
