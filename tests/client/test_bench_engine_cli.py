@@ -257,30 +257,30 @@ def test_the_engine_reports_render_with_their_plots_in_chromium(
 def test_a_stream_that_failed_is_replaced_and_the_engines_go_on(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A server stopped (SIGSTOP) for 2 s under --timeout 1: the calls then waiting fail DEADLINE_EXCEEDED, their
+    """A server stopped (SIGSTOP) for 1.5 s under --timeout 0.5: the calls then waiting fail DEADLINE_EXCEEDED, their
     steps' requests fail, each engine opens a new stream, and once the server runs again the engines finish
     requests again (not one error per later step)."""
     with ServerProcess(*SMALL) as stopped:
 
         def pause() -> None:
-            time.sleep(1.0)
+            time.sleep(0.7)
             stopped.proc.send_signal(signal.SIGSTOP)
-            time.sleep(2.0)
+            time.sleep(1.5)
             stopped.proc.send_signal(signal.SIGCONT)
 
         pauser = threading.Thread(target=pause)
         pauser.start()
         rc, s, printed = bench(
-            capsys, stopped.target, tmp_path, "--engines", "2", "--transport", "stream", "--duration", "5",
-            "--timeout", "1", "--allow-errors", *WORKLOAD,
+            capsys, stopped.target, tmp_path, "--engines", "2", "--transport", "stream", "--duration", "3.5",
+            "--timeout", "0.5", "--allow-errors", *WORKLOAD,
         )  # fmt: skip
         pauser.join()
     assert rc == 0, printed
     assert set(s["errors"]) == {"DEADLINE_EXCEEDED"}, s["errors"]
     # each engine's waiting call times out once per second of the pause (then its step's requests fail and the
     # next step tries on a new stream), not once per step to the end of the run
-    assert s["errors"]["DEADLINE_EXCEEDED"] <= 6, s["errors"]
-    assert sum(s["timeline"]["decode_tokens_per_s"][4:]) > 0, s["timeline"]  # the last second: decodes again
+    assert s["errors"]["DEADLINE_EXCEEDED"] <= 8, s["errors"]
+    assert sum(s["timeline"]["decode_tokens_per_s"][2:]) > 0, s["timeline"]  # the last second: decodes again
 
 
 def test_model_step_ms_is_slept_as_asked_over_many_layers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -289,8 +289,8 @@ def test_model_step_ms_is_slept_as_asked_over_many_layers(tmp_path: Path, capsys
     (A check of the amount slept, with room for a loaded machine, not a timing of the server.)"""
     with ServerProcess(*SMALL, "--layers", "48") as deep:
         rc, s, printed = bench(
-            capsys, deep.target, tmp_path, "--sequences", "3", "--concurrency", "1", "--prompt-len", "8",
-            "--output-len", "12", "--model-step-ms", "12",
+            capsys, deep.target, tmp_path, "--sequences", "2", "--concurrency", "1", "--prompt-len", "8",
+            "--output-len", "10", "--model-step-ms", "12",
         )  # fmt: skip
     assert rc == 0, printed
     e = s["engine"]
@@ -300,14 +300,14 @@ def test_model_step_ms_is_slept_as_asked_over_many_layers(tmp_path: Path, capsys
 
 @pytest.mark.slow
 def test_the_tenants_opening_rate_is_waited_out(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Two runs back to back whose spaces take most of a large pool: the server refuses the second's space for the
-    tenant's opening rate ("retry in N s"), and the bench waits that long and runs, rather than failing."""
+    """Two runs back to back whose spaces take more than a large pool's opening allowance (the pool's size per
+    10 s) between them: the server refuses the second's space for the tenant's opening rate ("retry in N s",
+    about 1.5 s here), and the bench waits that long and runs, rather than failing."""
     with ServerProcess(*SMALL, "--num-blocks", "70000") as big:
-        flags = ("--sequences", "2", "--kv-blocks", "60000", *WORKLOAD)
+        flags = ("--sequences", "2", "--kv-blocks", "40000", *WORKLOAD)
         first = bench(capsys, big.target, tmp_path, *flags)
-        started = time.monotonic()
         second = bench(capsys, big.target, tmp_path, *flags)
-        waited = time.monotonic() - started
+        refused = counter(big.metrics(), "chunkattn_requests_total", rpc="OpenBlockSpace", code="RESOURCE_EXHAUSTED")
     assert first[0] == 0, first[2]
     assert second[0] == 0, second[2]
-    assert waited > 2, "the second space was meant to be refused for the opening rate first"
+    assert refused >= 1, "the second space was meant to be refused for the opening rate first"
